@@ -1,0 +1,3 @@
+from exod.cli import main
+
+main()

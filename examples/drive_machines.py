@@ -1,0 +1,69 @@
+"""Drive a 2-rank instance through the library alone: start, a SIGKILL, recovery.
+
+A toy "world" stands in for processes: every action the planner returns
+succeeds at once. At t=5 rank 1 is killed; the planner stops rank 0
+(one_for_all), the instance backs off 2 s, and a new generation comes up.
+Every transition is printed as it is logged. Run: ``python examples/drive_machines.py``.
+"""
+
+from __future__ import annotations
+
+import fsm
+from fsm import download, runner
+from fsm.cluster import Cluster
+
+NODES = ("node-a", "node-b")
+
+
+def world_reacts(cluster: Cluster, action: fsm.Action, now: float) -> None:
+    """What real processes and downloads would report after each action."""
+    match action:
+        case fsm.StartDownload(node_id, model_id):
+            cluster.download_event(node_id, download.Complete(model_id, now))
+        case fsm.ConnectRunner(rid, inc):
+            cluster.runner_event(runner.Connected(rid, inc), now)
+        case fsm.LoadModel(rid, inc, _):
+            cluster.runner_event(runner.Progress(rid, inc, layers_loaded=4, layers_total=4), now)
+            cluster.runner_event(runner.WeightsLoaded(rid, inc), now)
+        case fsm.WarmUp(rid, inc):
+            cluster.runner_event(runner.Warmed(rid, inc), now)
+        case fsm.StopRunner(rid, inc, _):
+            cluster.runner_event(runner.Exited(rid, inc, exit_code=0), now)
+
+
+def settle(cluster: Cluster, now: float) -> None:
+    """Plan and execute on every node until nothing is left to do at ``now``."""
+    while True:
+        todo = [(node, a) for node in NODES for a in fsm.plan(cluster.view(), node, now)]
+        if not todo:
+            return
+        for _node, action in todo:
+            cluster.execute(action, now)
+            world_reacts(cluster, action, now)
+
+
+def main() -> None:
+    cluster = Cluster()
+    slots = [fsm.Slot(rank, node, f"demo/{rank}") for rank, node in enumerate(NODES)]
+    cluster.place("demo", "exod/tiny-qwen2", slots)
+    printed = 0
+    now = 0.0
+    while now <= 12.0:
+        if now == 5.0:
+            inc = cluster.runner("demo/1").incarnation
+            cluster.runner_event(runner.Exited("demo/1", inc, exit_code=-9), now)
+        settle(cluster, now)
+        for entry in cluster.log[printed:]:
+            cause = f"  ({entry.cause})" if entry.cause else ""
+            move = f"{entry.source or '·':>11} → {entry.target:<11}"
+            print(f"t={entry.time:5.1f}  {entry.machine:<8} {entry.key:<22} {move} on {entry.event}{cause}")
+        printed = len(cluster.log)
+        now += 0.5
+    machine = cluster.instance("demo")
+    print(
+        f"\ninstance demo: {machine.instance_state.value}, generation {machine.generation}, attempts {machine.attempts}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Explicit lifecycles for LLM inference runners: machines, policies and a pure planner.
+
+Pure: no I/O, no clock reads. Time is always a parameter (``now``); the caller
+feeds events to the machines and executes what `plan` returns.
+"""
+
+# Events live in their machine's module, to be imported from there:
+#   from fsm import runner, instance, download
+#   runner.Connect(...), instance.RankFailed(...), download.Begin(...)
+from fsm import download, instance, runner
+from fsm._machine import Outcome, Step
+from fsm.actions import (
+    Action,
+    CancelRequest,
+    ConnectRunner,
+    CreateRunner,
+    DeleteInstance,
+    ForwardRequest,
+    LoadModel,
+    StartDownload,
+    StartGeneration,
+    StopReason,
+    StopRunner,
+    WarmUp,
+)
+from fsm.backoff import Backoff, KeyedBackoff
+from fsm.download import DEFAULT_DOWNLOAD_BACKOFF, DownloadLifecycle, DownloadState
+from fsm.errors import (
+    FsmError,
+    IllegalTransition,
+    IncarnationMismatch,
+    InvalidConfig,
+    InvalidEvent,
+    SnapshotError,
+    UnknownEvent,
+)
+from fsm.failure import Failure, FailureKind
+from fsm.instance import DeleteReason, InstanceRetry, InstanceState, RetryPolicy, budget_exhausted
+from fsm.plan import next_deadline, plan
+from fsm.runner import RunnerLifecycle, RunnerPhase, RunnerState
+from fsm.view import ClusterView, DownloadStatus, InstanceView, PendingRequest, RetryStatus, RunnerStatus, Slot
+
+__version__ = "0.1.0"
+
+MACHINES = {
+    "runner": RunnerLifecycle,
+    "instance": InstanceRetry,
+    "download": DownloadLifecycle,
+}
+
+__all__ = [
+    "DEFAULT_DOWNLOAD_BACKOFF",
+    "MACHINES",
+    "Action",
+    "Backoff",
+    "CancelRequest",
+    "ClusterView",
+    "ConnectRunner",
+    "CreateRunner",
+    "DeleteInstance",
+    "DeleteReason",
+    "DownloadLifecycle",
+    "DownloadState",
+    "DownloadStatus",
+    "Failure",
+    "FailureKind",
+    "ForwardRequest",
+    "FsmError",
+    "IllegalTransition",
+    "IncarnationMismatch",
+    "InstanceRetry",
+    "InstanceState",
+    "InstanceView",
+    "InvalidConfig",
+    "InvalidEvent",
+    "KeyedBackoff",
+    "LoadModel",
+    "Outcome",
+    "PendingRequest",
+    "RetryPolicy",
+    "RetryStatus",
+    "RunnerLifecycle",
+    "RunnerPhase",
+    "RunnerState",
+    "RunnerStatus",
+    "Slot",
+    "SnapshotError",
+    "StartDownload",
+    "StartGeneration",
+    "Step",
+    "StopReason",
+    "StopRunner",
+    "UnknownEvent",
+    "WarmUp",
+    "__version__",
+    "budget_exhausted",
+    "download",
+    "instance",
+    "next_deadline",
+    "plan",
+    "runner",
+]

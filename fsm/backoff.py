@@ -1,0 +1,111 @@
+"""Exponential backoff as values: a policy, and per-key attempt bookkeeping.
+
+Both are pure. Nothing here reads a clock: every time is a parameter, so a
+schedule is a function of its inputs and replays identically.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping
+from typing import Generic, TypeVar
+
+import attrs
+
+from fsm.errors import InvalidConfig
+
+K = TypeVar("K")
+
+
+def _positive(_inst: object, attribute: attrs.Attribute, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise InvalidConfig(f"{attribute.name} must be a finite number > 0, got {value!r}")
+
+
+@attrs.frozen
+class Backoff:
+    """Delay before retry n (n ≥ 1): ``min(cap, initial · factor^(n−1))``.
+
+    With ``jitter`` the delay is drawn from ``uniform(0, that)`` ("full jitter")
+    using the RNG the caller passes in, so a seeded caller gets a reproducible
+    schedule.
+    """
+
+    initial: float = attrs.field(default=2.0, validator=_positive)
+    factor: float = attrs.field(default=2.0)
+    cap: float = attrs.field(default=30.0, validator=_positive)
+    jitter: bool = attrs.field(default=False)
+
+    @factor.validator
+    def _check_factor(self, _attribute: attrs.Attribute, value: float) -> None:
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 1):
+            raise InvalidConfig(f"factor must be a finite number >= 1, got {value!r}")
+
+    def __attrs_post_init__(self) -> None:
+        if self.cap < self.initial:
+            raise InvalidConfig(f"cap ({self.cap}) must be >= initial ({self.initial})")
+        if not isinstance(self.jitter, bool):
+            raise InvalidConfig(f"jitter must be a bool, got {self.jitter!r}")
+
+    def ceiling(self, attempt: int) -> float:
+        """The un-jittered delay before retry ``attempt``; exact, and safe for huge attempts."""
+        if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
+            raise InvalidConfig(f"attempt must be an int >= 1, got {attempt!r}")
+        exponent = attempt - 1
+        # Compare in log space so that factor**exponent is never computed when it would overflow.
+        if self.factor > 1 and exponent * math.log(self.factor) >= math.log(self.cap / self.initial):
+            return self.cap
+        return min(self.cap, self.initial * self.factor**exponent)
+
+    def delay(self, attempt: int, rng: random.Random | None = None) -> float:
+        """The delay to wait before retry ``attempt``; ``rng`` is required when jitter is on."""
+        ceiling = self.ceiling(attempt)
+        if not self.jitter:
+            return ceiling
+        if rng is None:
+            raise InvalidConfig("this Backoff has jitter=True: pass a seeded random.Random")
+        return rng.uniform(0.0, ceiling)
+
+
+@attrs.frozen
+class KeyedBackoff(Generic[K]):
+    """Attempts and next-allowed times per key, as an immutable value.
+
+    Every change returns a new ``KeyedBackoff``: callers keep the old one if the
+    action it gated did not happen, and a planner can take it as plain input.
+    """
+
+    policy: Backoff = attrs.field(factory=Backoff, validator=attrs.validators.instance_of(Backoff))
+    _attempts: Mapping[K, int] = attrs.field(factory=dict, converter=dict, alias="attempts_by_key")
+    _not_before: Mapping[K, float] = attrs.field(factory=dict, converter=dict, alias="not_before_by_key")
+
+    def attempts(self, key: K) -> int:
+        return self._attempts.get(key, 0)
+
+    def deadline(self, key: K) -> float | None:
+        """The earliest time the next attempt for ``key`` may start, or None if free now."""
+        return self._not_before.get(key)
+
+    def should_proceed(self, key: K, now: float) -> bool:
+        deadline = self._not_before.get(key)
+        return deadline is None or now >= deadline
+
+    def record_attempt(self, key: K, now: float, rng: random.Random | None = None) -> KeyedBackoff[K]:
+        """Count an attempt at ``now``; the next one waits ``policy.delay(attempts)``."""
+        attempts = self.attempts(key) + 1
+        return attrs.evolve(
+            self,
+            attempts_by_key={**self._attempts, key: attempts},
+            not_before_by_key={**self._not_before, key: now + self.policy.delay(attempts, rng)},
+        )
+
+    def reset(self, key: K) -> KeyedBackoff[K]:
+        """Forget ``key`` (e.g. on success or deletion): its next attempt is free."""
+        if key not in self._attempts and key not in self._not_before:
+            return self
+        return attrs.evolve(
+            self,
+            attempts_by_key={k: v for k, v in self._attempts.items() if k != key},
+            not_before_by_key={k: v for k, v in self._not_before.items() if k != key},
+        )

@@ -1,0 +1,260 @@
+"""All machines of a cluster in one place, and the rules that tie them together.
+
+`Cluster` is the event-triggered half of the system, composed: it holds one
+`InstanceRetry` per instance, one `RunnerLifecycle` per runner slot (the
+latest incarnation) and one `DownloadLifecycle` per (node, model), and it
+forwards what a runner does to its instance:
+
+=====================  =====================================
+runner reaches          instance receives
+=====================  =====================================
+Ready                   ``rank_ready``
+Failed                  ``rank_failed`` (with the cause)
+Shutdown.stopped        ``rank_stopped``
+=====================  =====================================
+
+`execute` applies the *machine side* of a planner action (a created runner
+gets its machine, a stop is recorded …); whoever owns the I/O (the daemon, or
+a test's fake world) does the rest and reports back with events. Still pure:
+no I/O, and time is the caller's ``now``. Every accepted step is appended to
+``log`` — the transition log the daemon persists and replays.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from fsm import actions as act
+from fsm import download as dl
+from fsm import instance as inst
+from fsm import runner as rn
+from fsm._machine import Outcome
+from fsm.errors import InvalidConfig, InvalidEvent
+from fsm.view import ClusterView, DownloadStatus, InstanceView, PendingRequest, RetryStatus, RunnerStatus, Slot
+
+
+@attrs.frozen
+class LogEntry:
+    """One transition: ``machine`` is runner/instance/download, ``key`` its id."""
+
+    time: float
+    machine: str
+    key: str
+    event: str
+    source: str
+    target: str
+    cause: str = ""
+
+
+@attrs.define
+class _Placement:
+    model_id: str
+    slots: tuple[Slot, ...]
+    machine: inst.InstanceRetry
+
+
+class Cluster:
+    """In-memory state of every machine; see the module docstring."""
+
+    def __init__(self, download_policy: Any = None) -> None:
+        self.instances: dict[str, _Placement] = {}
+        self.runners: dict[str, tuple[rn.RunnerLifecycle, str, str]] = {}  # id -> (machine, instance, node)
+        self.downloads: dict[tuple[str, str], dl.DownloadLifecycle] = {}
+        self.requests: dict[str, PendingRequest] = {}
+        self.download_policy = download_policy or dl.DEFAULT_DOWNLOAD_BACKOFF
+        self.log: list[LogEntry] = []
+
+    # -- desired state --------------------------------------------------------------
+
+    def place(
+        self,
+        instance_id: str,
+        model_id: str,
+        slots: list[Slot] | tuple[Slot, ...],
+        *,
+        policy: inst.RetryPolicy | None = None,
+        seed: int = 0,
+    ) -> None:
+        if instance_id in self.instances:
+            raise InvalidConfig(f"instance {instance_id!r} already exists; delete it first or pick another id")
+        view = InstanceView(instance_id, model_id, tuple(slots))  # validates the slots
+        taken = {s.runner_id for p in self.instances.values() for s in p.slots}
+        if clash := taken & {s.runner_id for s in view.slots}:
+            raise InvalidConfig(f"runner ids already used by another instance: {sorted(clash)}")
+        machine = inst.InstanceRetry(instance_id, world_size=view.world_size, policy=policy, seed=seed)
+        self.instances[instance_id] = _Placement(model_id, view.slots, machine)
+
+    def delete(self, instance_id: str, now: float) -> Outcome:
+        return self.instance_event(inst.Delete(instance_id, now))
+
+    def forget(self, instance_id: str) -> None:
+        """Drop a Deleted instance whose runners are all reaped (its retry budget goes with it)."""
+        placement = self.instances[instance_id]
+        if not placement.machine.is_deleted:
+            raise InvalidConfig(f"instance {instance_id!r} is not deleted")
+        if any(self.runners[s.runner_id][0].alive for s in placement.slots if s.runner_id in self.runners):
+            raise InvalidConfig(f"instance {instance_id!r} still has live runners")
+        for slot in placement.slots:
+            self.runners.pop(slot.runner_id, None)
+        del self.instances[instance_id]
+
+    # -- events -------------------------------------------------------------------------
+
+    def instance_event(self, event: inst.InstanceEvent) -> Outcome:
+        placement = self._placement(event.instance_id)
+        outcome = placement.machine.apply(event)
+        self._record("instance", event.instance_id, event.now, outcome)
+        return outcome
+
+    def runner_event(self, event: rn.RunnerEvent, now: float) -> Outcome:
+        """Apply a runner event and forward what it means to the runner's instance."""
+        if event.runner_id not in self.runners:
+            raise InvalidEvent(f"no runner {event.runner_id!r}")
+        machine, instance_id, _node = self.runners[event.runner_id]
+        was_ready = machine.runner_state is rn.RunnerState.READY
+        was_failed = machine.failure is not None
+        outcome = machine.apply(event)
+        cause = machine.failure.message if machine.failure and not was_failed else ""
+        self._record("runner", event.runner_id, now, outcome, cause)
+        if not outcome.accepted:
+            return outcome
+        placement = self.instances.get(instance_id)
+        if placement is None:
+            return outcome
+        gen, rank = machine.incarnation, machine.rank
+        if not was_ready and machine.runner_state is rn.RunnerState.READY:
+            self.instance_event(inst.RankReady(instance_id, now, gen, rank))
+        if not was_failed and machine.failure is not None:
+            self.instance_event(inst.RankFailed(instance_id, now, gen, rank, failure=machine.failure))
+        if not machine.alive and any(s.target == rn.RunnerPhase.STOPPED.value for s in outcome.steps):
+            self.instance_event(inst.RankStopped(instance_id, now, gen, rank))
+        return outcome
+
+    def download_event(self, node_id: str, event: dl.DownloadEvent) -> Outcome:
+        machine = self._download(node_id, event.model_id)
+        outcome = machine.apply(event)
+        self._record("download", f"{node_id}:{event.model_id}", event.now, outcome, getattr(event, "reason", ""))
+        return outcome
+
+    def add_request(self, request_id: str, instance_id: str) -> None:
+        self.requests[request_id] = PendingRequest(request_id, instance_id)
+
+    # -- the machine side of the planner's actions ---------------------------------------
+
+    def execute(self, action: act.Action, now: float) -> Outcome:
+        """Apply what ``action`` means to the machines; returns what the machine said."""
+        match action:
+            case act.StartGeneration(instance_id, generation):
+                return self.instance_event(inst.Start(instance_id, now, generation))
+            case act.DeleteInstance(instance_id, _reason):
+                return self.instance_event(inst.GiveUp(instance_id, now))
+            case act.CreateRunner():
+                return self._create_runner(action, now)
+            case act.StopRunner(runner_id, incarnation, _reason):
+                return self.runner_event(rn.Stop(runner_id, incarnation), now)
+            case act.StartDownload(node_id, model_id):
+                machine = self._download(node_id, model_id)
+                if machine.download_state is dl.DownloadState.FAILED:
+                    self.download_event(node_id, dl.Retry(model_id, now))
+                return self.download_event(node_id, dl.Begin(model_id, now))
+            case act.ConnectRunner(runner_id, incarnation):
+                return self.runner_event(rn.Connect(runner_id, incarnation), now)
+            case act.LoadModel(runner_id, incarnation, model_id):
+                node_id = self.runners[runner_id][2]
+                self.download_event(node_id, dl.LoadStarted(model_id, now))
+                return self.runner_event(rn.Load(runner_id, incarnation), now)
+            case act.WarmUp(runner_id, incarnation):
+                return self.runner_event(rn.WarmUp(runner_id, incarnation), now)
+            case act.ForwardRequest(request_id, runner_id, incarnation):
+                self.requests.pop(request_id, None)
+                return self.runner_event(rn.RequestStarted(runner_id, incarnation), now)
+            case act.CancelRequest(request_id, _instance_id, reason):
+                self.requests.pop(request_id, None)
+                return Outcome(accepted=True, note=reason)
+        raise InvalidEvent(f"unknown action {action!r}")
+
+    def _create_runner(self, action: act.CreateRunner, now: float) -> Outcome:
+        self._placement(action.instance_id)  # refuses an unknown instance before anything changes
+        previous = self.runners.get(action.runner_id)
+        if previous is not None and (previous[0].alive or previous[0].incarnation >= action.incarnation):
+            raise InvalidEvent(
+                f"runner {action.runner_id!r} incarnation {previous[0].incarnation} is still alive or newer"
+            )
+        machine = rn.RunnerLifecycle(
+            action.runner_id, rank=action.rank, world_size=action.world_size, incarnation=action.incarnation
+        )
+        self.runners[action.runner_id] = (machine, action.instance_id, action.node_id)
+        self.log.append(LogEntry(now, "runner", action.runner_id, "create", "", machine.leaf))
+        return self.instance_event(inst.RankCreated(action.instance_id, now, action.incarnation, action.rank))
+
+    # -- views ---------------------------------------------------------------------------
+
+    def view(self) -> ClusterView:
+        return ClusterView.build(
+            instances=[
+                InstanceView(iid, p.model_id, p.slots, RetryStatus.of(p.machine)) for iid, p in self.instances.items()
+            ],
+            runners=[RunnerStatus.of(m, instance_id=i, node_id=n) for m, i, n in self.runners.values()],
+            downloads=[DownloadStatus.of(m, node_id=node) for (node, _), m in self.downloads.items()],
+            requests=list(self.requests.values()),
+        )
+
+    def instance(self, instance_id: str) -> inst.InstanceRetry:
+        return self._placement(instance_id).machine
+
+    def runner(self, runner_id: str) -> rn.RunnerLifecycle:
+        return self.runners[runner_id][0]
+
+    # -- persistence ----------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "instances": {
+                iid: {
+                    "model_id": p.model_id,
+                    "slots": [attrs.asdict(s) for s in p.slots],
+                    "machine": p.machine.to_dict(),
+                }
+                for iid, p in self.instances.items()
+            },
+            "runners": {
+                rid: {"instance_id": i, "node_id": n, "machine": m.to_dict()} for rid, (m, i, n) in self.runners.items()
+            },
+            "downloads": [{"node_id": node, "machine": m.to_dict()} for (node, _), m in self.downloads.items()],
+            "requests": [attrs.asdict(r) for r in self.requests.values()],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], download_policy: Any = None) -> Cluster:
+        cluster = cls(download_policy)
+        for iid, p in data["instances"].items():
+            slots = tuple(Slot(**s) for s in p["slots"])
+            cluster.instances[iid] = _Placement(p["model_id"], slots, inst.InstanceRetry.from_dict(p["machine"]))
+        for rid, r in data["runners"].items():
+            cluster.runners[rid] = (rn.RunnerLifecycle.from_dict(r["machine"]), r["instance_id"], r["node_id"])
+        for d in data["downloads"]:
+            machine = dl.DownloadLifecycle.from_dict(d["machine"])
+            cluster.downloads[(d["node_id"], machine.model_id)] = machine
+        for r in data["requests"]:
+            cluster.add_request(r["request_id"], r["instance_id"])
+        return cluster
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _placement(self, instance_id: str) -> _Placement:
+        try:
+            return self.instances[instance_id]
+        except KeyError:
+            raise InvalidEvent(f"no instance {instance_id!r}") from None
+
+    def _download(self, node_id: str, model_id: str) -> dl.DownloadLifecycle:
+        key = (node_id, model_id)
+        if key not in self.downloads:
+            self.downloads[key] = dl.DownloadLifecycle(model_id, policy=self.download_policy)
+        return self.downloads[key]
+
+    def _record(self, machine: str, key: str, now: float, outcome: Outcome, cause: str = "") -> None:
+        for step in outcome.steps:
+            self.log.append(LogEntry(now, machine, key, step.event, step.source, step.target, cause))

@@ -1,0 +1,217 @@
+"""The download of one model to one node.
+
+::
+
+    Pending → Ongoing → Completed
+                  ↘ Failed → (backoff) → Pending → Ongoing …
+
+Unlike exo, a failed download is retried: ``retry`` is refused until the
+per-model backoff deadline, which grows with consecutive failures. The backoff
+resets when a runner starts loading the model (``load_started``): the files
+proved good, so an old streak must not slow a later re-download.
+``invalidate`` sends a completed download back to Pending when its files
+are found missing or corrupt.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Any, ClassVar
+
+import attrs
+from statemachine import State
+
+from fsm._machine import Lifecycle, Outcome
+from fsm.backoff import Backoff
+from fsm.errors import InvalidConfig, InvalidEvent
+
+
+class DownloadState(enum.Enum):
+    PENDING = "pending"
+    ONGOING = "ongoing"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+DEFAULT_DOWNLOAD_BACKOFF = Backoff(initial=0.5, factor=2.0, cap=10.0)
+
+
+def _finite(_inst: object, attribute: attrs.Attribute, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidEvent(f"{attribute.name} must be a finite number, got {value!r}")
+
+
+def _bytes(_inst: object, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise InvalidEvent(f"{attribute.name} must be an int >= 0 or None, got {value!r}")
+
+
+@attrs.frozen
+class DownloadEvent:
+    name: ClassVar[str]
+    model_id: str = attrs.field(validator=attrs.validators.instance_of(str))
+    now: float = attrs.field(validator=_finite)
+
+    def payload(self) -> dict[str, Any]:
+        return {}
+
+
+@attrs.frozen
+class Begin(DownloadEvent):
+    name = "begin"
+
+
+@attrs.frozen
+class BytesProgress(DownloadEvent):
+    name = "progress"
+    bytes_done: int = attrs.field(validator=_bytes)
+    bytes_total: int | None = attrs.field(default=None, validator=_bytes)
+
+    def __attrs_post_init__(self) -> None:
+        if self.bytes_total is not None and self.bytes_done > self.bytes_total:
+            raise InvalidEvent(f"bytes_done {self.bytes_done} exceeds bytes_total {self.bytes_total}")
+
+    def payload(self) -> dict[str, Any]:
+        return {"bytes_done": self.bytes_done, "bytes_total": self.bytes_total}
+
+
+@attrs.frozen
+class Complete(DownloadEvent):
+    name = "complete"
+
+
+@attrs.frozen
+class DownloadFailed(DownloadEvent):
+    name = "fail"
+    reason: str = attrs.field(validator=attrs.validators.instance_of(str))
+
+    def payload(self) -> dict[str, Any]:
+        return {"reason": self.reason}
+
+
+@attrs.frozen
+class Retry(DownloadEvent):
+    name = "retry"
+
+
+@attrs.frozen
+class LoadStarted(DownloadEvent):
+    name = "load_started"
+
+
+@attrs.frozen
+class Invalidate(DownloadEvent):
+    name = "invalidate"
+
+
+@attrs.frozen
+class DownloadSnapshot:
+    model_id: str
+    policy: Backoff
+    leaf: str
+    attempts: int = 0
+    retry_at: float | None = None
+    clock: float | None = None
+    bytes_done: int = 0
+    bytes_total: int | None = None
+    last_error: str = ""
+
+
+class DownloadLifecycle(Lifecycle):
+    """One model on one node. See the module docstring."""
+
+    machine_name = "download"
+    snapshot_type = DownloadSnapshot
+
+    pending = State(initial=True)
+    ongoing = State()
+    completed = State()
+    failed = State()
+
+    begin = pending.to(ongoing, on="_begin")
+    progress = ongoing.to.itself(internal=True, on="_progress")
+    complete = ongoing.to(completed)
+    fail = ongoing.to(failed, on="_failed")
+    retry = failed.to(pending, cond="backoff_elapsed")
+    load_started = completed.to.itself(internal=True, on="_reset_backoff")
+    invalidate = completed.to(pending)
+
+    def __init__(
+        self, model_id: str, *, policy: Backoff = DEFAULT_DOWNLOAD_BACKOFF, _snapshot: DownloadSnapshot | None = None
+    ) -> None:
+        if not isinstance(model_id, str) or not model_id:
+            raise InvalidConfig(f"model_id must be a non-empty str, got {model_id!r}")
+        if not isinstance(policy, Backoff):
+            raise InvalidConfig(f"policy must be a Backoff, got {type(policy).__name__}")
+        if policy.jitter:
+            raise InvalidConfig("download backoff takes no jitter: one node retries one model")
+        snap = _snapshot or DownloadSnapshot(model_id, policy, leaf="pending")
+        self.model_id = snap.model_id
+        self.policy = snap.policy
+        self.attempts = snap.attempts
+        self.retry_at = snap.retry_at
+        self.clock = snap.clock
+        self.bytes_done = snap.bytes_done
+        self.bytes_total = snap.bytes_total
+        self.last_error = snap.last_error
+        super().__init__(start_leaf=snap.leaf if _snapshot else None)
+
+    @property
+    def backoff_elapsed(self) -> bool:
+        return self.retry_at is None or (self.clock is not None and self.clock >= self.retry_at)
+
+    def _begin(self) -> None:
+        self.bytes_done, self.bytes_total = 0, None
+
+    def _progress(self, bytes_done: int, bytes_total: int | None) -> None:
+        self.bytes_done, self.bytes_total = bytes_done, bytes_total
+
+    def _failed(self, reason: str) -> None:
+        self.attempts += 1
+        self.last_error = reason
+        assert self.clock is not None
+        self.retry_at = self.clock + self.policy.delay(self.attempts)
+
+    def _reset_backoff(self) -> None:
+        self.attempts, self.retry_at = 0, None
+
+    def _why_refused(self, event: str) -> str:
+        if event == "retry" and self.leaf == "failed":
+            return f"backoff until {self.retry_at} (now {self.clock})"
+        return ""
+
+    def apply(self, event: DownloadEvent) -> Outcome:
+        if not isinstance(event, DownloadEvent):
+            raise InvalidEvent(f"expected a DownloadEvent, got {type(event).__name__}")
+        if event.model_id != self.model_id:
+            raise InvalidEvent(f"event for model {event.model_id!r} sent to download of {self.model_id!r}")
+        clock = self.clock
+        self.clock = event.now if clock is None else max(clock, event.now)
+        try:
+            return self._fire(event.name, **event.payload())
+        except Exception:
+            self.clock = clock
+            raise
+
+    @property
+    def download_state(self) -> DownloadState:
+        return DownloadState(self.leaf)
+
+    def snapshot(self) -> DownloadSnapshot:
+        return DownloadSnapshot(
+            model_id=self.model_id,
+            policy=self.policy,
+            leaf=self.leaf,
+            attempts=self.attempts,
+            retry_at=self.retry_at,
+            clock=self.clock,
+            bytes_done=self.bytes_done,
+            bytes_total=self.bytes_total,
+            last_error=self.last_error,
+        )
+
+    @classmethod
+    def from_snapshot(cls, snapshot: DownloadSnapshot) -> DownloadLifecycle:
+        cls._check_leaf(snapshot.leaf)
+        return cls(snapshot.model_id, policy=snapshot.policy, _snapshot=snapshot)

@@ -1,0 +1,73 @@
+"""Why a runner failed, and whether trying again can help.
+
+The classification travels with the failure from the runner process through the
+runner machine to the instance retry policy, which is the only place that acts
+on `retryable`.
+"""
+
+from __future__ import annotations
+
+import enum
+import signal as _signal
+
+import attrs
+
+
+class FailureKind(enum.Enum):
+    EXIT = "exit"  # the process ended on its own, any exit code, while not asked to stop
+    SIGNAL = "signal"  # the process was killed by a signal it was not sent by us
+    EXCEPTION = "exception"  # the runner reported an exception before dying
+    STALL = "stall"  # a watchdog saw no progress within the phase's timeout
+    PEER = "peer_failed"  # another rank of the same generation failed
+    SPAWN = "spawn"  # the process could not be started at all
+
+
+@attrs.frozen
+class Failure:
+    """A cause with enough detail for an operator, and the retry classification."""
+
+    kind: FailureKind = attrs.field(validator=attrs.validators.instance_of(FailureKind))
+    message: str = attrs.field(validator=attrs.validators.instance_of(str))
+    retryable: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    exit_code: int | None = None
+    signal: int | None = None
+    exception_type: str | None = None
+    detail: str = ""  # last stderr lines or a traceback
+
+    @classmethod
+    def exited(cls, exit_code: int, detail: str = "") -> Failure:
+        """A process that ended while not stopping: failed even with code 0."""
+        if exit_code < 0:
+            return cls.signalled(-exit_code, detail)
+        return cls(
+            FailureKind.EXIT,
+            f"runner exited unexpectedly with code {exit_code}",
+            exit_code=exit_code,
+            detail=detail,
+        )
+
+    @classmethod
+    def signalled(cls, signum: int, detail: str = "") -> Failure:
+        try:
+            name = _signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        return cls(FailureKind.SIGNAL, f"runner killed by {name}", signal=signum, detail=detail)
+
+    @classmethod
+    def exception(cls, exception_type: str, message: str, *, retryable: bool = True, detail: str = "") -> Failure:
+        return cls(
+            FailureKind.EXCEPTION,
+            f"{exception_type}: {message}",
+            retryable=retryable,
+            exception_type=exception_type,
+            detail=detail,
+        )
+
+    @classmethod
+    def stalled(cls, phase: str, seconds: float) -> Failure:
+        return cls(FailureKind.STALL, f"no progress in phase {phase} for {seconds:g} s")
+
+    @classmethod
+    def peer_failed(cls, rank: int) -> Failure:
+        return cls(FailureKind.PEER, f"rank {rank} of the same generation failed")

@@ -1,0 +1,472 @@
+"""The instance retry policy: one instance = one model placed on N ranks.
+
+Theory of operation
+-------------------
+::
+
+    Pending → Starting → Ready → Recovering → BackingOff → Starting … → Deleted
+
+* **one_for_all**: a failure of any rank ends the whole generation. The
+  instance goes to Recovering, where every rank of that generation is stopped;
+  only when the last one has been reaped does it go on to BackingOff (an
+  eventless transition: the joint condition "nothing alive" triggers it).
+  The next generation starts from BackingOff, so two generations never coexist.
+* Several ranks failing in one generation cost **one** retry: further
+  failures of a generation already Recovering are absorbed.
+* Backoff before generation n+1 is ``policy.backoff.delay(n)``; the deadline
+  is armed when the old generation is fully reaped, and ``start`` is refused
+  before it.
+* Give-up: the failure that makes ``max_retries`` failed generations goes to
+  Deleted(retries_exhausted); a non-retryable cause goes to
+  Deleted(non_retryable) at once, whatever the count.
+* Reset: the count returns to 0 once the instance has been Ready continuously
+  for ``reset_after``. Every event's ``now`` is observed before the event is
+  handled, so a failure long after Ready counts against a fresh budget even if
+  no tick came in between.
+* Deleted is final and absorbs every later event (late exits, timers).
+* Time is always the caller's ``now``; jitter draws from an RNG seeded by
+  (seed, instance, attempt), so the same events, clock and seed give the same
+  schedule, also after a restore.
+
+Stopping runners is not this machine's job: the planner reads its state and
+emits the stop actions (Recovering or Deleted ⇒ stop every live rank).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+from typing import Any, ClassVar
+
+import attrs
+from statemachine import State
+
+from fsm._machine import Lifecycle, Outcome
+from fsm.backoff import Backoff
+from fsm.errors import IncarnationMismatch, InvalidConfig, InvalidEvent
+from fsm.failure import Failure, FailureKind
+
+
+class InstanceState(enum.Enum):
+    PENDING = "pending"
+    STARTING = "starting"
+    READY = "ready"
+    RECOVERING = "recovering"
+    BACKING_OFF = "backing_off"
+    DELETED = "deleted"
+
+
+class DeleteReason(enum.Enum):
+    REQUESTED = "requested"
+    RETRIES_EXHAUSTED = "retries_exhausted"
+    NON_RETRYABLE = "non_retryable"
+
+
+def _int_at_least(low: int):
+    def check(_inst: object, attribute: attrs.Attribute, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise InvalidConfig(f"{attribute.name} must be an int >= {low}, got {value!r}")
+
+    return check
+
+
+def _finite_positive(_inst: object, attribute: attrs.Attribute, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise InvalidConfig(f"{attribute.name} must be a finite number > 0, got {value!r}")
+
+
+@attrs.frozen
+class RetryPolicy:
+    """How an instance retries: the backoff, the budget, and when the budget refills."""
+
+    backoff: Backoff = attrs.field(factory=Backoff, validator=attrs.validators.instance_of(Backoff))
+    max_retries: int = attrs.field(default=5, validator=_int_at_least(1))
+    reset_after: float = attrs.field(default=600.0, validator=_finite_positive)
+
+
+def budget_exhausted(failed_generations: int, max_retries: int) -> bool:
+    """The give-up rule, in one place: the machine and the planner both ask it."""
+    return failed_generations >= max_retries
+
+
+# -- events -----------------------------------------------------------------------
+
+
+def _finite(_inst: object, attribute: attrs.Attribute, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidEvent(f"{attribute.name} must be a finite number, got {value!r}")
+
+
+def _event_int(_inst: object, attribute: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidEvent(f"{attribute.name} must be an int >= 0, got {value!r}")
+
+
+@attrs.frozen
+class InstanceEvent:
+    name: ClassVar[str]
+    instance_id: str = attrs.field(validator=attrs.validators.instance_of(str))
+    now: float = attrs.field(validator=_finite)
+
+    def payload(self) -> dict[str, Any]:
+        return {}
+
+
+@attrs.frozen
+class Start(InstanceEvent):
+    """Start ``generation`` (1 for the first); refused before the backoff deadline."""
+
+    name = "start"
+    generation: int = attrs.field(validator=_event_int)
+
+
+@attrs.frozen
+class RankEvent(InstanceEvent):
+    generation: int = attrs.field(validator=_event_int)
+    rank: int = attrs.field(validator=_event_int)
+
+    def payload(self) -> dict[str, Any]:
+        return {"rank": self.rank}
+
+
+@attrs.frozen
+class RankCreated(RankEvent):
+    name = "rank_created"
+
+
+@attrs.frozen
+class RankReady(RankEvent):
+    name = "rank_ready"
+
+
+@attrs.frozen
+class RankFailed(RankEvent):
+    name = "rank_failed"
+    failure: Failure = attrs.field(kw_only=True, validator=attrs.validators.instance_of(Failure))
+
+    def payload(self) -> dict[str, Any]:
+        return {"rank": self.rank, "failure": self.failure}
+
+
+@attrs.frozen
+class RankStopped(RankEvent):
+    """The rank's process was reaped."""
+
+    name = "rank_stopped"
+
+
+@attrs.frozen
+class Tick(InstanceEvent):
+    """Only time passes (lets a Ready instance's budget reset be observed)."""
+
+    name = "tick"
+
+
+@attrs.frozen
+class Delete(InstanceEvent):
+    """The user deletes the instance."""
+
+    name = "delete"
+
+
+@attrs.frozen
+class GiveUp(InstanceEvent):
+    """The planner found the budget exhausted where it would otherwise start runners."""
+
+    name = "give_up"
+
+
+# -- snapshot ---------------------------------------------------------------------
+
+
+@attrs.frozen
+class InstanceSnapshot:
+    instance_id: str
+    world_size: int
+    policy: RetryPolicy
+    seed: int
+    leaf: str
+    generation: int = 0
+    attempts: int = 0
+    deadline: float | None = None
+    ready_since: float | None = None
+    clock: float | None = None
+    live_ranks: tuple[int, ...] = ()
+    ready_ranks: tuple[int, ...] = ()
+    delete_reason: DeleteReason | None = None
+    last_failure: Failure | None = None
+
+
+_UNEXPECTED_STOP = Failure(FailureKind.EXIT, "a rank stopped without reporting a failure")
+
+
+class InstanceRetry(Lifecycle):
+    """Retry policy of one instance. See the module docstring."""
+
+    machine_name = "instance"
+    snapshot_type = InstanceSnapshot
+
+    pending = State(initial=True)
+    starting = State()
+    ready = State()
+    recovering = State()
+    backing_off = State("Backing off")
+    deleted = State(final=True)
+
+    start = pending.to(starting, on="_begin_generation") | backing_off.to(
+        starting, cond="deadline_passed", on="_begin_generation"
+    )
+    rank_created = starting.to.itself(internal=True, on="_rank_alive") | recovering.to.itself(
+        internal=True, on="_rank_alive"
+    )
+    rank_ready = (
+        starting.to.itself(internal=True, on="_rank_ready")
+        | ready.to.itself(internal=True)
+        | recovering.to.itself(internal=True)
+        | backing_off.to.itself(internal=True)
+    )
+    starting.to(ready, cond="all_ranks_ready", on="_mark_ready")
+    rank_failed = (
+        starting.to(deleted, cond="non_retryable", on="_give_up_non_retryable")
+        | ready.to(deleted, cond="non_retryable", on="_give_up_non_retryable")
+        | recovering.to(deleted, cond="non_retryable", on="_give_up_non_retryable")
+        | starting.to(deleted, cond="last_allowed_failure", on="_give_up_exhausted")
+        | ready.to(deleted, cond="last_allowed_failure", on="_give_up_exhausted")
+        | starting.to(recovering, on="_count_failure")
+        | ready.to(recovering, on="_count_failure")
+        | recovering.to.itself(internal=True)
+        | backing_off.to.itself(internal=True)
+    )
+    rank_stopped = (
+        starting.to(deleted, cond="last_allowed_failure", on="_stopped_and_exhausted")
+        | ready.to(deleted, cond="last_allowed_failure", on="_stopped_and_exhausted")
+        | starting.to(recovering, on="_stopped_unexpectedly")
+        | ready.to(recovering, on="_stopped_unexpectedly")
+        | recovering.to.itself(internal=True, on="_rank_gone")
+        | backing_off.to.itself(internal=True, on="_rank_gone")
+    )
+    recovering.to(backing_off, cond="nothing_alive", on="_arm_timer")
+    tick = (
+        pending.to.itself(internal=True)
+        | starting.to.itself(internal=True)
+        | ready.to.itself(internal=True)
+        | recovering.to.itself(internal=True)
+        | backing_off.to.itself(internal=True)
+    )
+    give_up = (
+        pending.to(deleted, cond="budget_spent", on="_give_up_exhausted")
+        | starting.to(deleted, cond="budget_spent", on="_give_up_exhausted")
+        | backing_off.to(deleted, cond="budget_spent", on="_give_up_exhausted")
+    )
+    delete = (
+        pending.to(deleted, on="_deleted_by_user")
+        | starting.to(deleted, on="_deleted_by_user")
+        | ready.to(deleted, on="_deleted_by_user")
+        | recovering.to(deleted, on="_deleted_by_user")
+        | backing_off.to(deleted, on="_deleted_by_user")
+    )
+
+    def __init__(
+        self,
+        instance_id: str,
+        *,
+        world_size: int = 1,
+        policy: RetryPolicy | None = None,
+        seed: int = 0,
+        _snapshot: InstanceSnapshot | None = None,
+    ) -> None:
+        if not isinstance(instance_id, str) or not instance_id:
+            raise InvalidConfig(f"instance_id must be a non-empty str, got {instance_id!r}")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise InvalidConfig(f"world_size must be an int >= 1, got {world_size!r}")
+        if policy is not None and not isinstance(policy, RetryPolicy):
+            raise InvalidConfig(f"policy must be a RetryPolicy, got {type(policy).__name__}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise InvalidConfig(f"seed must be an int, got {seed!r}")
+        snap = _snapshot or InstanceSnapshot(instance_id, world_size, policy or RetryPolicy(), seed, leaf="pending")
+        self.instance_id = snap.instance_id
+        self.world_size = snap.world_size
+        self.policy = policy or snap.policy
+        self.seed = snap.seed
+        self.generation = snap.generation
+        self.attempts = snap.attempts
+        self.deadline = snap.deadline
+        self.ready_since = snap.ready_since
+        self.clock = snap.clock
+        self.live_ranks: set[int] = set(snap.live_ranks)
+        self.ready_ranks: set[int] = set(snap.ready_ranks)
+        self.delete_reason = snap.delete_reason
+        self.last_failure = snap.last_failure
+        super().__init__(start_leaf=snap.leaf if _snapshot else None)
+
+    # -- guards ---------------------------------------------------------------
+
+    @property
+    def deadline_passed(self) -> bool:
+        return self.deadline is None or (self.clock is not None and self.clock >= self.deadline)
+
+    @property
+    def all_ranks_ready(self) -> bool:
+        return len(self.ready_ranks) == self.world_size
+
+    @property
+    def nothing_alive(self) -> bool:
+        return not self.live_ranks
+
+    @property
+    def budget_spent(self) -> bool:
+        return budget_exhausted(self.attempts, self.policy.max_retries)
+
+    @property
+    def last_allowed_failure(self) -> bool:
+        return budget_exhausted(self.attempts + 1, self.policy.max_retries)
+
+    @staticmethod
+    def non_retryable(failure: Failure) -> bool:
+        return not failure.retryable
+
+    # -- actions -------------------------------------------------------------
+
+    def _begin_generation(self) -> None:
+        self.generation += 1
+        self.deadline = None
+        self.live_ranks.clear()
+        self.ready_ranks.clear()
+
+    def _rank_alive(self, rank: int) -> None:
+        self.live_ranks.add(rank)
+
+    def _rank_ready(self, rank: int) -> None:
+        self.ready_ranks.add(rank)
+
+    def _mark_ready(self) -> None:
+        self.ready_since = self.clock
+
+    def _count_failure(self, failure: Failure) -> None:
+        self.attempts += 1
+        self.last_failure = failure
+        self.ready_since = None
+
+    def _rank_gone(self, rank: int) -> None:
+        self.live_ranks.discard(rank)
+
+    def _stopped_unexpectedly(self, rank: int) -> None:
+        self._count_failure(_UNEXPECTED_STOP)
+        self._rank_gone(rank)
+
+    def _stopped_and_exhausted(self, rank: int) -> None:
+        self._rank_gone(rank)
+        self._give_up_exhausted(_UNEXPECTED_STOP)
+
+    def _arm_timer(self) -> None:
+        assert self.clock is not None
+        self.deadline = self.clock + self.retry_delay(self.attempts)
+
+    def _give_up_exhausted(self, failure: Failure | None = None) -> None:
+        if failure is not None:
+            self.attempts += 1
+            self.last_failure = failure
+        self.delete_reason = DeleteReason.RETRIES_EXHAUSTED
+
+    def _give_up_non_retryable(self, failure: Failure) -> None:
+        self.last_failure = failure
+        self.delete_reason = DeleteReason.NON_RETRYABLE
+
+    def _deleted_by_user(self) -> None:
+        self.delete_reason = DeleteReason.REQUESTED
+
+    def on_enter_deleted(self) -> None:
+        self.deadline = None  # cancels the pending timer
+        self.ready_since = None
+
+    # -- policy arithmetic ------------------------------------------------------
+
+    def retry_delay(self, failed_generations: int) -> float:
+        """The delay before the retry that follows ``failed_generations`` failures."""
+        rng = random.Random(f"{self.seed}/{self.instance_id}/{failed_generations}")
+        return self.policy.backoff.delay(failed_generations, rng)
+
+    def _observe(self, now: float) -> None:
+        """Advance the clock, applying the budget reset if Ready long enough."""
+        self.clock = now if self.clock is None else max(self.clock, now)
+        if (
+            self.leaf == "ready"
+            and self.ready_since is not None
+            and self.attempts
+            and self.clock - self.ready_since >= self.policy.reset_after
+        ):
+            self.attempts = 0
+
+    # -- the typed door ---------------------------------------------------------
+
+    def _why_refused(self, event: str) -> str:
+        if event == "start" and self.leaf == "backing_off":
+            return f"backoff deadline {self.deadline} not reached (now {self.clock})"
+        if event == "give_up":
+            return f"budget not exhausted ({self.attempts} of {self.policy.max_retries} failed generations)"
+        return ""
+
+    def apply(self, event: InstanceEvent) -> Outcome:
+        """Handle an event; stale generations and anything after Deleted are ignored."""
+        if not isinstance(event, InstanceEvent):
+            raise InvalidEvent(f"expected an InstanceEvent, got {type(event).__name__}")
+        if event.instance_id != self.instance_id:
+            raise InvalidEvent(f"event for instance {event.instance_id!r} sent to {self.instance_id!r}")
+        if self.is_deleted:
+            return Outcome.ignored(f"instance is deleted ({self.delete_reason.value})")
+        if isinstance(event, Start):
+            if event.generation <= self.generation:
+                return Outcome.ignored(f"generation {event.generation} already started")
+            if event.generation != self.generation + 1:
+                raise InvalidEvent(f"next generation is {self.generation + 1}, not {event.generation}")
+        if isinstance(event, RankEvent):
+            if event.rank >= self.world_size:
+                raise InvalidEvent(f"rank {event.rank} out of range for world_size {self.world_size}")
+            if event.generation < self.generation:
+                return Outcome.ignored(f"stale generation {event.generation} < {self.generation}")
+            if event.generation > self.generation:
+                raise IncarnationMismatch(
+                    f"instance {self.instance_id!r} is at generation {self.generation}, event names {event.generation}"
+                )
+        clock, attempts = self.clock, self.attempts
+        self._observe(event.now)
+        try:
+            return self._fire(event.name, **event.payload())
+        except Exception:
+            self.clock, self.attempts = clock, attempts  # a refused event changes nothing
+            raise
+
+    # -- views -------------------------------------------------------------------
+
+    @property
+    def instance_state(self) -> InstanceState:
+        return InstanceState(self.leaf)
+
+    @property
+    def is_deleted(self) -> bool:
+        return self.leaf == "deleted"
+
+    def snapshot(self) -> InstanceSnapshot:
+        return InstanceSnapshot(
+            instance_id=self.instance_id,
+            world_size=self.world_size,
+            policy=self.policy,
+            seed=self.seed,
+            leaf=self.leaf,
+            generation=self.generation,
+            attempts=self.attempts,
+            deadline=self.deadline,
+            ready_since=self.ready_since,
+            clock=self.clock,
+            live_ranks=tuple(sorted(self.live_ranks)),
+            ready_ranks=tuple(sorted(self.ready_ranks)),
+            delete_reason=self.delete_reason,
+            last_failure=self.last_failure,
+        )
+
+    @classmethod
+    def from_snapshot(cls, snapshot: InstanceSnapshot, policy: RetryPolicy | None = None) -> InstanceRetry:
+        """Restore; pass ``policy`` to apply a changed configuration to a restored instance."""
+        cls._check_leaf(snapshot.leaf)
+        return cls(snapshot.instance_id, policy=policy, _snapshot=snapshot)

@@ -1,0 +1,294 @@
+"""The planner: the state-triggered half of the system.
+
+``plan(view, node_id, now)`` looks at a snapshot of the whole cluster and
+returns every action this node should take now, in priority order::
+
+    cancel requests → stop runners → give up at the cap → start generations
+    → create runners → downloads → connect → load → warm up → forward requests
+
+Each rule is one function, named after the rule, that reads the view and
+yields actions; none of them sees the others' output. Returning all enabled
+actions (exo returns one per tick) means a blocked rule never starves the
+rest. The function is pure: same view, node and ``now`` → same list.
+
+The rules carried over from exo's two fixes, by function:
+
+* ``_stop_runners`` — a Failed runner is stopped (never revived); a runner is
+  stopped when a sibling of its generation failed; runners of deleted
+  instances, of stale generations and of recovering instances are stopped.
+* ``_give_up_at_cap`` — at the retry cap the action is DeleteInstance, not a
+  creation.
+* ``_create_runners`` — no runner is created while a sibling is Failed unless
+  ours failed too (both-failed proceeds: neither waits for the other); nor
+  before the backoff deadline; nor while any runner of an older generation is
+  still alive.
+* ``_download_models`` — a failed download is retried once its per-model
+  backoff has elapsed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from fsm.actions import (
+    Action,
+    CancelRequest,
+    ConnectRunner,
+    CreateRunner,
+    DeleteInstance,
+    ForwardRequest,
+    LoadModel,
+    StartDownload,
+    StartGeneration,
+    StopReason,
+    StopRunner,
+    WarmUp,
+)
+from fsm.download import DownloadState
+from fsm.instance import DeleteReason, InstanceState, budget_exhausted
+from fsm.runner import RunnerPhase, RunnerState
+from fsm.view import ClusterView, InstanceView, RunnerStatus
+
+_LIVE_INSTANCE = (InstanceState.PENDING, InstanceState.STARTING, InstanceState.READY)
+_TEARDOWN = (InstanceState.RECOVERING, InstanceState.BACKING_OFF)
+
+
+def plan(view: ClusterView, node_id: str, now: float) -> list[Action]:
+    """Every action ``node_id`` should take at ``now``, highest priority first."""
+    return [
+        *_cancel_requests(view),
+        *_stop_runners(view, node_id),
+        *_give_up_at_cap(view, node_id),
+        *_start_generations(view, node_id, now),
+        *_create_runners(view, node_id, now),
+        *_download_models(view, node_id, now),
+        *_connect_runners(view, node_id),
+        *_load_models(view, node_id),
+        *_warm_up_runners(view, node_id),
+        *_forward_requests(view, node_id),
+    ]
+
+
+def next_deadline(view: ClusterView, node_id: str, now: float) -> float | None:
+    """The earliest time after ``now`` at which time alone can change ``plan``'s answer."""
+    times = [
+        inst.retry.deadline
+        for inst in view.instances.values()
+        if inst.retry.state is InstanceState.BACKING_OFF and node_id in inst.nodes
+    ]
+    times += [
+        d.retry_at for (node, _), d in view.downloads.items() if node == node_id and d.state is DownloadState.FAILED
+    ]
+    future = [t for t in times if t is not None and t > now]
+    return min(future, default=None)
+
+
+# -- helpers -------------------------------------------------------------------------
+
+
+def _current(view: ClusterView, inst: InstanceView) -> list[RunnerStatus | None]:
+    """The runner of each rank in the instance's current generation (None: not created yet)."""
+    gen = inst.retry.generation
+    return [r if r is not None and r.incarnation == gen else None for _, r in view.slot_runners(inst)]
+
+
+def _exhausted(inst: InstanceView) -> bool:
+    return budget_exhausted(inst.retry.attempts, inst.retry.max_retries)
+
+
+def _our_current_runners(view: ClusterView, inst: InstanceView, node_id: str) -> Iterator[RunnerStatus]:
+    for slot, runner in zip(inst.slots, _current(view, inst), strict=True):
+        if slot.node_id == node_id and runner is not None and runner.alive and not runner.stop_requested:
+            yield runner
+
+
+# -- rules, in priority order ---------------------------------------------------------
+
+
+def _cancel_requests(view: ClusterView) -> Iterator[Action]:
+    """Requests for an instance that is gone end with an error, never a hang."""
+    for req in view.requests:
+        inst = view.instances.get(req.instance_id)
+        if inst is None:
+            yield CancelRequest(req.request_id, req.instance_id, "instance does not exist")
+        elif inst.retry.state is InstanceState.DELETED:
+            reason = inst.retry.delete_reason.value if inst.retry.delete_reason else "deleted"
+            yield CancelRequest(req.request_id, req.instance_id, f"instance was deleted ({reason})")
+
+
+def _stop_reason(view: ClusterView, runner: RunnerStatus) -> StopReason | None:
+    inst = view.instances.get(runner.instance_id)
+    if inst is None or inst.retry.state is InstanceState.DELETED:
+        return StopReason.INSTANCE_GONE
+    if runner.state is RunnerState.FAILED:
+        return StopReason.RUNNER_FAILED
+    if runner.incarnation < inst.retry.generation:
+        return StopReason.STALE_GENERATION
+    if inst.retry.state in _TEARDOWN:
+        return StopReason.RECOVERING
+    for _, sibling in view.slot_runners(inst):
+        if (
+            sibling is not None
+            and sibling.runner_id != runner.runner_id
+            and sibling.incarnation == runner.incarnation
+            and sibling.failed
+        ):
+            return StopReason.SIBLING_FAILED
+    return None
+
+
+def _stop_runners(view: ClusterView, node_id: str) -> Iterator[Action]:
+    for runner in view.runners.values():
+        if runner.node_id != node_id or not runner.alive or runner.stop_requested:
+            continue
+        reason = _stop_reason(view, runner)
+        if reason is not None:
+            yield StopRunner(runner.runner_id, runner.incarnation, reason)
+
+
+def _give_up_at_cap(view: ClusterView, node_id: str) -> Iterator[Action]:
+    """At the cap the instance is deleted instead of started again (by any node hosting it)."""
+    waiting = (InstanceState.PENDING, InstanceState.STARTING, InstanceState.BACKING_OFF)
+    for inst in view.instances.values():
+        if node_id in inst.nodes and inst.retry.state in waiting and _exhausted(inst):
+            yield DeleteInstance(inst.instance_id, DeleteReason.RETRIES_EXHAUSTED)
+
+
+def _start_generations(view: ClusterView, node_id: str, now: float) -> Iterator[Action]:
+    """The leader starts generation 1, and each later one once its backoff deadline has passed."""
+    for inst in view.instances.values():
+        if inst.leader != node_id or _exhausted(inst):
+            continue
+        retry = inst.retry
+        backoff_over = (
+            retry.state is InstanceState.BACKING_OFF
+            and (retry.deadline is None or now >= retry.deadline)
+            and not any(r is not None and r.alive for _, r in view.slot_runners(inst))
+        )
+        if retry.state is InstanceState.PENDING or backoff_over:
+            yield StartGeneration(inst.instance_id, retry.generation + 1)
+
+
+def _create_runners(view: ClusterView, node_id: str, now: float) -> Iterator[Action]:
+    for inst in view.instances.values():
+        retry = inst.retry
+        if retry.state is not InstanceState.STARTING or _exhausted(inst):
+            continue
+        if retry.deadline is not None and now < retry.deadline:
+            continue  # gated by the backoff
+        statuses = dict(view.slot_runners(inst))
+        if any(r is not None and r.alive and r.incarnation < retry.generation for r in statuses.values()):
+            continue  # never two generations alive at once
+        for slot, ours in statuses.items():
+            if slot.node_id != node_id or (ours is not None and ours.incarnation >= retry.generation):
+                continue
+            sibling_failed = any(
+                r is not None and r.failed for s, r in statuses.items() if s.runner_id != slot.runner_id
+            )
+            we_failed_before = ours is not None and ours.failed
+            if sibling_failed and not we_failed_before:
+                continue  # wait for the failed sibling to come back first
+            yield CreateRunner(
+                instance_id=inst.instance_id,
+                runner_id=slot.runner_id,
+                node_id=node_id,
+                rank=slot.rank,
+                world_size=inst.world_size,
+                incarnation=retry.generation,
+                model_id=inst.model_id,
+            )
+
+
+def _download_models(view: ClusterView, node_id: str, now: float) -> Iterator[Action]:
+    wanted = sorted(
+        {
+            inst.model_id
+            for inst in view.instances.values()
+            if node_id in inst.nodes and inst.retry.state is not InstanceState.DELETED
+        }
+    )
+    for model_id in wanted:
+        status = view.download(node_id, model_id)
+        never_started = status is None or status.state is DownloadState.PENDING
+        retry_due = (
+            status is not None
+            and status.state is DownloadState.FAILED
+            and (status.retry_at is None or now >= status.retry_at)
+        )
+        if never_started or retry_due:
+            yield StartDownload(node_id, model_id)
+
+
+def _connect_runners(view: ClusterView, node_id: str) -> Iterator[Action]:
+    """Ranks below the last join first; the last rank joins once all others are connecting."""
+    for inst in view.instances.values():
+        if inst.retry.state is not InstanceState.STARTING or inst.world_size == 1:
+            continue
+        current = _current(view, inst)
+        if any(r is None or r.state not in (RunnerState.IDLE, RunnerState.CONNECTING) for r in current):
+            continue
+        last = inst.world_size - 1
+        for runner in _our_current_runners(view, inst, node_id):
+            if runner.state is not RunnerState.IDLE:
+                continue
+            others_connecting = all(
+                r is not None and r.state is RunnerState.CONNECTING for r in current if r.rank != runner.rank
+            )
+            if runner.rank < last or others_connecting:
+                yield ConnectRunner(runner.runner_id, runner.incarnation)
+
+
+def _load_models(view: ClusterView, node_id: str) -> Iterator[Action]:
+    """Load once every node of the instance has the model, and every rank has joined."""
+    for inst in view.instances.values():
+        if inst.retry.state is not InstanceState.STARTING:
+            continue
+        downloaded = all(
+            (d := view.download(node, inst.model_id)) is not None and d.state is DownloadState.COMPLETED
+            for node in inst.nodes
+        )
+        if not downloaded:
+            continue
+        current = _current(view, inst)
+        all_joined = all(
+            r is not None and (r.phase is RunnerPhase.JOINED or r.state is RunnerState.LOADING) for r in current
+        )
+        for runner in _our_current_runners(view, inst, node_id):
+            single = inst.world_size == 1 and runner.state is RunnerState.IDLE
+            group = inst.world_size > 1 and runner.phase is RunnerPhase.JOINED and all_joined
+            if single or group:
+                yield LoadModel(runner.runner_id, runner.incarnation, inst.model_id)
+
+
+def _warm_up_runners(view: ClusterView, node_id: str) -> Iterator[Action]:
+    """Ranks > 0 warm up when all ranks are loaded or warming; rank 0 when all others are warming (or Ready)."""
+    loaded_or_warming = (RunnerPhase.LOADED, RunnerPhase.WARMING_UP)
+    for inst in view.instances.values():
+        if inst.retry.state is not InstanceState.STARTING:
+            continue
+        current = _current(view, inst)
+        for runner in _our_current_runners(view, inst, node_id):
+            if runner.phase is not RunnerPhase.LOADED:
+                continue
+            others = [r for r in current if r is None or r.rank != runner.rank]
+            if runner.rank == 0:  # "or past it": a rank that warmed up alone must not block rank 0
+                ok = all(
+                    r is not None and (r.phase is RunnerPhase.WARMING_UP or r.state is RunnerState.READY)
+                    for r in others
+                )
+            else:
+                ok = all(r is not None and r.phase in loaded_or_warming for r in current)
+            if ok:
+                yield WarmUp(runner.runner_id, runner.incarnation)
+
+
+def _forward_requests(view: ClusterView, node_id: str) -> Iterator[Action]:
+    """A request goes to every rank on this node once all ranks of its instance are Ready."""
+    for req in view.requests:
+        inst = view.instances.get(req.instance_id)
+        if inst is None or inst.retry.state is not InstanceState.READY:
+            continue
+        current = _current(view, inst)
+        if all(r is not None and r.state is RunnerState.READY for r in current):
+            for runner in _our_current_runners(view, inst, node_id):
+                yield ForwardRequest(req.request_id, runner.runner_id, runner.incarnation)

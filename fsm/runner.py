@@ -1,0 +1,404 @@
+"""The runner lifecycle: one runner = one OS process = one rank of an instance.
+
+Theory of operation
+-------------------
+Six top-level states, with sub-phases as compound states::
+
+    Idle → Connecting(joining → joined) → Loading(weights → loaded → warming_up)
+         → Ready(available ⇄ busy) → Shutdown(stopping → stopped)
+    any non-final state → Failed → Shutdown.stopped
+
+* ``connect`` is legal only from Idle and only for world_size > 1; a single
+  rank goes Idle → Loading directly (``load`` is guarded both ways).
+* Failed is terminal for the process: its only exit is to Shutdown.stopped
+  when the process is reaped (``exited``). Nothing leads back to Idle; a new
+  process is a new machine with a higher incarnation.
+* A process that exits while not stopping is Failed, even with exit code 0:
+  ``exited`` from a running state passes through Failed (recording the cause)
+  and, the process being gone, on to Shutdown.stopped in the same event.
+* The failure stays recorded after Shutdown, so "this runner failed" is still
+  true of its last status (the rule exo's supervisor broke by overwriting it).
+* Every event names ``(runner_id, incarnation)``; an event from an older
+  incarnation is ignored and changes nothing.
+
+This module knows nothing of processes, clocks or other ranks: the supervisor
+feeds it events; the planner reads its status.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, ClassVar
+
+import attrs
+from statemachine import State
+
+from fsm._machine import Lifecycle, Outcome
+from fsm.errors import IncarnationMismatch, InvalidConfig, InvalidEvent
+from fsm.failure import Failure
+
+
+class RunnerState(enum.Enum):
+    """The six top-level states of the design card."""
+
+    IDLE = "idle"
+    CONNECTING = "connecting"
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    SHUTDOWN = "shutdown"
+
+
+class RunnerPhase(enum.Enum):
+    """Sub-phases of the compound states (Idle and Failed have none)."""
+
+    JOINING = "joining"
+    JOINED = "joined"  # this rank joined; waiting for the others
+    WEIGHTS = "weights"  # reading weights, with layer progress
+    LOADED = "loaded"  # waiting for all ranks to be loaded
+    WARMING_UP = "warming_up"
+    AVAILABLE = "available"  # ready, serving no request
+    BUSY = "busy"  # ready, serving >= 1 request
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+_PARENT = {
+    RunnerPhase.JOINING: RunnerState.CONNECTING,
+    RunnerPhase.JOINED: RunnerState.CONNECTING,
+    RunnerPhase.WEIGHTS: RunnerState.LOADING,
+    RunnerPhase.LOADED: RunnerState.LOADING,
+    RunnerPhase.WARMING_UP: RunnerState.LOADING,
+    RunnerPhase.AVAILABLE: RunnerState.READY,
+    RunnerPhase.BUSY: RunnerState.READY,
+    RunnerPhase.STOPPING: RunnerState.SHUTDOWN,
+    RunnerPhase.STOPPED: RunnerState.SHUTDOWN,
+}
+
+
+# -- events -----------------------------------------------------------------------
+
+
+def _non_negative_int(_inst: object, attribute: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidEvent(f"{attribute.name} must be an int >= 0, got {value!r}")
+
+
+@attrs.frozen
+class RunnerEvent:
+    """Base of the runner's events: every one names the process it is about."""
+
+    name: ClassVar[str]
+    runner_id: str = attrs.field(validator=attrs.validators.instance_of(str))
+    incarnation: int = attrs.field(validator=_non_negative_int)
+
+    def payload(self) -> dict[str, Any]:
+        return {}
+
+
+@attrs.frozen
+class Connect(RunnerEvent):
+    name = "connect"
+
+
+@attrs.frozen
+class Connected(RunnerEvent):
+    """This rank joined the distributed group."""
+
+    name = "connected"
+
+
+@attrs.frozen
+class Load(RunnerEvent):
+    name = "load"
+
+
+@attrs.frozen
+class Progress(RunnerEvent):
+    name = "progress"
+    layers_loaded: int = attrs.field(validator=_non_negative_int)
+    layers_total: int = attrs.field(validator=_non_negative_int)
+
+    def __attrs_post_init__(self) -> None:
+        if self.layers_total == 0 or self.layers_loaded > self.layers_total:
+            raise InvalidEvent(
+                f"progress must satisfy 0 <= layers_loaded <= layers_total and layers_total > 0, "
+                f"got {self.layers_loaded}/{self.layers_total}"
+            )
+
+    def payload(self) -> dict[str, Any]:
+        return {"layers_loaded": self.layers_loaded, "layers_total": self.layers_total}
+
+
+@attrs.frozen
+class WeightsLoaded(RunnerEvent):
+    name = "weights_loaded"
+
+
+@attrs.frozen
+class WarmUp(RunnerEvent):
+    name = "warm_up"
+
+
+@attrs.frozen
+class Warmed(RunnerEvent):
+    name = "warmed"
+
+
+@attrs.frozen
+class RequestStarted(RunnerEvent):
+    name = "request_started"
+
+
+@attrs.frozen
+class RequestFinished(RunnerEvent):
+    name = "request_finished"
+
+
+@attrs.frozen
+class Fail(RunnerEvent):
+    name = "fail"
+    failure: Failure = attrs.field(validator=attrs.validators.instance_of(Failure))
+
+    def payload(self) -> dict[str, Any]:
+        return {"failure": self.failure}
+
+
+@attrs.frozen
+class Stop(RunnerEvent):
+    name = "stop"
+
+
+@attrs.frozen
+class Exited(RunnerEvent):
+    """The process ended and was reaped. ``exit_code`` < 0 means killed by signal −code."""
+
+    name = "exited"
+    exit_code: int = attrs.field(validator=attrs.validators.instance_of(int))
+    detail: str = ""  # last stderr lines
+
+    def payload(self) -> dict[str, Any]:
+        return {"exit_code": self.exit_code, "detail": self.detail}
+
+
+# -- snapshot ---------------------------------------------------------------------
+
+
+@attrs.frozen
+class RunnerSnapshot:
+    runner_id: str
+    incarnation: int
+    rank: int
+    world_size: int
+    leaf: str
+    layers_loaded: int = 0
+    layers_total: int = 0
+    in_flight: int = 0
+    stop_requested: bool = False
+    failure: Failure | None = None
+
+
+# -- the machine ------------------------------------------------------------------
+
+
+class RunnerLifecycle(Lifecycle):
+    """One runner process, from spawn to reaping. See the module docstring."""
+
+    machine_name = "runner"
+    snapshot_type = RunnerSnapshot
+
+    idle = State(initial=True)
+
+    class connecting(State.Compound):
+        joining = State(initial=True)
+        joined = State()
+
+    class loading(State.Compound):
+        weights = State(initial=True)
+        loaded = State()
+        warming_up = State()
+
+    class ready(State.Compound):
+        available = State(initial=True)
+        busy = State()
+
+    failed = State()
+
+    class shutdown(State.Compound):
+        stopping = State(initial=True)
+        stopped = State(final=True)
+
+    connect = idle.to(connecting, cond="multi_rank")
+    connected = connecting.joining.to(connecting.joined)
+    load = idle.to(loading, cond="single_rank") | connecting.joined.to(loading)
+    progress = loading.weights.to.itself(internal=True, on="_record_progress")
+    weights_loaded = loading.weights.to(loading.loaded, on="_record_all_layers")
+    warm_up = loading.loaded.to(loading.warming_up)
+    warmed = loading.warming_up.to(ready)
+    request_started = ready.available.to(ready.busy, on="_request_in") | ready.busy.to.itself(
+        internal=True, on="_request_in"
+    )
+    request_finished = ready.busy.to(ready.available, cond="last_request", on="_request_out") | ready.busy.to.itself(
+        internal=True, unless="last_request", on="_request_out"
+    )
+    fail = (
+        idle.to(failed) | connecting.to(failed) | loading.to(failed) | ready.to(failed) | shutdown.stopping.to(failed)
+    )
+    stop = (
+        idle.to(shutdown)
+        | connecting.to(shutdown)
+        | loading.to(shutdown)
+        | ready.to(shutdown)
+        | failed.to.itself(internal=True, on="_record_stop_request")
+    )
+    exited = (
+        shutdown.stopping.to(shutdown.stopped)
+        | failed.to(shutdown.stopped)
+        | idle.to(failed, on="_exit_while_running")
+        | connecting.to(failed, on="_exit_while_running")
+        | loading.to(failed, on="_exit_while_running")
+        | ready.to(failed, on="_exit_while_running")
+    )
+
+    def __init__(
+        self,
+        runner_id: str,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        incarnation: int = 0,
+        _snapshot: RunnerSnapshot | None = None,
+    ) -> None:
+        if not isinstance(runner_id, str) or not runner_id:
+            raise InvalidConfig(f"runner_id must be a non-empty str, got {runner_id!r}")
+        for label, value, low in (("world_size", world_size, 1), ("rank", rank, 0), ("incarnation", incarnation, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise InvalidConfig(f"{label} must be an int >= {low}, got {value!r}")
+        if rank >= world_size:
+            raise InvalidConfig(f"rank {rank} is out of range for world_size {world_size}")
+        snap = _snapshot or RunnerSnapshot(runner_id, incarnation, rank, world_size, leaf="idle")
+        self.runner_id = snap.runner_id
+        self.incarnation = snap.incarnation
+        self.rank = snap.rank
+        self.world_size = snap.world_size
+        self.layers_loaded = snap.layers_loaded
+        self.layers_total = snap.layers_total
+        self.in_flight = snap.in_flight
+        self.stop_requested = snap.stop_requested
+        self.failure: Failure | None = snap.failure
+        super().__init__(start_leaf=snap.leaf if _snapshot else None)
+
+    # -- guards -------------------------------------------------------------
+
+    @property
+    def multi_rank(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def single_rank(self) -> bool:
+        return self.world_size == 1
+
+    @property
+    def last_request(self) -> bool:
+        return self.in_flight == 1
+
+    # -- actions ------------------------------------------------------------
+
+    def _record_progress(self, layers_loaded: int, layers_total: int) -> None:
+        self.layers_loaded, self.layers_total = layers_loaded, layers_total
+
+    def _record_all_layers(self) -> None:
+        self.layers_loaded = self.layers_total
+
+    def _request_in(self) -> None:
+        self.in_flight += 1
+
+    def _request_out(self) -> None:
+        self.in_flight -= 1
+
+    def on_enter_failed(self, failure: Failure | None = None) -> None:
+        if failure is not None:
+            self.failure = failure
+        self.in_flight = 0
+
+    def _record_stop_request(self) -> None:
+        self.stop_requested = True
+
+    def on_enter_shutdown(self) -> None:
+        self.stop_requested = True
+        self.in_flight = 0
+
+    def _exit_while_running(self, exit_code: int, detail: str = "") -> None:
+        self.failure = Failure.exited(exit_code, detail)
+        self.raise_("exited")  # the process is gone: Failed leads straight on to Shutdown.stopped
+
+    def _why_refused(self, event: str) -> str:
+        if event == "connect" and self.leaf == "idle":
+            return "connect needs world_size > 1; a single rank goes straight to load"
+        if event == "load" and self.leaf == "idle":
+            return "a multi-rank runner must connect (join its group) before it loads"
+        if self.leaf == "failed":
+            return "a Failed runner is never revived: stop it, reap it, start a new incarnation"
+        return ""
+
+    # -- the typed door -----------------------------------------------------
+
+    def apply(self, event: RunnerEvent) -> Outcome:
+        """Handle an event about this runner; stale incarnations are ignored, not errors."""
+        if not isinstance(event, RunnerEvent):
+            raise InvalidEvent(f"expected a RunnerEvent, got {type(event).__name__}")
+        if event.runner_id != self.runner_id:
+            raise InvalidEvent(f"event for runner {event.runner_id!r} sent to runner {self.runner_id!r}")
+        if event.incarnation < self.incarnation:
+            return Outcome.ignored(f"stale incarnation {event.incarnation} < {self.incarnation}")
+        if event.incarnation > self.incarnation:
+            raise IncarnationMismatch(
+                f"runner {self.runner_id!r} is incarnation {self.incarnation}; "
+                f"event names {event.incarnation}: create a new RunnerLifecycle for it"
+            )
+        return self._fire(event.name, **event.payload())
+
+    # -- views ----------------------------------------------------------------
+
+    @property
+    def runner_state(self) -> RunnerState:
+        return RunnerState(self.top.id)
+
+    @property
+    def phase(self) -> RunnerPhase | None:
+        return None if self.leaf == self.top.id else RunnerPhase(self.leaf)
+
+    @property
+    def alive(self) -> bool:
+        """False only once the process has been reaped."""
+        return self.leaf != RunnerPhase.STOPPED.value
+
+    def snapshot(self) -> RunnerSnapshot:
+        return RunnerSnapshot(
+            runner_id=self.runner_id,
+            incarnation=self.incarnation,
+            rank=self.rank,
+            world_size=self.world_size,
+            leaf=self.leaf,
+            layers_loaded=self.layers_loaded,
+            layers_total=self.layers_total,
+            in_flight=self.in_flight,
+            stop_requested=self.stop_requested,
+            failure=self.failure,
+        )
+
+    @classmethod
+    def from_snapshot(cls, snapshot: RunnerSnapshot) -> RunnerLifecycle:
+        cls._check_leaf(snapshot.leaf)
+        return cls(
+            snapshot.runner_id,
+            rank=snapshot.rank,
+            world_size=snapshot.world_size,
+            incarnation=snapshot.incarnation,
+            _snapshot=snapshot,
+        )
+
+
+def phase_parent(phase: RunnerPhase) -> RunnerState:
+    """The top-level state a sub-phase belongs to."""
+    return _PARENT[phase]

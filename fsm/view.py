@@ -1,0 +1,179 @@
+"""The planner's input: an immutable snapshot of the cluster as one node sees it.
+
+Every field is plain data (attrs, frozen). The daemon builds a view from its
+machines (the ``of`` constructors) or from what other nodes reported; tests
+build views by hand. Runner statuses are keyed by runner id and hold the
+*latest* incarnation of each slot, failure included: that a runner failed stays
+visible after it was reaped, which the sibling rule of `fsm.plan` relies on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import attrs
+
+from fsm.download import DownloadLifecycle, DownloadState
+from fsm.errors import InvalidConfig
+from fsm.failure import Failure
+from fsm.instance import DeleteReason, InstanceRetry, InstanceState
+from fsm.runner import RunnerLifecycle, RunnerPhase, RunnerState
+
+
+@attrs.frozen
+class RunnerStatus:
+    runner_id: str
+    instance_id: str
+    node_id: str
+    rank: int
+    incarnation: int  # the instance generation this process was created for
+    state: RunnerState
+    phase: RunnerPhase | None = None
+    layers_loaded: int = 0
+    layers_total: int = 0
+    in_flight: int = 0
+    stop_requested: bool = False
+    failure: Failure | None = None
+
+    @property
+    def alive(self) -> bool:
+        """The process exists (not yet reaped)."""
+        return self.phase is not RunnerPhase.STOPPED
+
+    @property
+    def failed(self) -> bool:
+        """This incarnation failed, whether or not it has been reaped since."""
+        return self.failure is not None
+
+    @classmethod
+    def of(cls, machine: RunnerLifecycle, *, instance_id: str, node_id: str) -> RunnerStatus:
+        return cls(
+            runner_id=machine.runner_id,
+            instance_id=instance_id,
+            node_id=node_id,
+            rank=machine.rank,
+            incarnation=machine.incarnation,
+            state=machine.runner_state,
+            phase=machine.phase,
+            layers_loaded=machine.layers_loaded,
+            layers_total=machine.layers_total,
+            in_flight=machine.in_flight,
+            stop_requested=machine.stop_requested,
+            failure=machine.failure,
+        )
+
+
+@attrs.frozen
+class Slot:
+    """Rank ``rank`` of an instance runs as ``runner_id`` on ``node_id``."""
+
+    rank: int
+    node_id: str
+    runner_id: str
+
+
+@attrs.frozen
+class RetryStatus:
+    state: InstanceState
+    generation: int = 0
+    attempts: int = 0
+    max_retries: int = 5
+    deadline: float | None = None
+    delete_reason: DeleteReason | None = None
+
+    @classmethod
+    def of(cls, machine: InstanceRetry) -> RetryStatus:
+        return cls(
+            state=machine.instance_state,
+            generation=machine.generation,
+            attempts=machine.attempts,
+            max_retries=machine.policy.max_retries,
+            deadline=machine.deadline,
+            delete_reason=machine.delete_reason,
+        )
+
+
+def _slots(value: object) -> tuple[Slot, ...]:
+    slots = tuple(value)  # type: ignore[arg-type]
+    if not slots or [s.rank for s in slots] != list(range(len(slots))):
+        raise InvalidConfig(f"slots must list ranks 0..N-1 in order, got {[getattr(s, 'rank', s) for s in slots]}")
+    if len({s.runner_id for s in slots}) != len(slots):
+        raise InvalidConfig("every slot needs its own runner_id")
+    return slots
+
+
+@attrs.frozen
+class InstanceView:
+    instance_id: str
+    model_id: str
+    slots: tuple[Slot, ...] = attrs.field(converter=_slots)
+    retry: RetryStatus = RetryStatus(InstanceState.PENDING)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.slots)
+
+    @property
+    def node_to_runner(self) -> Mapping[str, str]:
+        """exo's shape of the assignment (a node may host several ranks: the last wins here)."""
+        return {s.node_id: s.runner_id for s in self.slots}
+
+    @property
+    def nodes(self) -> frozenset[str]:
+        return frozenset(s.node_id for s in self.slots)
+
+    @property
+    def leader(self) -> str:
+        """The node of rank 0: the one that issues instance-level actions."""
+        return self.slots[0].node_id
+
+
+@attrs.frozen
+class DownloadStatus:
+    node_id: str
+    model_id: str
+    state: DownloadState
+    attempts: int = 0
+    retry_at: float | None = None
+
+    @classmethod
+    def of(cls, machine: DownloadLifecycle, *, node_id: str) -> DownloadStatus:
+        return cls(node_id, machine.model_id, machine.download_state, machine.attempts, machine.retry_at)
+
+
+@attrs.frozen
+class PendingRequest:
+    request_id: str
+    instance_id: str
+
+
+@attrs.frozen
+class ClusterView:
+    instances: Mapping[str, InstanceView] = attrs.field(factory=dict, converter=dict)
+    runners: Mapping[str, RunnerStatus] = attrs.field(factory=dict, converter=dict)
+    downloads: Mapping[tuple[str, str], DownloadStatus] = attrs.field(factory=dict, converter=dict)
+    requests: tuple[PendingRequest, ...] = attrs.field(default=(), converter=tuple)
+
+    @classmethod
+    def build(
+        cls,
+        instances: list[InstanceView] | tuple[InstanceView, ...] = (),
+        runners: list[RunnerStatus] | tuple[RunnerStatus, ...] = (),
+        downloads: list[DownloadStatus] | tuple[DownloadStatus, ...] = (),
+        requests: list[PendingRequest] | tuple[PendingRequest, ...] = (),
+    ) -> ClusterView:
+        """Key the lists the way the planner looks them up."""
+        return cls(
+            {i.instance_id: i for i in instances},
+            {r.runner_id: r for r in runners},
+            {(d.node_id, d.model_id): d for d in downloads},
+            requests,
+        )
+
+    def slot_runners(self, instance: InstanceView) -> Iterator[tuple[Slot, RunnerStatus | None]]:
+        """Each slot with the latest status of its runner (None if never created)."""
+        for slot in instance.slots:
+            yield slot, self.runners.get(slot.runner_id)
+
+    def download(self, node_id: str, model_id: str) -> DownloadStatus | None:
+        return self.downloads.get((node_id, model_id))
