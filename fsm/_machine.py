@@ -18,7 +18,7 @@ import cattrs
 from statemachine import State, StateMachine
 from statemachine.exceptions import TransitionNotAllowed
 
-from fsm.errors import IllegalTransition, SnapshotError, UnknownEvent
+from fsm.errors import IllegalTransition, InvalidConfig, SnapshotError, UnknownEvent
 
 converter = cattrs.Converter(forbid_extra_keys=True)
 
@@ -122,7 +122,10 @@ class Lifecycle(StateMachine):
             snapshot = converter.structure(body, cls.snapshot_type)
         except (cattrs.BaseValidationError, ValueError, TypeError, KeyError) as exc:
             raise SnapshotError(f"invalid {cls.machine_name} snapshot: {exc}") from exc
-        return cls.from_snapshot(snapshot, **kwargs)
+        try:
+            return cls.from_snapshot(snapshot, **kwargs)
+        except InvalidConfig as exc:
+            raise SnapshotError(f"invalid {cls.machine_name} snapshot: {exc}") from exc
 
     @classmethod
     def from_snapshot(cls, snapshot: Any, **kwargs: Any) -> Self:  # pragma: no cover

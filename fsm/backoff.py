@@ -18,8 +18,18 @@ from fsm.errors import InvalidConfig
 K = TypeVar("K")
 
 
+def _finite_float(attribute: attrs.Attribute, value: object) -> float:
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        number = math.nan
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(number):
+        raise InvalidConfig(f"{attribute.name} must be a finite number, got {value!r}")
+    return number
+
+
 def _positive(_inst: object, attribute: attrs.Attribute, value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+    if _finite_float(attribute, value) <= 0:
         raise InvalidConfig(f"{attribute.name} must be a finite number > 0, got {value!r}")
 
 
@@ -39,7 +49,7 @@ class Backoff:
 
     @factor.validator
     def _check_factor(self, _attribute: attrs.Attribute, value: float) -> None:
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 1):
+        if _finite_float(_attribute, value) < 1:
             raise InvalidConfig(f"factor must be a finite number >= 1, got {value!r}")
 
     def __attrs_post_init__(self) -> None:
@@ -53,8 +63,9 @@ class Backoff:
         if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
             raise InvalidConfig(f"attempt must be an int >= 1, got {attempt!r}")
         exponent = attempt - 1
-        # Compare in log space so that factor**exponent is never computed when it would overflow.
-        if self.factor > 1 and exponent * math.log(self.factor) >= math.log(self.cap / self.initial):
+        # Compare exponents (int vs float compares exactly, whatever the int's size) so that
+        # factor**exponent is only computed when it stays below cap / initial.
+        if self.factor > 1 and exponent >= (math.log(self.cap) - math.log(self.initial)) / math.log(self.factor):
             return self.cap
         return min(self.cap, self.initial * self.factor**exponent)
 

@@ -74,7 +74,7 @@ def next_deadline(view: ClusterView, node_id: str, now: float) -> float | None:
     times = [
         inst.retry.deadline
         for inst in view.instances.values()
-        if inst.retry.state is InstanceState.BACKING_OFF and node_id in inst.nodes
+        if inst.retry.state in (InstanceState.BACKING_OFF, InstanceState.STARTING) and node_id in inst.nodes
     ]
     times += [
         d.retry_at for (node, _), d in view.downloads.items() if node == node_id and d.state is DownloadState.FAILED
@@ -261,8 +261,11 @@ def _load_models(view: ClusterView, node_id: str) -> Iterator[Action]:
 
 
 def _warm_up_runners(view: ClusterView, node_id: str) -> Iterator[Action]:
-    """Ranks > 0 warm up when all ranks are loaded or warming; rank 0 when all others are warming (or Ready)."""
-    loaded_or_warming = (RunnerPhase.LOADED, RunnerPhase.WARMING_UP)
+    """Ranks > 0 warm up when all ranks are loaded or warming; rank 0 when all others are warming.
+
+    Both read "or already past it" (Ready): a rank that finished warming alone must not block the rest.
+    """
+    loaded_or_warming = (RunnerPhase.LOADED, RunnerPhase.WARMING_UP, RunnerPhase.AVAILABLE, RunnerPhase.BUSY)
     for inst in view.instances.values():
         if inst.retry.state is not InstanceState.STARTING:
             continue
@@ -271,7 +274,7 @@ def _warm_up_runners(view: ClusterView, node_id: str) -> Iterator[Action]:
             if runner.phase is not RunnerPhase.LOADED:
                 continue
             others = [r for r in current if r is None or r.rank != runner.rank]
-            if runner.rank == 0:  # "or past it": a rank that warmed up alone must not block rank 0
+            if runner.rank == 0:
                 ok = all(
                     r is not None and (r.phase is RunnerPhase.WARMING_UP or r.state is RunnerState.READY)
                     for r in others

@@ -43,7 +43,7 @@ class RunnerStatus:
     @property
     def failed(self) -> bool:
         """This incarnation failed, whether or not it has been reaped since."""
-        return self.failure is not None
+        return self.failure is not None or self.state is RunnerState.FAILED
 
     @classmethod
     def of(cls, machine: RunnerLifecycle, *, instance_id: str, node_id: str) -> RunnerStatus:

@@ -1,0 +1,86 @@
+"""fsm.cluster.Cluster: how runner transitions reach their instance, and its refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+import fsm
+from fsm import runner as rn
+from fsm.cluster import Cluster
+
+SLOTS = [fsm.Slot(0, "a", "i/0"), fsm.Slot(1, "b", "i/1")]
+
+
+def two_rank_cluster() -> Cluster:
+    cluster = Cluster()
+    cluster.place("i", "org/m", SLOTS)
+    cluster.execute(fsm.StartGeneration("i", 1), 0.0)
+    for slot in SLOTS:
+        cluster.execute(fsm.CreateRunner("i", slot.runner_id, slot.node_id, slot.rank, 2, 1, "org/m"), 0.0)
+    return cluster
+
+
+def test_runner_failure_reaches_the_instance_and_reaping_arms_the_backoff():
+    cluster = two_rank_cluster()
+    cluster.runner_event(rn.Fail("i/1", 1, failure=fsm.Failure.stalled("joining", 5)), 1.0)
+    assert cluster.instance("i").instance_state is fsm.InstanceState.RECOVERING
+    assert cluster.instance("i").last_failure.kind is fsm.FailureKind.STALL
+    cluster.runner_event(rn.Exited("i/1", 1, exit_code=-15), 2.0)
+    cluster.execute(fsm.StopRunner("i/0", 1, fsm.StopReason.SIBLING_FAILED), 2.0)
+    cluster.runner_event(rn.Exited("i/0", 1, exit_code=0), 3.0)
+    machine = cluster.instance("i")
+    assert (machine.instance_state, machine.deadline) == (fsm.InstanceState.BACKING_OFF, 5.0)
+    assert cluster.runner("i/0").failure is None  # stopped on request: not a failure
+    logged = [(e.machine, e.key, e.source, e.target) for e in cluster.log]
+    assert ("instance", "i", "recovering", "backing_off") in logged
+    assert ("runner", "i/1", "failed", "stopped") in logged
+
+
+def test_place_refuses_duplicates_and_shared_runner_ids():
+    cluster = Cluster()
+    cluster.place("i", "org/m", SLOTS)
+    with pytest.raises(fsm.InvalidConfig, match="already exists"):
+        cluster.place("i", "org/m", SLOTS)
+    with pytest.raises(fsm.InvalidConfig, match="runner ids"):
+        cluster.place("j", "org/m", SLOTS)
+    with pytest.raises(fsm.InvalidConfig, match="ranks"):
+        cluster.place("k", "org/m", [fsm.Slot(1, "a", "k/1")])
+    assert list(cluster.instances) == ["i"]
+
+
+def test_create_refuses_a_second_live_incarnation():
+    cluster = two_rank_cluster()
+    with pytest.raises(fsm.InvalidEvent, match="alive"):
+        cluster.execute(fsm.CreateRunner("i", "i/0", "a", 0, 2, 2, "org/m"), 1.0)
+    assert cluster.runner("i/0").incarnation == 1
+
+
+def test_forget_only_a_deleted_instance_without_live_runners():
+    cluster = two_rank_cluster()
+    with pytest.raises(fsm.InvalidConfig, match="not deleted"):
+        cluster.forget("i")
+    cluster.delete("i", 1.0)
+    with pytest.raises(fsm.InvalidConfig, match="live runners"):
+        cluster.forget("i")
+    for rid in ("i/0", "i/1"):
+        cluster.execute(fsm.StopRunner(rid, 1, fsm.StopReason.INSTANCE_GONE), 1.0)
+        cluster.runner_event(rn.Exited(rid, 1, exit_code=0), 1.0)
+    cluster.forget("i")
+    assert cluster.instances == {} and cluster.runners == {}
+    cluster.place("i", "org/m", SLOTS)  # a fresh placement starts with a fresh budget
+    assert cluster.instance("i").attempts == 0
+
+
+def test_round_trip_through_dict():
+    cluster = two_rank_cluster()
+    cluster.add_request("r1", "i")
+    cluster.execute(fsm.StartDownload("a", "org/m"), 0.5)
+    restored = Cluster.from_dict(cluster.to_dict())
+    assert restored.to_dict() == cluster.to_dict()
+    assert restored.view() == cluster.view()
+
+
+def test_snapshot_with_impossible_values_is_a_snapshot_error():
+    data = fsm.RunnerLifecycle("r").to_dict()
+    with pytest.raises(fsm.SnapshotError, match="rank"):
+        fsm.RunnerLifecycle.from_dict({**data, "rank": 3})

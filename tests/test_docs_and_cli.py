@@ -1,0 +1,65 @@
+"""The README's example, the examples/ programs and the exod CLI run and say what they claim."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from click.testing import CliRunner
+
+import fsm
+from exod.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_readme_example_runs_and_prints_what_it_claims():
+    readme = (ROOT / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), {})
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "connecting.joined"
+    assert lines[1] == "[('joined', 'failed'), ('failed', 'stopped')]"
+    assert lines[2] == "runner exited unexpectedly with code 0"
+    assert lines[3] == "InstanceState.BACKING_OFF 3.5"
+    assert lines[4] == "30.0"
+    assert lines[5].startswith("[StartGeneration(instance_id='demo', generation=1), StartDownload(")
+
+
+def test_drive_machines_example_recovers_after_a_kill():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "drive_machines.py")], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "runner killed by SIGKILL" in out
+    assert re.search(r"t=\s*5\.0\s+instance demo\s+recovering → backing_off", out)
+    assert re.search(r"t=\s*7\.0\s+instance demo\s+backing_off → starting", out)  # 2 s backoff
+    assert out.rstrip().endswith("instance demo: ready, generation 2, attempts 1")
+
+
+def test_cli_version_and_machines():
+    runner = CliRunner()
+    assert runner.invoke(main, ["--version"]).output.strip() == f"exod, version {fsm.__version__}"
+    result = runner.invoke(main, ["machines"])
+    assert result.exit_code == 0
+    rows = {line.split()[0]: line.split()[1:] for line in result.output.splitlines()}
+    assert rows["runner"][0] == "RunnerLifecycle" and "warming_up" in rows["runner"]
+    assert rows["instance"][0] == "InstanceRetry" and "backing_off" in rows["instance"]
+    assert rows["download"][0] == "DownloadLifecycle"
+
+
+def test_package_imports_as_documented():
+    out = subprocess.run(
+        [sys.executable, "-c", "import fsm; print(fsm.RunnerLifecycle, fsm.InstanceRetry, fsm.plan)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "fsm.runner.RunnerLifecycle" in out and "fsm.instance.InstanceRetry" in out and "function plan" in out

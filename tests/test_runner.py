@@ -1,0 +1,732 @@
+"""RunnerLifecycle: every transition, guard and rule, driven through ``apply``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from fsm import (
+    Failure,
+    FailureKind,
+    IllegalTransition,
+    IncarnationMismatch,
+    InvalidConfig,
+    InvalidEvent,
+    Outcome,
+    RunnerLifecycle,
+    RunnerPhase,
+    RunnerState,
+    SnapshotError,
+    Step,
+    UnknownEvent,
+)
+from fsm.runner import (
+    Connect,
+    Connected,
+    Exited,
+    Fail,
+    Load,
+    Progress,
+    RequestFinished,
+    RequestStarted,
+    RunnerEvent,
+    Stop,
+    Warmed,
+    WarmUp,
+    WeightsLoaded,
+    phase_parent,
+)
+
+RID = "runner-a"
+INC = 3
+STALL = Failure.stalled("weights", 60)
+
+
+def make(name: str, *, runner_id: str = RID, incarnation: int = INC, **overrides: Any) -> RunnerEvent:
+    """One event of each kind, with a plausible default payload."""
+    if name == "progress":
+        return Progress(runner_id, incarnation, overrides.get("layers_loaded", 4), overrides.get("layers_total", 10))
+    if name == "fail":
+        return Fail(runner_id, incarnation, overrides.get("failure", STALL))
+    if name == "exited":
+        return Exited(runner_id, incarnation, overrides.get("exit_code", 0), overrides.get("detail", ""))
+    simple: dict[str, Callable[[str, int], RunnerEvent]] = {
+        "connect": Connect,
+        "connected": Connected,
+        "load": Load,
+        "weights_loaded": WeightsLoaded,
+        "warm_up": WarmUp,
+        "warmed": Warmed,
+        "request_started": RequestStarted,
+        "request_finished": RequestFinished,
+        "stop": Stop,
+    }
+    return simple[name](runner_id, incarnation)
+
+
+EVENTS = [
+    "connect",
+    "connected",
+    "load",
+    "progress",
+    "weights_loaded",
+    "warm_up",
+    "warmed",
+    "request_started",
+    "request_finished",
+    "fail",
+    "stop",
+    "exited",
+]
+
+# How to reach each leaf: (world_size, events from a fresh machine, expected dotted path).
+ROUTES: dict[str, tuple[int, list[str], str]] = {
+    "idle/single": (1, [], "idle"),
+    "idle/multi": (2, [], "idle"),
+    "joining": (2, ["connect"], "connecting.joining"),
+    "joined": (2, ["connect", "connected"], "connecting.joined"),
+    "weights/single": (1, ["load"], "loading.weights"),
+    "weights/multi": (2, ["connect", "connected", "load"], "loading.weights"),
+    "loaded": (1, ["load", "progress", "weights_loaded"], "loading.loaded"),
+    "warming_up": (1, ["load", "weights_loaded", "warm_up"], "loading.warming_up"),
+    "available": (1, ["load", "weights_loaded", "warm_up", "warmed"], "ready.available"),
+    "busy": (1, ["load", "weights_loaded", "warm_up", "warmed", "request_started"], "ready.busy"),
+    "failed": (2, ["connect", "fail"], "failed"),
+    "stopping": (2, ["connect", "stop"], "shutdown.stopping"),
+    "stopped": (2, ["connect", "stop", "exited"], "shutdown.stopped"),
+}
+
+# Allowed (route, event) -> expected path afterwards; every other pair must be refused.
+F, STOPPING, STOPPED = "failed", "shutdown.stopping", "shutdown.stopped"
+_RUNNING = {"fail": F, "stop": STOPPING, "exited": STOPPED}
+ALLOWED: dict[str, dict[str, str]] = {
+    "idle/single": {"load": "loading.weights", **_RUNNING},
+    "idle/multi": {"connect": "connecting.joining", **_RUNNING},
+    "joining": {"connected": "connecting.joined", **_RUNNING},
+    "joined": {"load": "loading.weights", **_RUNNING},
+    "weights/single": {"progress": "loading.weights", "weights_loaded": "loading.loaded", **_RUNNING},
+    "weights/multi": {"progress": "loading.weights", "weights_loaded": "loading.loaded", **_RUNNING},
+    "loaded": {"warm_up": "loading.warming_up", **_RUNNING},
+    "warming_up": {"warmed": "ready.available", **_RUNNING},
+    "available": {"request_started": "ready.busy", **_RUNNING},
+    "busy": {"request_started": "ready.busy", "request_finished": "ready.available", **_RUNNING},
+    "failed": {"stop": F, "exited": STOPPED},
+    "stopping": {"fail": F, "exited": STOPPED},
+    "stopped": {},
+}
+
+
+def drive(route: str, *, rank: int = 0, incarnation: int = INC) -> RunnerLifecycle:
+    world_size, events, path = ROUTES[route]
+    machine = RunnerLifecycle(RID, rank=min(rank, world_size - 1), world_size=world_size, incarnation=incarnation)
+    for name in events:
+        assert machine.apply(make(name, incarnation=incarnation)).accepted
+    assert machine.path == path
+    return machine
+
+
+def new(world_size: int = 1, **kwargs: Any) -> RunnerLifecycle:
+    return RunnerLifecycle(RID, world_size=world_size, incarnation=INC, **kwargs)
+
+
+def assert_refused(machine: RunnerLifecycle, event: RunnerEvent, match: str | None = None) -> IllegalTransition:
+    before, path = machine.to_dict(), machine.path
+    with pytest.raises(IllegalTransition, match=match) as info:
+        machine.apply(event)
+    assert machine.to_dict() == before
+    assert machine.path == path
+    assert info.value.machine == "runner"
+    assert info.value.event == event.name
+    assert info.value.state == path
+    return info.value
+
+
+# -- the full transition table ---------------------------------------------------------
+
+
+def test_routes_and_table_cover_every_leaf() -> None:
+    leaves = {path.rsplit(".", 1)[-1] for _, _, path in ROUTES.values()}
+    assert leaves == {phase.value for phase in RunnerPhase} | {"idle", "failed"}
+    assert set(ALLOWED) == set(ROUTES)
+    assert {e.id for e in RunnerLifecycle(RID).events} == set(EVENTS)
+
+
+@pytest.mark.parametrize("event", EVENTS)
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_transition_table(route: str, event: str) -> None:
+    machine = drive(route)
+    expected = ALLOWED[route].get(event)
+    if expected is None:
+        assert_refused(machine, make(event))
+    else:
+        outcome = machine.apply(make(event))
+        assert outcome.accepted
+        assert machine.path == expected
+
+
+# -- construction --------------------------------------------------------------------------
+
+
+def test_fresh_machine_is_idle() -> None:
+    machine = RunnerLifecycle(RID, rank=1, world_size=4, incarnation=7)
+    assert machine.path == "idle"
+    assert machine.leaf == "idle"
+    assert machine.runner_state is RunnerState.IDLE
+    assert machine.phase is None
+    assert machine.alive
+    assert machine.failure is None
+    assert (machine.rank, machine.world_size, machine.incarnation) == (1, 4, 7)
+    assert (machine.layers_loaded, machine.layers_total, machine.in_flight, machine.stop_requested) == (0, 0, 0, False)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [
+        pytest.param(("",), {}, id="empty-id"),
+        pytest.param((None,), {}, id="none-id"),
+        pytest.param((5,), {}, id="int-id"),
+        pytest.param((RID,), {"world_size": 0}, id="world-size-zero"),
+        pytest.param((RID,), {"world_size": -1}, id="world-size-negative"),
+        pytest.param((RID,), {"world_size": True}, id="world-size-bool"),
+        pytest.param((RID,), {"world_size": 2.0}, id="world-size-float"),
+        pytest.param((RID,), {"rank": 1, "world_size": 1}, id="rank-equals-world-size"),
+        pytest.param((RID,), {"rank": 4, "world_size": 2}, id="rank-above-world-size"),
+        pytest.param((RID,), {"rank": -1, "world_size": 2}, id="rank-negative"),
+        pytest.param((RID,), {"incarnation": -1}, id="incarnation-negative"),
+        pytest.param((RID,), {"incarnation": "1"}, id="incarnation-str"),
+    ],
+)
+def test_invalid_constructor_args_raise_invalid_config(args: tuple, kwargs: dict) -> None:
+    with pytest.raises(InvalidConfig):
+        RunnerLifecycle(*args, **kwargs)
+
+
+def test_rank_out_of_range_message_names_both() -> None:
+    with pytest.raises(InvalidConfig, match="rank 2 is out of range for world_size 2"):
+        RunnerLifecycle(RID, rank=2, world_size=2)
+
+
+# -- connect / load guards ---------------------------------------------------------------------
+
+
+def test_connect_from_idle_multi_rank() -> None:
+    machine = new(world_size=2)
+    outcome = machine.apply(make("connect"))
+    assert outcome == Outcome(accepted=True, steps=(Step("connect", "idle", "joining"),))
+    assert machine.runner_state is RunnerState.CONNECTING
+    assert machine.phase is RunnerPhase.JOINING
+
+
+def test_connect_single_rank_is_refused_with_reason() -> None:
+    error = assert_refused(new(world_size=1), make("connect"), match="world_size > 1")
+    assert "single rank goes straight to load" in str(error)
+
+
+@pytest.mark.parametrize("route", ["joining", "joined", "weights/multi", "available", "stopping", "stopped"])
+def test_connect_only_from_idle(route: str) -> None:
+    assert_refused(drive(route), make("connect"))
+
+
+def test_connected_then_load_from_joined() -> None:
+    machine = new(world_size=2)
+    machine.apply(make("connect"))
+    assert machine.apply(make("connected")).steps == (Step("connected", "joining", "joined"),)
+    assert machine.phase is RunnerPhase.JOINED
+    assert machine.apply(make("load")).steps == (Step("load", "joined", "weights"),)
+    assert machine.path == "loading.weights"
+
+
+def test_load_from_joining_is_refused() -> None:
+    machine = new(world_size=2)
+    machine.apply(make("connect"))
+    assert_refused(machine, make("load"))
+
+
+def test_single_rank_loads_straight_from_idle() -> None:
+    machine = new(world_size=1)
+    outcome = machine.apply(make("load"))
+    assert outcome.steps == (Step("load", "idle", "weights"),)
+    assert machine.runner_state is RunnerState.LOADING
+    assert machine.phase is RunnerPhase.WEIGHTS
+
+
+@pytest.mark.parametrize("world_size", [2, 8])
+def test_multi_rank_load_from_idle_is_refused_with_reason(world_size: int) -> None:
+    assert_refused(new(world_size=world_size), make("load"), match="must connect")
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+
+def test_progress_records_layers_and_stays_in_weights() -> None:
+    machine = drive("weights/single")
+    outcome = machine.apply(make("progress", layers_loaded=3, layers_total=40))
+    assert outcome == Outcome(accepted=True, steps=())
+    assert (machine.layers_loaded, machine.layers_total) == (3, 40)
+    machine.apply(make("progress", layers_loaded=40, layers_total=40))
+    assert (machine.layers_loaded, machine.layers_total) == (40, 40)
+    assert machine.path == "loading.weights"
+
+
+def test_progress_zero_of_n_is_valid() -> None:
+    machine = drive("weights/single")
+    machine.apply(make("progress", layers_loaded=0, layers_total=1))
+    assert (machine.layers_loaded, machine.layers_total) == (0, 1)
+
+
+@pytest.mark.parametrize("route", ["idle/single", "joined", "loaded", "warming_up", "available", "busy", "failed"])
+def test_progress_only_in_weights(route: str) -> None:
+    assert_refused(drive(route), make("progress"))
+
+
+@pytest.mark.parametrize(
+    ("loaded", "total"),
+    [(11, 10), (1, 0), (0, 0), (-1, 10), (1, -1), (True, 10), (1.5, 10), (1, "10")],
+)
+def test_invalid_progress_raises_invalid_event_at_construction(loaded: Any, total: Any) -> None:
+    with pytest.raises(InvalidEvent):
+        Progress(RID, INC, loaded, total)
+
+
+def test_weights_loaded_sets_all_layers() -> None:
+    machine = drive("weights/single")
+    machine.apply(make("progress", layers_loaded=7, layers_total=32))
+    outcome = machine.apply(make("weights_loaded"))
+    assert outcome.steps == (Step("weights_loaded", "weights", "loaded"),)
+    assert (machine.layers_loaded, machine.layers_total) == (32, 32)
+    assert machine.phase is RunnerPhase.LOADED
+
+
+def test_warm_up_and_warmed_reach_ready_available() -> None:
+    machine = drive("loaded")
+    assert machine.apply(make("warm_up")).steps == (Step("warm_up", "loaded", "warming_up"),)
+    assert machine.apply(make("warmed")).steps == (Step("warmed", "warming_up", "available"),)
+    assert machine.runner_state is RunnerState.READY
+    assert machine.phase is RunnerPhase.AVAILABLE
+    assert machine.in_flight == 0
+
+
+# -- ready: available ⇄ busy ---------------------------------------------------------------
+
+
+def test_requests_count_in_flight() -> None:
+    machine = drive("available")
+    assert machine.apply(make("request_started")).steps == (Step("request_started", "available", "busy"),)
+    assert (machine.path, machine.in_flight) == ("ready.busy", 1)
+    assert machine.apply(make("request_started")).steps == ()
+    assert (machine.path, machine.in_flight) == ("ready.busy", 2)
+    assert machine.apply(make("request_finished")).steps == ()
+    assert (machine.path, machine.in_flight) == ("ready.busy", 1)
+    assert machine.apply(make("request_finished")).steps == (Step("request_finished", "busy", "available"),)
+    assert (machine.path, machine.in_flight) == ("ready.available", 0)
+
+
+def test_request_finished_when_available_is_refused() -> None:
+    machine = drive("available")
+    assert_refused(machine, make("request_finished"))
+    assert machine.in_flight == 0
+
+
+def test_many_requests_return_to_available_only_after_the_last() -> None:
+    machine = drive("available")
+    for _ in range(5):
+        machine.apply(make("request_started"))
+    for remaining in (4, 3, 2, 1):
+        machine.apply(make("request_finished"))
+        assert (machine.path, machine.in_flight) == ("ready.busy", remaining)
+    machine.apply(make("request_finished"))
+    assert (machine.path, machine.in_flight) == ("ready.available", 0)
+
+
+# -- fail -------------------------------------------------------------------------------------------------
+
+NON_FINAL = [
+    "idle/single",
+    "idle/multi",
+    "joining",
+    "joined",
+    "weights/single",
+    "weights/multi",
+    "loaded",
+    "warming_up",
+    "available",
+    "busy",
+    "stopping",
+]
+
+
+@pytest.mark.parametrize("route", NON_FINAL)
+def test_fail_from_every_non_final_state_records_the_failure(route: str) -> None:
+    machine = drive(route)
+    source = machine.leaf
+    failure = Failure.exception("CudaError", "out of memory", retryable=False)
+    outcome = machine.apply(make("fail", failure=failure))
+    assert outcome == Outcome(accepted=True, steps=(Step("fail", source, "failed"),))
+    assert machine.path == "failed"
+    assert machine.runner_state is RunnerState.FAILED
+    assert machine.phase is None
+    assert machine.failure == failure
+    assert machine.in_flight == 0
+    assert machine.alive
+
+
+def test_fail_while_busy_clears_in_flight() -> None:
+    machine = drive("busy")
+    machine.apply(make("request_started"))
+    assert machine.in_flight == 2
+    machine.apply(make("fail"))
+    assert machine.in_flight == 0
+
+
+@pytest.mark.parametrize("event", [e for e in EVENTS if e not in ("stop", "exited")])
+def test_failed_refuses_everything_but_stop_and_exited(event: str) -> None:
+    machine = drive("failed")
+    error = assert_refused(machine, make(event))
+    assert "never revived" in str(error)
+
+
+def test_connect_from_failed_is_refused() -> None:
+    # The seed bug: a failed runner was revived by a later connect.
+    machine = drive("failed")
+    assert machine.world_size == 2
+    error = assert_refused(machine, make("connect"), match="never revived")
+    assert error.state == "failed"
+    assert machine.failure == STALL
+
+
+def test_stop_in_failed_is_an_internal_no_op_that_records_the_request() -> None:
+    machine = drive("failed")
+    outcome = machine.apply(make("stop"))
+    assert outcome == Outcome(accepted=True, steps=())
+    assert machine.path == "failed"
+    assert machine.stop_requested
+    assert machine.failure == STALL
+    # still left only to stopped, by exited
+    assert machine.apply(make("exited", exit_code=0)).steps == (Step("exited", "failed", "stopped"),)
+    assert machine.path == "shutdown.stopped"
+
+
+def test_exited_from_failed_keeps_the_original_failure() -> None:
+    machine = drive("failed")
+    outcome = machine.apply(make("exited", exit_code=-9))
+    assert outcome.steps == (Step("exited", "failed", "stopped"),)
+    assert machine.failure == STALL
+    assert not machine.alive
+
+
+# -- exited ---------------------------------------------------------------------------------------------
+
+RUNNING = [r for r in NON_FINAL if r != "stopping"]
+
+
+@pytest.mark.parametrize("route", RUNNING)
+def test_exit_while_running_passes_through_failed_in_one_apply(route: str) -> None:
+    machine = drive(route)
+    source = machine.leaf
+    outcome = machine.apply(make("exited", exit_code=0, detail="bye"))
+    assert outcome.accepted
+    assert outcome.steps == (Step("exited", source, "failed"), Step("exited", "failed", "stopped"))
+    assert machine.path == "shutdown.stopped"
+    assert machine.runner_state is RunnerState.SHUTDOWN
+    assert machine.phase is RunnerPhase.STOPPED
+    assert not machine.alive
+    assert machine.in_flight == 0
+    assert machine.failure is not None
+    assert machine.failure.kind is FailureKind.EXIT
+    assert machine.failure.exit_code == 0
+    assert machine.failure.detail == "bye"
+
+
+@pytest.mark.parametrize("exit_code", [0, 1, 137])
+def test_exit_code_zero_or_positive_while_running_is_an_exit_failure(exit_code: int) -> None:
+    machine = drive("available")
+    machine.apply(make("exited", exit_code=exit_code))
+    assert machine.failure == Failure.exited(exit_code)
+    assert machine.failure.kind is FailureKind.EXIT
+    assert machine.failure.exit_code == exit_code
+    assert machine.failure.signal is None
+
+
+@pytest.mark.parametrize(("exit_code", "signal"), [(-9, 9), (-11, 11), (-15, 15)])
+def test_negative_exit_code_while_running_is_a_signal_failure(exit_code: int, signal: int) -> None:
+    machine = drive("busy")
+    outcome = machine.apply(make("exited", exit_code=exit_code))
+    assert outcome.steps == (Step("exited", "busy", "failed"), Step("exited", "failed", "stopped"))
+    assert machine.failure is not None
+    assert machine.failure.kind is FailureKind.SIGNAL
+    assert machine.failure.signal == signal
+    assert machine.failure.exit_code is None
+
+
+@pytest.mark.parametrize("exit_code", [0, 1, -9])
+def test_exit_while_stopping_is_clean(exit_code: int) -> None:
+    machine = drive("stopping")
+    outcome = machine.apply(make("exited", exit_code=exit_code))
+    assert outcome == Outcome(accepted=True, steps=(Step("exited", "stopping", "stopped"),))
+    assert machine.path == "shutdown.stopped"
+    assert machine.failure is None
+    assert machine.stop_requested
+    assert not machine.alive
+
+
+@pytest.mark.parametrize("route", RUNNING)
+def test_stop_from_running_states_enters_stopping(route: str) -> None:
+    machine = drive(route)
+    source = machine.leaf
+    outcome = machine.apply(make("stop"))
+    assert outcome.steps == (Step("stop", source, "stopping"),)
+    assert machine.path == "shutdown.stopping"
+    assert machine.stop_requested
+    assert machine.in_flight == 0
+    assert machine.failure is None
+    assert machine.alive
+
+
+@pytest.mark.parametrize("event", EVENTS)
+def test_stopped_is_final(event: str) -> None:
+    machine = drive("stopped")
+    assert_refused(machine, make(event))
+    assert not machine.alive
+
+
+def test_failure_survives_shutdown_in_snapshot() -> None:
+    machine = drive("available")
+    machine.apply(make("exited", exit_code=1))
+    data = machine.to_dict()
+    assert data["leaf"] == "stopped"
+    assert data["failure"]["kind"] == "exit"
+    assert data["failure"]["exit_code"] == 1
+
+
+# -- incarnation and identity -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ["idle/multi", "joining", "weights/single", "busy", "failed", "stopping", "stopped"])
+@pytest.mark.parametrize("event", ["connect", "load", "fail", "stop", "exited", "request_started"])
+def test_stale_incarnation_is_ignored_and_changes_nothing(route: str, event: str) -> None:
+    machine = drive(route)
+    before, path = machine.to_dict(), machine.path
+    outcome = machine.apply(make(event, incarnation=INC - 1))
+    assert outcome.accepted is False
+    assert outcome.steps == ()
+    assert "stale incarnation" in outcome.note
+    assert machine.to_dict() == before
+    assert machine.path == path
+
+
+def test_stale_incarnation_zero() -> None:
+    machine = drive("available")
+    before = machine.to_dict()
+    assert machine.apply(make("exited", incarnation=0, exit_code=1)) == Outcome.ignored(f"stale incarnation 0 < {INC}")
+    assert machine.to_dict() == before
+
+
+@pytest.mark.parametrize("route", ["idle/single", "busy", "stopped"])
+def test_newer_incarnation_raises(route: str) -> None:
+    machine = drive(route)
+    before = machine.to_dict()
+    with pytest.raises(IncarnationMismatch, match=f"incarnation {INC}"):
+        machine.apply(make("stop", incarnation=INC + 1))
+    assert machine.to_dict() == before
+
+
+def test_wrong_runner_id_raises_invalid_event() -> None:
+    machine = drive("available")
+    before = machine.to_dict()
+    with pytest.raises(InvalidEvent, match="runner-b"):
+        machine.apply(make("request_started", runner_id="runner-b"))
+    # even a stale incarnation for another runner is an error, not ignored
+    with pytest.raises(InvalidEvent):
+        machine.apply(make("request_started", runner_id="runner-b", incarnation=0))
+    assert machine.to_dict() == before
+
+
+def test_non_event_raises_invalid_event() -> None:
+    machine = new()
+    with pytest.raises(InvalidEvent):
+        machine.apply("load")  # type: ignore[arg-type]
+    assert machine.path == "idle"
+
+
+@pytest.mark.parametrize("incarnation", [-1, True, 1.0, "0", None])
+def test_invalid_incarnation_in_event_raises_invalid_event(incarnation: Any) -> None:
+    with pytest.raises(InvalidEvent, match="incarnation"):
+        Connect(RID, incarnation)
+
+
+def test_event_runner_id_must_be_a_str() -> None:
+    with pytest.raises(TypeError):
+        Load(None, 0)  # type: ignore[arg-type]
+
+
+def test_fail_needs_a_failure() -> None:
+    with pytest.raises(TypeError):
+        Fail(RID, INC, "boom")  # type: ignore[arg-type]
+
+
+def test_unknown_event_name_raises_unknown_event() -> None:
+    machine = new()
+    before = machine.to_dict()
+    with pytest.raises(UnknownEvent, match="no event 'explode'") as info:
+        machine._fire("explode")
+    assert "connect" in str(info.value)
+    assert isinstance(info.value, KeyError)
+    assert machine.to_dict() == before
+
+
+# -- snapshots ----------------------------------------------------------------------------------------
+
+# The event to try on both original and restored machine; None: the leaf accepts nothing.
+NEXT: dict[str, str | None] = {
+    "idle/single": "load",
+    "idle/multi": "connect",
+    "joining": "connected",
+    "joined": "load",
+    "weights/single": "progress",
+    "weights/multi": "weights_loaded",
+    "loaded": "warm_up",
+    "warming_up": "warmed",
+    "available": "request_started",
+    "busy": "request_finished",
+    "failed": "exited",
+    "stopping": "exited",
+    "stopped": None,
+}
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_snapshot_round_trip_in_every_leaf(route: str) -> None:
+    machine = drive(route, rank=1)
+    if machine.leaf == "busy":
+        machine.apply(make("request_started"))  # in_flight 2 must survive
+    data = machine.to_dict()
+    assert data["machine"] == "runner"
+    assert data["version"] == 1
+    assert data["leaf"] == machine.leaf
+
+    restored = RunnerLifecycle.from_dict(data)
+    assert restored.to_dict() == data
+    assert restored.path == machine.path
+    assert restored.leaf == machine.leaf
+    assert restored.runner_state is machine.runner_state
+    assert restored.phase is machine.phase
+    assert restored.failure == machine.failure
+
+    event = NEXT[route]
+    if event is None:
+        for name in EVENTS:
+            assert_refused(restored, make(name))
+        return
+    expected = machine.apply(make(event))
+    got = restored.apply(make(event))
+    assert got == expected
+    assert restored.path == machine.path
+    assert restored.to_dict() == machine.to_dict()
+
+
+def test_round_trip_busy_keeps_in_flight_count() -> None:
+    machine = drive("busy")
+    machine.apply(make("request_started"))
+    restored = RunnerLifecycle.from_dict(machine.to_dict())
+    assert restored.in_flight == 2
+    restored.apply(make("request_finished"))
+    assert restored.path == "ready.busy"
+    restored.apply(make("request_finished"))
+    assert restored.path == "ready.available"
+
+
+def test_round_trip_failed_keeps_failure_and_refuses_revival() -> None:
+    machine = drive("busy")
+    failure = Failure.exception("RuntimeError", "NCCL timeout", retryable=False, detail="tb")
+    machine.apply(make("fail", failure=failure))
+    machine.apply(make("stop"))
+    restored = RunnerLifecycle.from_dict(machine.to_dict())
+    assert restored.failure == failure
+    assert restored.stop_requested
+    assert_refused(restored, make("connect"), match="never revived")
+
+
+def test_round_trip_is_json_ready() -> None:
+    import json
+
+    machine = drive("available")
+    machine.apply(make("exited", exit_code=-9))
+    data = json.loads(json.dumps(machine.to_dict()))
+    assert RunnerLifecycle.from_dict(data).to_dict() == machine.to_dict()
+
+
+def test_restored_machine_keeps_identity_and_incarnation_rules() -> None:
+    machine = drive("available")
+    restored = RunnerLifecycle.from_dict(machine.to_dict())
+    assert (restored.runner_id, restored.incarnation, restored.world_size) == (RID, INC, 1)
+    assert restored.apply(make("stop", incarnation=INC - 1)).accepted is False
+    with pytest.raises(IncarnationMismatch):
+        restored.apply(make("stop", incarnation=INC + 1))
+
+
+def _snapshot_data() -> dict[str, Any]:
+    return drive("weights/multi", rank=1).to_dict()
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        pytest.param(lambda d: {**d, "machine": "download"}, id="wrong-machine"),
+        pytest.param(lambda d: {k: v for k, v in d.items() if k != "machine"}, id="no-machine"),
+        pytest.param(lambda d: {**d, "version": 2}, id="wrong-version"),
+        pytest.param(lambda d: {**d, "version": "1"}, id="version-str"),
+        pytest.param(lambda d: {k: v for k, v in d.items() if k != "version"}, id="no-version"),
+        pytest.param(lambda d: {**d, "leaf": "exploded"}, id="unknown-leaf"),
+        pytest.param(lambda d: {**d, "leaf": "loading"}, id="compound-leaf"),
+        pytest.param(lambda d: {**d, "leaf": "ready"}, id="compound-leaf-ready"),
+        pytest.param(lambda d: {**d, "extra": 1}, id="extra-key"),
+        pytest.param(lambda d: {**d, "failure": {"kind": "exit", "message": "x", "bogus": 1}}, id="extra-nested-key"),
+        pytest.param(lambda d: {k: v for k, v in d.items() if k != "rank"}, id="missing-key"),
+        pytest.param(lambda d: {**d, "failure": {"kind": "meteor", "message": "x"}}, id="bad-failure-kind"),
+        pytest.param(lambda d: [], id="not-a-dict"),
+        pytest.param(lambda d: None, id="none"),
+    ],
+)
+def test_from_dict_rejects_bad_snapshots(mutate: Callable[[dict[str, Any]], Any]) -> None:
+    with pytest.raises(SnapshotError):
+        RunnerLifecycle.from_dict(mutate(_snapshot_data()))
+
+
+def test_from_dict_error_messages() -> None:
+    data = _snapshot_data()
+    with pytest.raises(SnapshotError, match="'download', not 'runner'"):
+        RunnerLifecycle.from_dict({**data, "machine": "download"})
+    with pytest.raises(SnapshotError, match="version 7"):
+        RunnerLifecycle.from_dict({**data, "version": 7})
+    with pytest.raises(SnapshotError, match="no state 'exploded'"):
+        RunnerLifecycle.from_dict({**data, "leaf": "exploded"})
+
+
+def test_from_dict_does_not_mutate_its_input() -> None:
+    data = _snapshot_data()
+    copy = dict(data)
+    RunnerLifecycle.from_dict(data)
+    assert data == copy
+
+
+# -- views ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("phase", list(RunnerPhase))
+def test_phase_parent_matches_the_machine(phase: RunnerPhase) -> None:
+    route = {
+        RunnerPhase.JOINING: "joining",
+        RunnerPhase.JOINED: "joined",
+        RunnerPhase.WEIGHTS: "weights/single",
+        RunnerPhase.LOADED: "loaded",
+        RunnerPhase.WARMING_UP: "warming_up",
+        RunnerPhase.AVAILABLE: "available",
+        RunnerPhase.BUSY: "busy",
+        RunnerPhase.STOPPING: "stopping",
+        RunnerPhase.STOPPED: "stopped",
+    }[phase]
+    machine = drive(route)
+    assert machine.phase is phase
+    assert machine.runner_state is phase_parent(phase)

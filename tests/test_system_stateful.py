@@ -1,0 +1,230 @@
+"""The composed system under Hypothesis: planner + one instance + N runners + downloads + a fake clock.
+
+Random interleavings of planner runs, completions, failures in any phase,
+stale incarnations, clock jumps, deletes and serialize/restore; every
+invariant of DESIGN §3.5 is checked after every step.
+"""
+
+from __future__ import annotations
+
+from fake_world import FakeWorld
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import fsm
+from fsm import runner as rn
+from fsm.cluster import Cluster
+
+POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(1.0, 2.0, 8.0), max_retries=4, reset_after=40.0)
+MODEL = "org/model"
+
+
+class CheckedWorld(FakeWorld):
+    """Checks, at the moment an action is taken, the invariants about starting things."""
+
+    def before_execute(self, action: fsm.Action) -> None:
+        cluster = self.cluster
+        if isinstance(action, fsm.StartGeneration):
+            machine = cluster.instance(action.instance_id)
+            assert machine.deadline is None or self.now >= machine.deadline, "start before its deadline"  # 5
+        if isinstance(action, fsm.CreateRunner):
+            machine = cluster.instance(action.instance_id)
+            assert not machine.is_deleted, "a runner was created for a Deleted instance"  # 1
+            assert machine.instance_state is fsm.InstanceState.STARTING
+            older_alive = [
+                m
+                for m, iid, _ in cluster.runners.values()
+                if iid == action.instance_id and m.alive and m.incarnation != action.incarnation
+            ]
+            assert not older_alive, "a new generation while an older one is alive"  # 6
+
+
+class System(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.world: CheckedWorld
+        self.inputs: list[tuple] = []  # for the determinism replay
+        self.creations_in_streak = 0
+        self.generation_seen = 0
+        self.deleted = False
+        self.stopped: set[tuple[str, int]] = set()
+
+    @initialize(ranks=st.integers(1, 3), spread=st.booleans())
+    def place(self, ranks, spread):
+        nodes = [f"n{r}" for r in range(ranks)] if spread else ["n0"]
+        slots = [fsm.Slot(r, nodes[r] if spread else "n0", f"i/{r}") for r in range(ranks)]
+        self.world = self._fresh_world(ranks, spread)
+        self.inputs.append(("place", ranks, spread))
+        assert slots and nodes
+
+    @staticmethod
+    def _fresh_world(ranks: int, spread: bool) -> CheckedWorld:
+        nodes = [f"n{r}" for r in range(ranks)] if spread else ["n0"]
+        cluster = Cluster()
+        cluster.place(
+            "i", MODEL, [fsm.Slot(r, nodes[r] if spread else "n0", f"i/{r}") for r in range(ranks)], policy=POLICY
+        )
+        return CheckedWorld(cluster, nodes)
+
+    # -- inputs --------------------------------------------------------------------
+
+    def _do(self, *entry) -> None:
+        self.inputs.append(entry)
+        apply_input(self.world, entry)
+
+    @rule(node=st.integers(0, 2))
+    def run_planner(self, node):
+        self._do("plan", node % len(self.world.nodes))
+
+    @rule(data=st.data(), ok=st.booleans())
+    @precondition(lambda self: self.world.pending)
+    def complete(self, data, ok):
+        self._do("deliver", data.draw(st.integers(0, len(self.world.pending) - 1)), ok)
+
+    @rule(rank=st.integers(0, 2), how=st.sampled_from(["kill", "exit0", "exception", "fatal", "stall"]))
+    def fail_runner(self, rank, how):
+        self._do("fail", rank, how)
+
+    @rule(how=st.sampled_from(["kill", "exception"]))
+    def every_rank_fails(self, how):
+        """All ranks fail together: one retry, and no deadlock between the nodes."""
+        for rank in range(3):
+            self._do("fail", rank, how)
+
+    @rule(rank=st.integers(0, 2))
+    def stale_event(self, rank):
+        machine = self.world.cluster.runners.get(f"i/{rank % 3}", (None,))[0]
+        if machine is None or machine.incarnation == 0:
+            return
+        before = self.world.cluster.to_dict()
+        out = self.world.cluster.runner_event(rn.Stop(machine.runner_id, machine.incarnation - 1), self.world.now)
+        assert not out.accepted and self.world.cluster.to_dict() == before  # 7
+
+    @rule(dt=st.sampled_from([0.1, 1.0, 2.5, 8.0, 45.0]))
+    def advance_clock(self, dt):
+        self._do("advance", dt)
+
+    @rule()
+    def request(self):
+        self._do("request")
+
+    @rule()
+    def delete(self):
+        self._do("delete")
+
+    @rule()
+    def restart(self):
+        """The daemon restarts: every machine goes through its dict form."""
+        before = self.world.cluster.to_dict()
+        restored = Cluster.from_dict(before)
+        assert restored.to_dict() == before
+        restored.log = self.world.cluster.log  # the transition log is persisted on its own
+        self.world.cluster = restored
+
+    @rule()
+    def eventually_ready_or_deleted(self):
+        """10: from here, a benign world reaches Ready or Deleted, and every runner of a Deleted instance stops."""
+        probe = CheckedWorld(Cluster.from_dict(self.world.cluster.to_dict()), self.world.nodes, self.world.now)
+        probe.pending = list(self.world.pending)
+        probe.settle()
+        machine = probe.cluster.instance("i")
+        assert machine.instance_state in (fsm.InstanceState.READY, fsm.InstanceState.DELETED), machine.leaf
+        if machine.is_deleted:
+            assert not any(m.alive for m, _, _ in probe.cluster.runners.values())
+        else:
+            assert all(m.runner_state is fsm.RunnerState.READY for m, _, _ in probe.cluster.runners.values())
+
+    # -- invariants ----------------------------------------------------------------
+
+    @invariant()
+    def absorbing_states(self):  # 1
+        machine = self.world.cluster.instance("i")
+        if self.deleted:
+            assert machine.is_deleted
+        self.deleted = machine.is_deleted
+        for m, _, _ in self.world.cluster.runners.values():
+            key = (m.runner_id, m.incarnation)
+            if key in self.stopped:
+                assert m.leaf == "stopped", "Shutdown was left"
+            if m.leaf == "stopped":
+                self.stopped.add(key)
+
+    @invariant()
+    def failed_only_to_shutdown(self):  # 2
+        for entry in self.world.cluster.log:
+            if entry.machine == "runner" and entry.source == "failed":
+                assert entry.target == "stopped"
+
+    @invariant()
+    def one_generation_at_most_n(self):  # 6
+        alive = [m for m, _, _ in self.world.cluster.runners.values() if m.alive]
+        assert len({m.incarnation for m in alive}) <= 1
+        assert len(alive) <= self.world.cluster.instance("i").world_size
+
+    @invariant()
+    def creations_per_streak(self):  # 4 (and 3 is checked on the instance machine alone)
+        machine = self.world.cluster.instance("i")
+        if machine.attempts == 0:
+            self.creations_in_streak = 0 if machine.generation == self.generation_seen else 1
+        elif machine.generation != self.generation_seen:
+            self.creations_in_streak += machine.generation - self.generation_seen
+        self.generation_seen = machine.generation
+        assert self.creations_in_streak <= POLICY.max_retries + 1
+
+    @invariant()
+    def budget_bounded(self):
+        machine = self.world.cluster.instance("i")
+        assert machine.attempts <= POLICY.max_retries
+
+    def teardown(self) -> None:
+        """9: replaying the same inputs gives the same states."""
+        if not self.inputs:
+            return
+        _, ranks, spread = self.inputs[0]
+        replay = self._fresh_world(ranks, spread)
+        for entry in self.inputs[1:]:
+            apply_input(replay, entry)
+        assert replay.cluster.log == self.world.cluster.log
+        assert replay.cluster.to_dict() == self.world.cluster.to_dict()
+
+
+def apply_input(world: CheckedWorld, entry: tuple) -> None:
+    kind, *args = entry
+    cluster = world.cluster
+    if kind == "plan":
+        world.step(world.nodes[args[0]])
+    elif kind == "deliver":
+        index, ok = args
+        if index < len(world.pending):
+            world.deliver(index, ok=ok)
+    elif kind == "fail":
+        rank, how = args
+        machine = cluster.runners.get(f"i/{rank}", (None,))[0]
+        if machine is None or not machine.alive:
+            return
+        rid, inc = machine.runner_id, machine.incarnation
+        if how == "kill":
+            cluster.runner_event(rn.Exited(rid, inc, exit_code=-9), world.now)
+        elif how == "exit0":
+            cluster.runner_event(rn.Exited(rid, inc, exit_code=0), world.now)
+        elif machine.runner_state is not fsm.RunnerState.FAILED:
+            failure = {
+                "exception": fsm.Failure.exception("RuntimeError", "boom"),
+                "fatal": fsm.Failure.exception("FileNotFoundError", "model.safetensors", retryable=False),
+                "stall": fsm.Failure.stalled(machine.leaf, 30.0),
+            }[how]
+            cluster.runner_event(rn.Fail(rid, inc, failure=failure), world.now)
+    elif kind == "advance":
+        world.now += args[0]
+        cluster.instance_event(fsm.instance.Tick("i", world.now))
+    elif kind == "request":
+        cluster.add_request(f"req{len(cluster.log)}", "i")
+    elif kind == "delete":
+        cluster.delete("i", world.now)
+
+
+TestSystem = System.TestCase
+TestSystem.settings = settings(
+    max_examples=300, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
