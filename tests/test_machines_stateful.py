@@ -90,12 +90,13 @@ class RunnerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.m is not None)
     def exited(self, code):
         was_stopping = self.m.leaf == "stopping"
+        was_alive = self.m.alive
         had_failure = self.m.failure
         self._send(rn.Exited("r", 3, exit_code=code))
         assert self.m.leaf == "stopped", "an exit always ends in Shutdown.stopped"
         if was_stopping:
             assert self.m.failure == had_failure, "a clean stop recorded a failure"
-        elif had_failure is None:
+        elif was_alive and had_failure is None:
             assert self.m.failure is not None, "an unexpected exit was not a failure"
 
     @rule(kind=st.sampled_from([rn.Connect, rn.Stop, rn.Load]))
@@ -212,6 +213,12 @@ class InstanceMachine(RuleBasedStateMachine):
             assert self.m.deadline is None and self.m.delete_reason is not None
         if self.m.attempts == self.policy.max_retries:
             assert self.m.delete_reason is fsm.DeleteReason.RETRIES_EXHAUSTED
+
+    @invariant()
+    def reset_when_ready_long_enough(self):  # 8, the "if" half (the "only if" half is checked in _send)
+        m = self.m
+        if m.leaf == "ready" and m.ready_since is not None and m.clock - m.ready_since >= self.policy.reset_after:
+            assert m.attempts == 0
 
 
 class DownloadMachine(RuleBasedStateMachine):
