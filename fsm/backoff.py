@@ -13,24 +13,10 @@ from typing import Generic, TypeVar
 
 import attrs
 
+from fsm._validate import finite
 from fsm.errors import InvalidConfig
 
 K = TypeVar("K")
-
-
-def _finite_float(attribute: attrs.Attribute, value: object) -> float:
-    try:
-        number = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError, OverflowError):
-        number = math.nan
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(number):
-        raise InvalidConfig(f"{attribute.name} must be a finite number, got {value!r}")
-    return number
-
-
-def _positive(_inst: object, attribute: attrs.Attribute, value: float) -> None:
-    if _finite_float(attribute, value) <= 0:
-        raise InvalidConfig(f"{attribute.name} must be a finite number > 0, got {value!r}")
 
 
 @attrs.frozen
@@ -42,15 +28,10 @@ class Backoff:
     schedule.
     """
 
-    initial: float = attrs.field(default=2.0, validator=_positive)
-    factor: float = attrs.field(default=2.0)
-    cap: float = attrs.field(default=30.0, validator=_positive)
+    initial: float = attrs.field(default=2.0, validator=finite(InvalidConfig, above=0))
+    factor: float = attrs.field(default=2.0, validator=finite(InvalidConfig, at_least=1))
+    cap: float = attrs.field(default=30.0, validator=finite(InvalidConfig, above=0))
     jitter: bool = attrs.field(default=False)
-
-    @factor.validator
-    def _check_factor(self, _attribute: attrs.Attribute, value: float) -> None:
-        if _finite_float(_attribute, value) < 1:
-            raise InvalidConfig(f"factor must be a finite number >= 1, got {value!r}")
 
     def __attrs_post_init__(self) -> None:
         if self.cap < self.initial:

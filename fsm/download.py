@@ -16,13 +16,13 @@ are found missing or corrupt.
 from __future__ import annotations
 
 import enum
-import math
 from typing import Any, ClassVar
 
 import attrs
 from statemachine import State
 
 from fsm._machine import Lifecycle, Outcome
+from fsm._validate import finite, integer
 from fsm.backoff import Backoff
 from fsm.errors import InvalidConfig, InvalidEvent
 
@@ -37,21 +37,11 @@ class DownloadState(enum.Enum):
 DEFAULT_DOWNLOAD_BACKOFF = Backoff(initial=0.5, factor=2.0, cap=10.0)
 
 
-def _finite(_inst: object, attribute: attrs.Attribute, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidEvent(f"{attribute.name} must be a finite number, got {value!r}")
-
-
-def _bytes(_inst: object, attribute: attrs.Attribute, value: int | None) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise InvalidEvent(f"{attribute.name} must be an int >= 0 or None, got {value!r}")
-
-
 @attrs.frozen
 class DownloadEvent:
     name: ClassVar[str]
     model_id: str = attrs.field(validator=attrs.validators.instance_of(str))
-    now: float = attrs.field(validator=_finite)
+    now: float = attrs.field(validator=finite(InvalidEvent))
 
     def payload(self) -> dict[str, Any]:
         return {}
@@ -65,8 +55,8 @@ class Begin(DownloadEvent):
 @attrs.frozen
 class BytesProgress(DownloadEvent):
     name = "progress"
-    bytes_done: int = attrs.field(validator=_bytes)
-    bytes_total: int | None = attrs.field(default=None, validator=_bytes)
+    bytes_done: int = attrs.field(validator=integer(InvalidEvent))
+    bytes_total: int | None = attrs.field(default=None, validator=integer(InvalidEvent, optional=True))
 
     def __attrs_post_init__(self) -> None:
         if self.bytes_total is not None and self.bytes_done > self.bytes_total:

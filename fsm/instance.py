@@ -35,7 +35,6 @@ emits the stop actions (Recovering or Deleted ⇒ stop every live rank).
 from __future__ import annotations
 
 import enum
-import math
 import random
 from typing import Any, ClassVar
 
@@ -43,6 +42,7 @@ import attrs
 from statemachine import State
 
 from fsm._machine import Lifecycle, Outcome
+from fsm._validate import finite, integer
 from fsm.backoff import Backoff
 from fsm.errors import IncarnationMismatch, InvalidConfig, InvalidEvent
 from fsm.failure import Failure, FailureKind
@@ -63,26 +63,13 @@ class DeleteReason(enum.Enum):
     NON_RETRYABLE = "non_retryable"
 
 
-def _int_at_least(low: int):
-    def check(_inst: object, attribute: attrs.Attribute, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise InvalidConfig(f"{attribute.name} must be an int >= {low}, got {value!r}")
-
-    return check
-
-
-def _finite_positive(_inst: object, attribute: attrs.Attribute, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise InvalidConfig(f"{attribute.name} must be a finite number > 0, got {value!r}")
-
-
 @attrs.frozen
 class RetryPolicy:
     """How an instance retries: the backoff, the budget, and when the budget refills."""
 
     backoff: Backoff = attrs.field(factory=Backoff, validator=attrs.validators.instance_of(Backoff))
-    max_retries: int = attrs.field(default=5, validator=_int_at_least(1))
-    reset_after: float = attrs.field(default=600.0, validator=_finite_positive)
+    max_retries: int = attrs.field(default=5, validator=integer(InvalidConfig, at_least=1))
+    reset_after: float = attrs.field(default=600.0, validator=finite(InvalidConfig, above=0))
 
 
 def budget_exhausted(failed_generations: int, max_retries: int) -> bool:
@@ -93,21 +80,11 @@ def budget_exhausted(failed_generations: int, max_retries: int) -> bool:
 # -- events -----------------------------------------------------------------------
 
 
-def _finite(_inst: object, attribute: attrs.Attribute, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidEvent(f"{attribute.name} must be a finite number, got {value!r}")
-
-
-def _event_int(_inst: object, attribute: attrs.Attribute, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidEvent(f"{attribute.name} must be an int >= 0, got {value!r}")
-
-
 @attrs.frozen
 class InstanceEvent:
     name: ClassVar[str]
     instance_id: str = attrs.field(validator=attrs.validators.instance_of(str))
-    now: float = attrs.field(validator=_finite)
+    now: float = attrs.field(validator=finite(InvalidEvent))
 
     def payload(self) -> dict[str, Any]:
         return {}
@@ -118,13 +95,13 @@ class Start(InstanceEvent):
     """Start ``generation`` (1 for the first); refused before the backoff deadline."""
 
     name = "start"
-    generation: int = attrs.field(validator=_event_int)
+    generation: int = attrs.field(validator=integer(InvalidEvent))
 
 
 @attrs.frozen
 class RankEvent(InstanceEvent):
-    generation: int = attrs.field(validator=_event_int)
-    rank: int = attrs.field(validator=_event_int)
+    generation: int = attrs.field(validator=integer(InvalidEvent))
+    rank: int = attrs.field(validator=integer(InvalidEvent))
 
     def payload(self) -> dict[str, Any]:
         return {"rank": self.rank}

@@ -34,6 +34,7 @@ import attrs
 from statemachine import State
 
 from fsm._machine import Lifecycle, Outcome
+from fsm._validate import integer
 from fsm.errors import IncarnationMismatch, InvalidConfig, InvalidEvent
 from fsm.failure import Failure
 
@@ -79,18 +80,13 @@ _PARENT = {
 # -- events -----------------------------------------------------------------------
 
 
-def _non_negative_int(_inst: object, attribute: attrs.Attribute, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidEvent(f"{attribute.name} must be an int >= 0, got {value!r}")
-
-
 @attrs.frozen
 class RunnerEvent:
     """Base of the runner's events: every one names the process it is about."""
 
     name: ClassVar[str]
     runner_id: str = attrs.field(validator=attrs.validators.instance_of(str))
-    incarnation: int = attrs.field(validator=_non_negative_int)
+    incarnation: int = attrs.field(validator=integer(InvalidEvent))
 
     def payload(self) -> dict[str, Any]:
         return {}
@@ -116,8 +112,8 @@ class Load(RunnerEvent):
 @attrs.frozen
 class Progress(RunnerEvent):
     name = "progress"
-    layers_loaded: int = attrs.field(validator=_non_negative_int)
-    layers_total: int = attrs.field(validator=_non_negative_int)
+    layers_loaded: int = attrs.field(validator=integer(InvalidEvent))
+    layers_total: int = attrs.field(validator=integer(InvalidEvent))
 
     def __attrs_post_init__(self) -> None:
         if self.layers_total == 0 or self.layers_loaded > self.layers_total:
