@@ -1,0 +1,150 @@
+"""Durable state of the daemon in SQLite (WAL): desired state, machine snapshots, the transition log.
+
+Why one snapshot row plus an append-only log: the machines' state is small and
+changes together (a runner failure moves a runner and its instance in one
+step), so it is written whole, in the same transaction as the log entries that
+led to it. A reader of the log never sees a transition whose state was lost,
+and a restarted daemon resumes from exactly what was acknowledged.
+
+The store never repairs or overwrites a file it cannot read: a corrupt
+database is an operator's decision, so `open` refuses it with `StoreError`.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from fsm.cluster import LogEntry
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS snapshot (id INTEGER PRIMARY KEY CHECK (id = 1), body TEXT NOT NULL, saved_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS transitions (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    time REAL NOT NULL, machine TEXT NOT NULL, key TEXT NOT NULL,
+    event TEXT NOT NULL, source TEXT NOT NULL, target TEXT NOT NULL, cause TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS processes (
+    runner_id TEXT NOT NULL, incarnation INTEGER NOT NULL, pid INTEGER NOT NULL, start_ticks INTEGER NOT NULL,
+    PRIMARY KEY (runner_id, incarnation)
+);
+"""
+
+
+class StoreError(Exception):
+    """The state database cannot be used; the message says which file and what to do."""
+
+
+@attrs.frozen
+class ProcessRecord:
+    """A runner process we started: pid plus its kernel start time, so a recycled pid is never mistaken for it."""
+
+    runner_id: str
+    incarnation: int
+    pid: int
+    start_ticks: int
+
+
+class Store:
+    def __init__(self, connection: sqlite3.Connection, path: Path) -> None:
+        self._db = connection
+        self.path = path
+
+    @classmethod
+    def open(cls, path: Path) -> Store:
+        path = Path(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create the state directory {path.parent}: {exc.strerror}") from exc
+        existed = path.exists()
+        try:
+            db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            if existed:
+                (check,) = db.execute("PRAGMA quick_check").fetchone()
+                if check != "ok":
+                    raise sqlite3.DatabaseError(check)
+        except sqlite3.OperationalError as exc:
+            raise StoreError(f"cannot open {path}: {exc}. Check that the state directory is writable.") from exc
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(
+                f"{path} is not a usable exod state database ({exc}). It was left untouched: "
+                "move it aside to start from an empty state, or pass another --state-dir."
+            ) from exc
+        store = cls(db, path)
+        store._check_version()
+        return store
+
+    def _check_version(self) -> None:
+        try:
+            self._db.executescript(_SCHEMA)
+            row = self._db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
+            if row is None:
+                self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+            elif int(row[0]) != SCHEMA_VERSION:
+                raise StoreError(f"{self.path} has schema {row[0]}; this exod reads schema {SCHEMA_VERSION}")
+        except sqlite3.Error as exc:
+            raise StoreError(f"{self.path} cannot be initialised: {exc}. It was left untouched.") from exc
+
+    def close(self) -> None:
+        self._db.close()
+
+    # -- state and log ----------------------------------------------------------------
+
+    def save(self, snapshot: dict[str, Any], entries: Iterable[LogEntry], now: float) -> int:
+        """Write the snapshot and append ``entries`` atomically; returns the last log sequence number."""
+        body = json.dumps(snapshot, sort_keys=True)
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.executemany(
+                "INSERT INTO transitions (time, machine, key, event, source, target, cause) VALUES (?,?,?,?,?,?,?)",
+                [(e.time, e.machine, e.key, e.event, e.source, e.target, e.cause) for e in entries],
+            )
+            self._db.execute(
+                "INSERT INTO snapshot (id, body, saved_at) VALUES (1, ?, ?) "
+                "ON CONFLICT (id) DO UPDATE SET body = excluded.body, saved_at = excluded.saved_at",
+                (body, now),
+            )
+            (seq,) = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM transitions").fetchone()
+        return seq
+
+    def load(self) -> dict[str, Any] | None:
+        row = self._db.execute("SELECT body FROM snapshot WHERE id = 1").fetchone()
+        return None if row is None else json.loads(row[0])
+
+    def transitions(self, after: int = 0, limit: int | None = None) -> Iterator[tuple[int, LogEntry]]:
+        """Log entries with sequence number > ``after``, oldest first (for replay and event-stream resume)."""
+        sql = "SELECT seq, time, machine, key, event, source, target, cause FROM transitions WHERE seq > ? ORDER BY seq"
+        params: tuple[int, ...] = (after,)
+        if limit is not None:
+            sql += " LIMIT ?"
+            params += (limit,)
+        for seq, *fields in self._db.execute(sql, params):
+            yield seq, LogEntry(*fields)
+
+    # -- runner processes ------------------------------------------------------------------
+
+    def record_process(self, record: ProcessRecord) -> None:
+        with self._db:
+            self._db.execute(
+                "INSERT OR REPLACE INTO processes VALUES (?, ?, ?, ?)",
+                (record.runner_id, record.incarnation, record.pid, record.start_ticks),
+            )
+
+    def forget_process(self, runner_id: str, incarnation: int) -> None:
+        with self._db:
+            self._db.execute("DELETE FROM processes WHERE runner_id = ? AND incarnation = ?", (runner_id, incarnation))
+
+    def processes(self) -> list[ProcessRecord]:
+        rows = self._db.execute("SELECT runner_id, incarnation, pid, start_ticks FROM processes ORDER BY runner_id")
+        return [ProcessRecord(*row) for row in rows]
