@@ -1,0 +1,185 @@
+"""Model ids, the Hugging Face cache, and resolving a model to a local snapshot directory.
+
+Models are named ``org/name`` and resolved through huggingface_hub's cache; nothing here may hang on a
+network that is not there. huggingface_hub reads ``HF_HOME``/``HF_HUB_OFFLINE`` once, at import, so this
+module reads the environment itself at call time and passes ``cache_dir``/``local_files_only`` explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from pathlib import Path
+
+import attrs
+
+__all__ = [
+    "CachedModel",
+    "InvalidModelId",
+    "ModelNotFound",
+    "hub_cache_dir",
+    "list_cached_models",
+    "resolve_local_dir",
+    "resolve_model",
+    "validate_model_id",
+]
+
+_PART = re.compile(r"[A-Za-z0-9._-]+")
+_TRUE = {"1", "true", "yes", "on"}
+MAKE_TINY_HINT = "To make a local tiny model for tests and demos, run: exod model make-tiny --repo-id ORG/NAME"
+
+
+class InvalidModelId(ValueError):
+    """A model id is not a safe ``org/name``."""
+
+
+class ModelNotFound(Exception):
+    """A model is neither in the local cache nor obtainable from the hub."""
+
+
+@attrs.frozen
+class CachedModel:
+    """One cached snapshot of a model repository."""
+
+    repo_id: str
+    revision: str
+    path: Path
+    size_bytes: int
+
+
+def validate_model_id(model_id: str) -> str:
+    """Return ``model_id`` if it is ``org/name``; it becomes a path in the cache, so nothing else is allowed."""
+    example = "use the form 'org/name', e.g. 'exod/tiny-qwen2'"
+    if not isinstance(model_id, str) or not model_id:
+        raise InvalidModelId(f"model id is empty; {example}")
+    if "\\" in model_id:
+        raise InvalidModelId(f"model id {model_id!r} contains a backslash; {example}")
+    if model_id.startswith("/") or re.match(r"[A-Za-z]:", model_id):
+        raise InvalidModelId(
+            f"model id {model_id!r} is an absolute path; {example} (local directories go in the config as a path)"
+        )
+    parts = model_id.split("/")
+    if len(parts) != 2:
+        raise InvalidModelId(f"model id {model_id!r} must contain exactly one '/'; {example}")
+    if any(not p for p in parts):
+        raise InvalidModelId(f"model id {model_id!r} has an empty organisation or name; {example}")
+    if ".." in model_id or any(p == "." for p in parts):
+        raise InvalidModelId(f"model id {model_id!r} contains '.' or '..' path components; {example}")
+    for p in parts:
+        if not _PART.fullmatch(p):
+            raise InvalidModelId(
+                f"model id {model_id!r} has characters other than letters, digits, '.', '_' and '-'; {example}"
+            )
+    return model_id
+
+
+def hub_cache_dir(hf_home: Path | None = None) -> Path:
+    """The ``hub/`` cache folder: ``hf_home/hub``, else ``$HF_HUB_CACHE``, ``$HF_HOME/hub``, or the HF default."""
+    if hf_home is not None:
+        return Path(hf_home).expanduser() / "hub"
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE).expanduser()
+
+
+def _offline_from_env() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
+
+
+def resolve_model(
+    model_id: str, *, hf_home: Path | None = None, offline: bool | None = None, timeout: float = 10.0
+) -> Path:
+    """Return the local snapshot directory of ``model_id``, downloading it only when online.
+
+    ``offline=None`` follows ``HF_HUB_OFFLINE``. Online, the hub gets ``timeout`` seconds in all: the call
+    runs in a worker thread so a black-holed network cannot hang the daemon.
+    """
+    validate_model_id(model_id)
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+    if offline is None:
+        offline = _offline_from_env()
+    cache_dir = hub_cache_dir(hf_home)
+
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    outcome: dict[str, object] = {}
+
+    def work() -> None:
+        try:
+            outcome["path"] = snapshot_download(
+                model_id, cache_dir=cache_dir, local_files_only=offline, etag_timeout=timeout
+            )
+        except BaseException as exc:  # handed to the caller's thread below
+            outcome["error"] = exc
+
+    if offline:
+        work()  # local only: no network, nothing to time-box
+    else:
+        worker = threading.Thread(target=work, name=f"resolve-model {model_id}", daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if worker.is_alive():
+            raise ModelNotFound(
+                f"model {model_id!r} is not in the cache at {cache_dir} and the hub did not answer within "
+                f"{timeout:g} s. Set HF_HUB_OFFLINE=1 to use only the cache. {MAKE_TINY_HINT}"
+            )
+
+    if "path" in outcome:
+        return Path(str(outcome["path"]))
+    error = outcome.get("error")
+    if offline:
+        where = "offline mode is on (HF_HUB_OFFLINE or offline=True)"
+    elif isinstance(error, HfHubHTTPError):
+        where = "the hub does not have it or refused access"
+    else:
+        where = "the hub is not reachable"
+    if isinstance(error, (LocalEntryNotFoundError, HfHubHTTPError, OSError)):
+        raise ModelNotFound(
+            f"model {model_id!r} is neither cached in {cache_dir} nor reachable: {where} "
+            f"({type(error).__name__}). {MAKE_TINY_HINT}"
+        ) from error
+    assert isinstance(error, BaseException)
+    raise error
+
+
+def resolve_local_dir(path: str | Path) -> Path:
+    """Accept a local model directory (config and CLI only, never from the API: it reads arbitrary paths)."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ModelNotFound(f"model directory {str(p)!r} does not exist; pass a directory holding config.json")
+    if not (p / "config.json").is_file():
+        raise ModelNotFound(
+            f"model directory {str(p)!r} has no config.json; pass a Hugging Face-layout model directory"
+        )
+    return p.resolve()
+
+
+def list_cached_models(hf_home: Path | None = None) -> list[CachedModel]:
+    """Every cached model snapshot, sorted by repo id and revision; an absent cache is simply empty."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    cache_dir = hub_cache_dir(hf_home)
+    try:
+        info = scan_cache_dir(cache_dir)
+    except CacheNotFound:
+        return []
+    models = [
+        CachedModel(
+            repo_id=repo.repo_id,
+            revision=rev.commit_hash,
+            path=Path(rev.snapshot_path),
+            size_bytes=int(rev.size_on_disk),
+        )
+        for repo in info.repos
+        if repo.repo_type == "model"
+        for rev in repo.revisions
+    ]
+    return sorted(models, key=lambda m: (m.repo_id, m.revision))
