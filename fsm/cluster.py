@@ -31,6 +31,7 @@ from fsm import download as dl
 from fsm import instance as inst
 from fsm import runner as rn
 from fsm._machine import Outcome
+from fsm.backoff import Backoff
 from fsm.errors import InvalidConfig, InvalidEvent
 from fsm.view import ClusterView, DownloadStatus, InstanceView, PendingRequest, RetryStatus, RunnerStatus, Slot
 
@@ -58,7 +59,7 @@ class _Placement:
 class Cluster:
     """In-memory state of every machine; see the module docstring."""
 
-    def __init__(self, download_policy: Any = None) -> None:
+    def __init__(self, download_policy: Backoff | None = None) -> None:
         self.instances: dict[str, _Placement] = {}
         self.runners: dict[str, tuple[rn.RunnerLifecycle, str, str]] = {}  # id -> (machine, instance, node)
         self.downloads: dict[tuple[str, str], dl.DownloadLifecycle] = {}
@@ -227,7 +228,7 @@ class Cluster:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], download_policy: Any = None) -> Cluster:
+    def from_dict(cls, data: dict[str, Any], download_policy: Backoff | None = None) -> Cluster:
         cluster = cls(download_policy)
         for iid, p in data["instances"].items():
             slots = tuple(Slot(**s) for s in p["slots"])
