@@ -44,6 +44,8 @@ class Backoff:
         if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
             raise InvalidConfig(f"attempt must be an int >= 1, got {attempt!r}")
         exponent = attempt - 1
+        if exponent == 0:
+            return self.initial  # exactly `initial`, never a rounding of cap
         # Compare exponents (int vs float compares exactly, whatever the int's size) so that
         # factor**exponent is only computed when it stays below cap / initial.
         if self.factor > 1 and exponent >= (math.log(self.cap) - math.log(self.initial)) / math.log(self.factor):
