@@ -1,0 +1,407 @@
+"""One runner process = one rank of a model instance: the thinnest layer over mlx-lm.
+
+Run as::
+
+    python -m exod.runner --runner-id ID --incarnation N --rank R --world-size W --control-fd FD [--hostfile PATH]
+
+Theory of operation
+-------------------
+Two threads. A *reader* thread owns the control channel's input: it decodes
+commands and queues them; on ``Shutdown`` or end of file (the supervisor died)
+it ends the process at once with ``os._exit(0)`` — even while the main thread
+is stuck inside MLX (a ring init whose peer never comes blocks in C forever), so
+an orphaned runner can never linger. The *main* thread owns MLX and executes the
+queued commands one at a time, so requests are never interleaved.
+
+Distributed mode: every rank receives every command in the same order, and all
+ranks run each generation in lockstep (a pipeline needs every stage for every
+token); only rank 0 streams `Token` messages, every rank sends `Done`.
+
+Any exception in the main thread becomes a `Failed` report (with traceback and a
+retry classification) followed by exit code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import queue
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NoReturn
+
+from exod import protocol as p
+
+log = logging.getLogger("exod.runner")
+
+EXIT_FAILED = 1
+WARM_UP_TOKENS = 4
+
+
+class RunnerProtocolError(p.ProtocolError):
+    """A command arrived that the runner's current phase does not allow (a supervisor bug)."""
+
+
+class UnsupportedModel(Exception):
+    """The model cannot be split over this many ranks."""
+
+
+# -- the channel ------------------------------------------------------------------
+
+
+class Channel:
+    """The runner's end of the control socket: thread-safe sends, a reader thread for commands."""
+
+    def __init__(self, fd: int, runner_id: str, incarnation: int) -> None:
+        self._sock = socket.socket(fileno=fd)
+        self._lock = threading.Lock()
+        self.runner_id = runner_id
+        self.incarnation = incarnation
+        self.commands: queue.Queue[p.Command] = queue.Queue()
+
+    def send(self, cls: type[p.Report], **fields: Any) -> None:
+        line = cls(runner_id=self.runner_id, incarnation=self.incarnation, **fields).to_line()
+        try:
+            with self._lock:
+                self._sock.sendall(line)
+        except OSError:
+            log.warning("control channel closed while sending %s: exiting", cls.type)
+            exit_now(0)
+
+    def start_reader(self) -> None:
+        threading.Thread(target=self._read_forever, name="control-reader", daemon=True).start()
+
+    def _read_forever(self) -> None:
+        reader = p.LineReader()
+        try:
+            while data := self._sock.recv(65536):
+                for line in reader.feed(data):
+                    command = p.from_json(line)
+                    if not isinstance(command, p.Command):
+                        raise p.ProtocolError(f"runner received a {command.type} report")
+                    if isinstance(command, p.Shutdown):
+                        log.info("shutdown requested: exiting")
+                        exit_now(0)
+                    self.commands.put(command)
+        except p.ProtocolError as exc:
+            self.send(p.Failed, **_failure_fields(exc))
+            exit_now(EXIT_FAILED)
+        except OSError as exc:
+            log.warning("control channel error: %s", exc)
+        log.info("control channel closed (supervisor gone): exiting")
+        exit_now(0)
+
+
+HANGUP_GRACE_S = 1.0  # time the reader thread gets to end the process cleanly before the watchdog kills it
+_watchdog_pid: int | None = None
+
+
+def start_hangup_watchdog(control_fd: int) -> None:
+    """Fork a tiny process that SIGKILLs this one if the control channel hangs up and we do not exit.
+
+    Why: native MLX calls can block while holding the GIL — ``mx.distributed.init(backend="ring")``
+    of a lone rank 0 never returns and starves every Python thread, the reader included. Only
+    another process can end that. The watchdog polls for POLLRDHUP (peer closed; data alone
+    does not wake it) and for the hangup of a pipe that this process holds (it exits with us).
+    Fork before any thread exists.
+    """
+    global _watchdog_pid
+    parent = os.getpid()
+    alive_r, alive_w = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(alive_r)
+        os.set_inheritable(alive_w, False)
+        _watchdog_pid = pid
+        return
+    try:  # the watchdog: no imports, no threads, no MLX
+        os.close(alive_w)
+        poller = select.poll()
+        poller.register(control_fd, select.POLLRDHUP)
+        poller.register(alive_r, select.POLLIN)
+        events = dict(poller.poll())
+        if alive_r not in events:  # the channel hung up while the runner lives
+            time.sleep(HANGUP_GRACE_S)
+            if not select.select([alive_r], [], [], 0)[0]:
+                os.kill(parent, signal.SIGKILL)
+    finally:
+        os._exit(0)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process without joining threads or running MLX teardown, which can block on a dead peer."""
+    if _watchdog_pid is not None:
+        with contextlib.suppress(OSError):
+            os.kill(_watchdog_pid, signal.SIGKILL)
+            os.waitpid(_watchdog_pid, 0)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
+# -- failure classification -------------------------------------------------------
+
+# Errors from the model's own files: retrying the same files cannot help.
+_NON_RETRYABLE_TYPES: tuple[type[BaseException], ...] = (
+    FileNotFoundError,
+    NotADirectoryError,
+    IsADirectoryError,
+    json.JSONDecodeError,
+    UnsupportedModel,
+    p.ProtocolError,
+)
+_NON_RETRYABLE_MARKERS = ("safetensors", "corrupt", "incomplete download")
+
+
+def is_retryable(exc: BaseException, *, loading: bool = False) -> bool:
+    """False for defects of the model or of the protocol; True for what may pass (OOM, a peer, the network)."""
+    if isinstance(exc, _NON_RETRYABLE_TYPES):
+        return False
+    if any(marker in str(exc).lower() for marker in _NON_RETRYABLE_MARKERS):
+        return False
+    # while loading, ValueError/KeyError/TypeError come from config.json (unknown model_type, missing field)
+    return not (loading and isinstance(exc, ValueError | KeyError | TypeError))
+
+
+def _failure_fields(exc: BaseException, *, loading: bool = False) -> dict[str, Any]:
+    return {
+        "exception_type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+        "retryable": is_retryable(exc, loading=loading),
+    }
+
+
+# -- the runner -------------------------------------------------------------------
+
+
+class Runner:
+    """Executes commands on the main thread; holds the group, the model and the tokenizer."""
+
+    def __init__(self, channel: Channel, *, rank: int, world_size: int) -> None:
+        self.channel = channel
+        self.rank = rank
+        self.world_size = world_size
+        self.group: Any = None
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.ready = False
+        self.loading = False
+
+    def serve(self) -> NoReturn:
+        try:
+            while True:
+                self.handle(self.channel.commands.get())
+        except BaseException as exc:
+            log.exception("runner failed")
+            self.channel.send(p.Failed, **_failure_fields(exc, loading=self.loading))
+            exit_now(EXIT_FAILED)
+
+    def handle(self, command: p.Command) -> None:
+        match command:
+            case p.Connect():
+                self.connect()
+            case p.Load():
+                self.load(Path(command.model_path))
+            case p.WarmUp():
+                self.warm_up()
+            case p.Generate():
+                self.generate(command)
+            case _:
+                raise RunnerProtocolError(f"unexpected command {command.type}")
+
+    # -- phases -----------------------------------------------------------------
+
+    def connect(self) -> None:
+        import mlx.core as mx
+
+        if self.group is not None:
+            raise RunnerProtocolError("connect received twice")
+        self.channel.send(p.Status, phase=p.Phase.JOINING)
+        if self.world_size > 1:
+            self.group = mx.distributed.init(backend="ring", strict=True)
+            if (self.group.rank(), self.group.size()) != (self.rank, self.world_size):
+                raise RunnerProtocolError(
+                    f"ring group says rank {self.group.rank()}/{self.group.size()}, "
+                    f"argv says {self.rank}/{self.world_size}: hostfile and MLX_RANK disagree"
+                )
+        self.channel.send(p.Status, phase=p.Phase.JOINED)
+
+    def load(self, model_path: Path) -> None:
+        import mlx.core as mx
+        from mlx_lm.utils import load_model, load_tokenizer
+
+        if self.world_size > 1 and self.group is None:
+            raise RunnerProtocolError("load before connect on a multi-rank runner")
+        if self.model is not None:
+            raise RunnerProtocolError("load received twice")
+        self.loading = True
+        self.channel.send(p.Status, phase=p.Phase.WEIGHTS)
+        # lazy: nothing is read until evaluated, so each rank reads only its shard, layer by layer
+        model, config = load_model(model_path, lazy=True, strict=True)
+        tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
+        layers = self._shard(model)
+        for index, layer in enumerate(layers, start=1):
+            mx.eval(layer.parameters())
+            self.channel.send(p.Progress, layers_loaded=index, layers_total=len(layers))
+        mx.eval(model.parameters())  # embeddings, final norm, head
+        if not layers:
+            self.channel.send(p.Progress, layers_loaded=1, layers_total=1)
+        self.model, self.tokenizer = model, tokenizer
+        self.loading = False
+        self.channel.send(p.Status, phase=p.Phase.LOADED)
+        if self.group is not None:
+            # every rank is loaded once this returns (the barrier mlx_lm.sharded_load ends with)
+            mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=self.group))
+
+    def _shard(self, model: Any) -> list[Any]:
+        """Pipeline where the model has it (qwen2…), tensor parallel otherwise; returns this rank's layers."""
+        if self.group is None:
+            return [layer for layer in getattr(model, "layers", []) if layer is not None]
+        inner = getattr(model, "model", None)
+        if inner is not None and hasattr(inner, "pipeline"):
+            inner.pipeline(self.group)
+            log.info("pipeline parallel: layers [%d, %d)", inner.start_idx, inner.end_idx)
+            return list(inner.pipeline_layers)
+        if hasattr(model, "shard"):
+            model.shard(self.group)
+            log.info("tensor parallel over %d ranks", self.world_size)
+            return list(getattr(model, "layers", []))
+        raise UnsupportedModel(f"{type(model).__module__} supports neither pipeline nor tensor parallelism")
+
+    def warm_up(self) -> None:
+        if self.model is None:
+            raise RunnerProtocolError("warm_up before load")
+        self.channel.send(p.Status, phase=p.Phase.WARMING_UP)
+        prompt = self.tokenizer.encode("warm up", add_special_tokens=False) or [0]
+        for _ in self._stream(prompt, max_tokens=WARM_UP_TOKENS, temperature=0.0, top_p=1.0, seed=0):
+            pass
+        self.ready = True
+        self.channel.send(p.Status, phase=p.Phase.READY)
+
+    def generate(self, request: p.Generate) -> None:
+        if not self.ready:
+            self.channel.send(p.RequestError, request_id=request.request_id, message="runner is not ready")
+            return
+        try:
+            prompt = self._prompt(request)
+        except Exception as exc:  # a bad request is refused; the runner stays Ready
+            self.channel.send(p.RequestError, request_id=request.request_id, message=f"{type(exc).__name__}: {exc}")
+            return
+        seed = request.seed if request.seed is not None else zlib.crc32(request.request_id.encode())
+        stream = self._stream(prompt, request.max_tokens, request.temperature, request.top_p, seed)
+        completion_tokens = 0
+        finish = p.FinishReason.LENGTH
+        pending = ""  # decoded text not sent yet: held back while it could be the start of a stop string
+        for response in stream:
+            is_eos = response.finish_reason == "stop"
+            token_id = None if is_eos else response.token
+            completion_tokens += 0 if is_eos else 1
+            pending += response.text
+            if is_eos:
+                finish = p.FinishReason.STOP
+            hit = _first_stop(pending, request.stop)
+            if hit is not None:
+                self._emit(request.request_id, pending[:hit], token_id)
+                pending, finish = "", p.FinishReason.STOP
+                break
+            keep = _stop_prefix_len(pending, request.stop)
+            self._emit(request.request_id, pending[: len(pending) - keep], token_id)
+            pending = pending[len(pending) - keep :]
+        self._emit(request.request_id, pending, None)
+        self.channel.send(
+            p.Done,
+            request_id=request.request_id,
+            finish_reason=finish,
+            prompt_tokens=len(prompt),
+            completion_tokens=completion_tokens,
+        )
+
+    # -- helpers ------------------------------------------------------------------
+
+    def _prompt(self, request: p.Generate) -> list[int]:
+        if request.prompt_tokens is not None:
+            tokens = list(request.prompt_tokens)
+        else:
+            tokens = self.tokenizer.apply_chat_template(request.prompt_messages, add_generation_prompt=True)
+            if isinstance(tokens, str):  # some tokenizers return text
+                tokens = self.tokenizer.encode(tokens, add_special_tokens=False)
+        if not tokens:
+            raise ValueError("empty prompt")
+        return list(tokens)
+
+    def _stream(self, prompt: list[int], max_tokens: int, temperature: float, top_p: float, seed: int) -> Iterator[Any]:
+        import mlx.core as mx
+        from mlx_lm import stream_generate
+        from mlx_lm.sample_utils import make_sampler
+
+        mx.random.seed(seed)  # same seed on every rank: ranks sample the same token from the same logits
+        sampler = make_sampler(temp=temperature, top_p=top_p)
+        return stream_generate(self.model, self.tokenizer, prompt, max_tokens=max_tokens, sampler=sampler)
+
+    def _emit(self, request_id: str, text: str, token_id: int | None) -> None:
+        if self.rank == 0 and (text or token_id is not None):
+            self.channel.send(p.Token, request_id=request_id, text=text, token_id=token_id)
+
+
+def _first_stop(text: str, stops: list[str]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:n]):
+                best = n
+                break
+    return best
+
+
+# -- entry point ------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m exod.runner", description=__doc__.splitlines()[0])
+    parser.add_argument("--runner-id", required=True)
+    parser.add_argument("--incarnation", type=int, required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--control-fd", type=int, required=True, help="inherited end of a Unix socketpair")
+    parser.add_argument("--hostfile", type=Path, help="ring hostfile; sets MLX_HOSTFILE (default: from the env)")
+    args = parser.parse_args(argv)
+    if not 0 <= args.rank < args.world_size:
+        parser.error(f"rank {args.rank} out of range for world size {args.world_size}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(name)s %(levelname)s %(message)s", stream=sys.stderr
+    )
+    if args.hostfile is not None:
+        os.environ["MLX_HOSTFILE"] = str(args.hostfile)
+    os.environ["MLX_RANK"] = str(args.rank)
+    start_hangup_watchdog(args.control_fd)
+    channel = Channel(args.control_fd, args.runner_id, args.incarnation)
+    channel.start_reader()  # before importing mlx: EOF must end the process even during a slow import
+    Runner(channel, rank=args.rank, world_size=args.world_size).serve()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,403 @@
+"""Real runner processes over the control protocol: load, warm up, stream, fail, die with the supervisor.
+
+Every process is spawned through the `spawn` fixture, which kills and reaps it whatever happens and
+asserts that none is left; every wait has a deadline (a lone ring rank 0 would wait forever).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import attrs
+import pytest
+
+from exod import protocol as p
+from exod.tiny_model import make_tiny_model
+
+MESSAGES = [{"role": "user", "content": "hello there, how are you?"}]
+MAX_TOKENS = 24
+STEP_TIMEOUT = 20.0  # one phase of a tiny model takes well under a second; import mlx_lm ≈ 0.7 s
+
+
+# -- helpers ----------------------------------------------------------------------
+
+
+class RunnerProc:
+    """A runner process and the supervisor's end of its control socket."""
+
+    def __init__(self, args: list[str], sock: socket.socket, proc: subprocess.Popen[bytes], log: Path) -> None:
+        self.args, self.sock, self.proc, self.log = args, sock, proc, log
+        self.reader = p.LineReader()
+        self.lines: list[bytes] = []
+
+    def send(self, command: p.Command) -> None:
+        self.sock.sendall(command.to_line())
+
+    def recv(self, timeout: float = STEP_TIMEOUT) -> p.Message | None:
+        """The next message, or None at end of file."""
+        deadline = time.monotonic() + timeout
+        while not self.lines:
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                data = self.sock.recv(65536)
+            except TimeoutError:
+                pytest.fail(f"no message within {timeout} s; log:\n{self.log.read_text()[-3000:]}")
+            if not data:
+                return None
+            self.lines += self.reader.feed(data)
+        return p.from_json(self.lines.pop(0))
+
+    def recv_until(self, done: type[p.Report], timeout: float = STEP_TIMEOUT) -> list[p.Message]:
+        got: list[p.Message] = []
+        while True:
+            msg = self.recv(timeout)
+            assert msg is not None, (
+                f"channel closed before {done.type}; got {got}; log:\n{self.log.read_text()[-3000:]}"
+            )
+            assert not isinstance(msg, p.Failed) or done is p.Failed, f"runner failed: {msg.traceback}"
+            got.append(msg)
+            if isinstance(msg, done):
+                return got
+
+    def wait(self, timeout: float = STEP_TIMEOUT) -> int:
+        return self.proc.wait(timeout=timeout)
+
+
+def phases(messages: list[p.Message]) -> list[p.Phase]:
+    return [m.phase for m in messages if isinstance(m, p.Status)]
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator:
+    """Start runners like the supervisor does: socketpair, child end passed as an fd, logs to a file."""
+    procs: list[RunnerProc] = []
+
+    def start(*, rank: int = 0, world_size: int = 1, hostfile: Path | None = None, incarnation: int = 0) -> RunnerProc:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        args = [
+            sys.executable, "-m", "exod.runner",
+            "--runner-id", f"r{rank}", "--incarnation", str(incarnation),
+            "--rank", str(rank), "--world-size", str(world_size),
+            "--control-fd", str(child.fileno()),
+        ]  # fmt: skip
+        if hostfile is not None:
+            args += ["--hostfile", str(hostfile)]
+        log = tmp_path / f"runner{rank}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, pass_fds=[child.fileno()], env=env
+            )
+        child.close()  # only the runner holds the child end: its death is our EOF, ours is its EOF
+        runner = RunnerProc(args, parent, proc, log)
+        procs.append(runner)
+        return runner
+
+    try:
+        yield start
+    finally:
+        for r in procs:
+            if r.proc.poll() is None:
+                r.proc.kill()
+            r.proc.wait(timeout=10)
+            r.sock.close()
+        assert all(r.proc.returncode is not None for r in procs), "orphan runner processes"
+        deadline = time.monotonic() + 5  # forked watchdogs exit with their runner
+        while (left := live_processes_with_args([r.args for r in procs])) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not left, f"processes left behind: {left}"
+
+
+def live_processes_with_args(argvs: list[list[str]]) -> list[int]:
+    wanted = {"\0".join(a).encode() + b"\0" for a in argvs}
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if cmdline in wanted and state != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model("exod/tiny-qwen2", arch="qwen2", layers=4, hf_home=tmp_path_factory.mktemp("hf"))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> tuple[list[int], str]:
+    """Greedy token ids and text of in-process mlx-lm for the same chat prompt."""
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    tokens = [
+        r.token
+        for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=MAX_TOKENS)
+        if r.finish_reason != "stop"
+    ]
+    return tokens, mlx_lm.generate(model, tokenizer, prompt, max_tokens=MAX_TOKENS)
+
+
+SAMPLED = {"temperature": 1.0, "top_p": 1.0, "seed": 7}  # diverse tokens: a tiny random model's greedy output repeats
+
+
+@pytest.fixture(scope="module")
+def sampled_reference(model_dir: Path) -> tuple[list[int], str]:
+    """Seeded temperature-1 sampling in-process: the same seed must give the same tokens in the runner."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    mx.random.seed(SAMPLED["seed"])
+    sampler = make_sampler(temp=SAMPLED["temperature"])
+    responses = list(mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=MAX_TOKENS, sampler=sampler))
+    tokens = [r.token for r in responses if r.finish_reason != "stop"]
+    assert len(set(tokens)) > 3, "the sampled reference should not be degenerate"
+    return tokens, "".join(r.text for r in responses)
+
+
+def collect(messages: list[p.Message], request_id: str) -> tuple[list[int], str]:
+    tokens = [m for m in messages if isinstance(m, p.Token) and m.request_id == request_id]
+    return [t.token_id for t in tokens if t.token_id is not None], "".join(t.text for t in tokens)
+
+
+def generate(request_id: str, **kw: object) -> p.Generate:
+    return p.Generate(request_id, prompt_messages=MESSAGES, max_tokens=MAX_TOKENS, **kw)
+
+
+# -- protocol ---------------------------------------------------------------------
+
+EXAMPLES: list[p.Message] = [
+    p.Connect(),
+    p.Load("/models/x", layers_total=4),
+    p.WarmUp(),
+    generate("q1", temperature=0.7, top_p=0.9, seed=3, stop=["\n"]),
+    p.Generate("q2", prompt_tokens=[1, 2, 3]),
+    p.Shutdown(),
+    p.Status("r0", 2, p.Phase.WARMING_UP),
+    p.Progress("r0", 2, 1, 4),
+    p.Token("r0", 2, "q1", "héllo", 17),
+    p.Token("r0", 2, "q1", "tail", None),
+    p.Done("r0", 2, "q1", p.FinishReason.LENGTH, 12, 24),
+    p.RequestError("r0", 2, "q1", "nope"),
+    p.Failed("r0", 2, "OSError", "boom", "Traceback…", retryable=True),
+]
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: m.type)
+def test_every_message_round_trips_as_one_json_line(message: p.Message) -> None:
+    line = message.to_line()
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert json.loads(line)["type"] == message.type
+    assert p.from_json(line) == message
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        message.type = "x"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"not json",
+        b"[]",
+        b'{"no": "type"}',
+        b'{"type": "launch_missiles"}',
+        b'{"type": "load"}',
+        b'{"type": "load", "model_path": 7}',
+        b'{"type": "connect", "extra": 1}',
+        b'{"type": "status", "runner_id": "r", "incarnation": "1", "phase": "ready"}',
+        b'{"type": "status", "runner_id": "r", "incarnation": 1, "phase": "dancing"}',
+        b'{"type": "generate", "request_id": "q"}',
+        b'{"type": "generate", "request_id": "q", "prompt_tokens": [1], "max_tokens": 0}',
+        b"\xff\xfe",
+    ],
+)
+def test_malformed_lines_raise_protocol_error(line: bytes) -> None:
+    with pytest.raises(p.ProtocolError):
+        p.from_json(line)
+
+
+def test_line_reader_splits_and_bounds() -> None:
+    reader = p.LineReader()
+    assert reader.feed(b'{"type":"connect"}\n{"ty') == [b'{"type":"connect"}']
+    assert reader.feed(b'pe":"warm_up"}\n\n') == [b'{"type":"warm_up"}']
+    with pytest.raises(p.ProtocolError):
+        reader.feed(b"x" * (p.MAX_LINE_BYTES + 1))
+
+
+# -- real processes ---------------------------------------------------------------
+
+
+def test_single_rank_loads_warms_up_and_streams_the_reference_tokens(
+    spawn, model_dir, reference, sampled_reference
+) -> None:
+    runner = spawn()
+    runner.send(p.Load(str(model_dir)))
+    loading = runner.recv_until(p.Status)  # WEIGHTS
+    loading += runner.recv_until(p.Status)  # LOADED
+    assert phases(loading) == [p.Phase.WEIGHTS, p.Phase.LOADED]
+    progress = [(m.layers_loaded, m.layers_total) for m in loading if isinstance(m, p.Progress)]
+    assert progress == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    assert all((m.runner_id, m.incarnation) == ("r0", 0) for m in loading)
+
+    runner.send(p.WarmUp())
+    assert phases(runner.recv_until(p.Status) + runner.recv_until(p.Status)) == [p.Phase.WARMING_UP, p.Phase.READY]
+
+    # two requests queued back to back are served one after the other, never interleaved
+    runner.send(generate("a"))
+    runner.send(generate("b"))
+    first = runner.recv_until(p.Done)
+    second = runner.recv_until(p.Done)
+    assert {m.request_id for m in first if isinstance(m, p.Token | p.Done)} == {"a"}
+    assert {m.request_id for m in second if isinstance(m, p.Token | p.Done)} == {"b"}
+    ref_tokens, ref_text = reference
+    assert collect(first, "a") == (ref_tokens, ref_text)
+    assert collect(second, "b") == (ref_tokens, ref_text)
+    done = first[-1]
+    assert isinstance(done, p.Done) and done.completion_tokens == len(ref_tokens)
+    assert done.finish_reason == (p.FinishReason.LENGTH if len(ref_tokens) == MAX_TOKENS else p.FinishReason.STOP)
+
+    runner.send(generate("c", **SAMPLED))
+    assert collect(runner.recv_until(p.Done), "c") == sampled_reference
+
+    runner.send(p.Shutdown())
+    assert runner.wait() == 0
+
+
+def test_stop_strings_and_bad_requests_do_not_kill_the_runner(spawn, model_dir, sampled_reference) -> None:
+    _, ref_text = sampled_reference
+    runner = spawn()
+    runner.send(p.Generate("early", prompt_tokens=[1, 2]))
+    assert runner.recv_until(p.RequestError)[-1] == p.RequestError("r0", 0, "early", "runner is not ready")
+    runner.send(p.Load(str(model_dir)))
+    runner.send(p.WarmUp())
+    runner.recv_until(p.Status)
+    while runner.recv_until(p.Status)[-1].phase != p.Phase.READY:
+        pass
+    stop = ref_text[len(ref_text) // 2 : len(ref_text) // 2 + 3]
+    assert ref_text.find(stop) > 0
+    runner.send(generate("s", stop=[stop, "never appears ~~"], **SAMPLED))
+    messages = runner.recv_until(p.Done)
+    _, text = collect(messages, "s")
+    assert text == ref_text[: ref_text.find(stop)]
+    assert messages[-1].finish_reason == p.FinishReason.STOP
+    runner.send(p.Shutdown())
+    assert runner.wait() == 0
+
+
+def test_two_rank_pipeline_over_loopback_ring_streams_the_reference_tokens(
+    spawn, model_dir, reference, sampled_reference, tmp_path
+) -> None:
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(2)]))
+    ranks = [spawn(rank=r, world_size=2, hostfile=hostfile) for r in (0, 1)]
+    for r in ranks:
+        r.send(p.Connect())
+    for r in ranks:
+        assert phases(r.recv_until(p.Status) + r.recv_until(p.Status)) == [p.Phase.JOINING, p.Phase.JOINED]
+    for r in ranks:
+        r.send(p.Load(str(model_dir)))
+    for i, r in enumerate(ranks):
+        loading = r.recv_until(p.Status) + r.recv_until(p.Status)
+        assert phases(loading) == [p.Phase.WEIGHTS, p.Phase.LOADED]
+        progress = [(m.layers_loaded, m.layers_total) for m in loading if isinstance(m, p.Progress)]
+        assert progress == [(1, 2), (2, 2)], f"rank {i} holds half of the 4 layers"
+    for r in reversed(ranks):  # the planner's order: ranks > 0 first, rank 0 last
+        r.send(p.WarmUp())
+    for r in ranks:
+        assert phases(r.recv_until(p.Status) + r.recv_until(p.Status)) == [p.Phase.WARMING_UP, p.Phase.READY]
+    for r in ranks:
+        r.send(generate("g"))
+    out0, out1 = (r.recv_until(p.Done) for r in ranks)
+    assert collect(out0, "g") == reference
+    assert [type(m) for m in out1] == [p.Done], "only rank 0 streams tokens"
+    assert out0[-1] == attrs.evolve(out1[-1], runner_id="r0")
+    for r in ranks:  # sampling stays in lockstep: every rank seeds the same and sees the same logits
+        r.send(generate("h", **SAMPLED))
+    out0, out1 = (r.recv_until(p.Done) for r in ranks)
+    assert collect(out0, "h") == sampled_reference
+    assert [type(m) for m in out1] == [p.Done]
+    for r in ranks:
+        r.send(p.Shutdown())
+    assert [r.wait() for r in ranks] == [0, 0]
+
+
+def test_corrupt_weights_fail_non_retryable_and_exit_non_zero(spawn, model_dir, tmp_path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    weights = broken / "model.safetensors"
+    data = weights.read_bytes()
+    weights.unlink()  # never write through a link into the cache
+    weights.write_bytes(data[: len(data) // 2])
+    runner = spawn()
+    runner.send(p.Load(str(broken)))
+    failed = runner.recv_until(p.Failed)[-1]
+    assert isinstance(failed, p.Failed)
+    assert failed.retryable is False
+    assert "safetensors" in failed.message and "Traceback" in failed.traceback
+    assert runner.recv() is None
+    assert runner.wait() != 0
+
+
+def test_missing_model_dir_fails_non_retryable(spawn, tmp_path) -> None:
+    runner = spawn()
+    runner.send(p.Load(str(tmp_path / "nowhere")))
+    failed = runner.recv_until(p.Failed)[-1]
+    assert (failed.exception_type, failed.retryable) == ("FileNotFoundError", False)
+    assert runner.wait() != 0
+
+
+def test_malformed_command_fails_the_runner(spawn) -> None:
+    runner = spawn(incarnation=3)
+    runner.sock.sendall(b'{"type": "load"}\n')
+    failed = runner.recv_until(p.Failed)[-1]
+    assert (failed.runner_id, failed.incarnation, failed.retryable) == ("r0", 3, False)
+    assert runner.wait() != 0
+
+
+def test_closing_the_control_channel_ends_an_idle_runner(spawn) -> None:
+    runner = spawn()
+    time.sleep(0.2)
+    runner.sock.close()
+    assert runner.wait(timeout=10) == 0
+
+
+def test_closing_the_control_channel_ends_a_runner_stuck_in_ring_init(spawn, tmp_path) -> None:
+    """A lone rank 0 blocks forever inside mx.distributed.init, holding the GIL: the watchdog process ends it."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(2)]))
+    runner = spawn(rank=0, world_size=2, hostfile=hostfile)
+    runner.send(p.Connect())
+    assert phases(runner.recv_until(p.Status)) == [p.Phase.JOINING]
+    time.sleep(0.3)
+    assert runner.proc.poll() is None, "still waiting for its peer"
+    started = time.monotonic()
+    runner.sock.close()
+    assert runner.wait(timeout=10) == -signal.SIGKILL  # no Python thread can run: killed, not exited
+    assert time.monotonic() - started < 5
