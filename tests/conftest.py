@@ -1,0 +1,13 @@
+"""Test-wide settings."""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import settings
+
+# CI gates a landing: it explores a fixed, reproducible set of examples. Local runs keep
+# exploring new ones (and remember failures in .hypothesis/), which is where bugs are found.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
