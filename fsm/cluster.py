@@ -142,6 +142,23 @@ class Cluster:
     def add_request(self, request_id: str, instance_id: str) -> None:
         self.requests[request_id] = PendingRequest(request_id, instance_id)
 
+    def recover(self, now: float) -> None:
+        """After a daemon restart whose orphaned runners were all killed: make the machines say so.
+
+        Starting/Ready instances resume with a new generation (no retry charged); then every runner
+        that was alive is stopped and reaped, which a Recovering instance counts as reaped ranks.
+        """
+        for instance_id, placement in self.instances.items():
+            if placement.machine.instance_state in (inst.InstanceState.STARTING, inst.InstanceState.READY):
+                self.instance_event(inst.Resume(instance_id, now))
+        for machine, _instance_id, _node in list(self.runners.values()):
+            if not machine.alive:
+                continue
+            if machine.runner_state is not rn.RunnerState.FAILED and machine.leaf != "stopping":
+                self.runner_event(rn.Stop(machine.runner_id, machine.incarnation), now)
+            self.runner_event(rn.Exited(machine.runner_id, machine.incarnation, exit_code=-9), now)
+        self.requests.clear()  # their callers were connected to the previous daemon
+
     # -- the machine side of the planner's actions ---------------------------------------
 
     def execute(self, action: act.Action, now: float) -> Outcome:

@@ -24,6 +24,9 @@ Theory of operation
   handled, so a failure long after Ready counts against a fresh budget even if
   no tick came in between.
 * Deleted is final and absorbs every later event (late exits, timers).
+* Resume: after a daemon restart, a Starting or Ready instance whose runners
+  were reaped as orphans starts a new generation at once, without charging
+  the budget: the daemon, not the model, lost that generation.
 * Time is always the caller's ``now``; jitter draws from an RNG seeded by
   (seed, instance, attempt), so the same events, clock and seed give the same
   schedule, also after a restore.
@@ -134,6 +137,16 @@ class RankStopped(RankEvent):
 
 
 @attrs.frozen
+class Resume(InstanceEvent):
+    """The daemon restarted and reaped this generation's orphaned runners: start a fresh generation.
+
+    The generation was lost to the daemon, not to the model, so it costs no retry.
+    """
+
+    name = "resume"
+
+
+@attrs.frozen
 class Tick(InstanceEvent):
     """Only time passes (lets a Ready instance's budget reset be observed)."""
 
@@ -224,6 +237,7 @@ class InstanceRetry(Lifecycle):
         | backing_off.to.itself(internal=True, on="_rank_gone")
     )
     recovering.to(backing_off, cond="nothing_alive", on="_arm_timer")
+    resume = starting.to.itself(on="_begin_generation") | ready.to(starting, on="_begin_generation")
     tick = (
         pending.to.itself(internal=True)
         | starting.to.itself(internal=True)

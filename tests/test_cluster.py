@@ -84,3 +84,25 @@ def test_snapshot_with_impossible_values_is_a_snapshot_error():
     data = fsm.RunnerLifecycle("r").to_dict()
     with pytest.raises(fsm.SnapshotError, match="rank"):
         fsm.RunnerLifecycle.from_dict({**data, "rank": 3})
+
+
+def test_recover_after_a_daemon_restart_charges_no_retry():
+    cluster = two_rank_cluster()
+    for rid in ("i/0", "i/1"):
+        cluster.runner_event(rn.Connect(rid, 1), 0.5)
+    restored = Cluster.from_dict(cluster.to_dict())
+    restored.recover(now=10.0)
+    machine = restored.instance("i")
+    assert (machine.instance_state, machine.generation, machine.attempts) == (fsm.InstanceState.STARTING, 2, 0)
+    assert all(not restored.runner(rid).alive and restored.runner(rid).failure is None for rid in ("i/0", "i/1"))
+    actions = fsm.plan(restored.view(), "a", 10.0)
+    assert fsm.CreateRunner("i", "i/0", "a", 0, 2, 2, "org/m") in actions
+
+
+def test_recover_mid_recovery_finishes_the_teardown_and_keeps_the_deadline_rule():
+    cluster = two_rank_cluster()
+    cluster.runner_event(rn.Exited("i/1", 1, exit_code=-9), 1.0)  # rank 1 died; rank 0 still alive
+    restored = Cluster.from_dict(cluster.to_dict())
+    restored.recover(now=4.0)
+    machine = restored.instance("i")
+    assert (machine.instance_state, machine.attempts, machine.deadline) == (fsm.InstanceState.BACKING_OFF, 1, 6.0)

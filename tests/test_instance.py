@@ -335,3 +335,27 @@ def test_snapshot_rejects_bad_input():
     ):
         with pytest.raises(fsm.SnapshotError):
             InstanceRetry.from_dict(bad)
+
+
+def test_resume_after_a_daemon_restart_starts_a_new_generation_for_free():
+    from fsm.instance import Resume
+
+    i = started(policy=RetryPolicy(max_retries=2))
+    fail_generation(i, 1.0)
+    next_generation(i)
+    make_ready(i, 5.0)
+    i.apply(Resume("inst", 6.0))
+    assert (i.instance_state, i.generation, i.attempts) == (fsm.InstanceState.STARTING, 3, 1)
+    i.apply(Resume("inst", 7.0))
+    assert (i.generation, i.attempts) == (4, 1)
+    for state in ("pending", "backing_off"):
+        j = InstanceRetry("inst", world_size=1)
+        if state == "backing_off":
+            j.apply(Start("inst", 0.0, 1))
+            j.apply(RankCreated("inst", 0.0, 1, 0))
+            j.apply(RankFailed("inst", 0.0, 1, 0, failure=CRASH))
+            j.apply(RankStopped("inst", 0.0, 1, 0))
+        before = j.to_dict()
+        with pytest.raises(fsm.IllegalTransition):
+            j.apply(Resume("inst", 1.0))
+        assert j.to_dict() == before
