@@ -7,12 +7,12 @@ invariant of DESIGN §3.5 is checked after every step.
 
 from __future__ import annotations
 
-from fake_world import FakeWorld
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import fsm
+from fake_world import FakeWorld
 from fsm import runner as rn
 from fsm.cluster import Cluster
 

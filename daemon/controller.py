@@ -1,0 +1,422 @@
+"""The controller: the imperative shell around `fsm.cluster.Cluster`.
+
+It owns every machine (through the cluster), runs `fsm.plan` whenever anything
+changes — a report from a runner, a process exit, a download, a placement —
+and at the next deadline `fsm.next_deadline` names; never on a fixed tick.
+Each action is applied to the machines first (`Cluster.execute`) and then
+carried out: a supervisor spawned, a command posted, a download started. What
+the world answers comes back as events through the `Listener` callbacks.
+
+Every change of the machines is written to the store, with its log entries,
+before the controller waits again: what a caller was told is on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import secrets
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+import fsm
+from exod import protocol as p
+from exod.models import ModelNotFound, resolve_model, validate_model_id
+from exod.orphans import reap_orphans, start_ticks
+from exod.store import ProcessRecord, Store
+from exod.supervisor import RunnerSpec, Supervisor, Timeouts
+from fsm import download as dl
+from fsm import runner as rn
+from fsm.cluster import Cluster
+
+log = logging.getLogger("exod.controller")
+
+NODE = "local"  # every rank of an instance runs on this machine, over loopback
+MAX_PLAN_ROUNDS = 64  # one change rarely needs more than a handful of plan → execute rounds
+
+
+class InstanceNotFound(LookupError):
+    """No such instance (or it was deleted)."""
+
+
+class RequestFailed(Exception):
+    """A generation request ended with an error (runner failed, instance deleted, bad request)."""
+
+
+@attrs.frozen
+class DaemonConfig:
+    state_dir: Path
+    hf_home: Path | None = None
+    offline: bool | None = None  # None: HF_HUB_OFFLINE decides; the hub is tried and fails fast otherwise
+    timeouts: Timeouts = attrs.Factory(Timeouts)
+    policy: fsm.RetryPolicy = attrs.Factory(fsm.RetryPolicy)
+    download_policy: fsm.Backoff = fsm.DEFAULT_DOWNLOAD_BACKOFF
+    download_timeout: float = 30.0
+
+    @property
+    def db_path(self) -> Path:
+        return self.state_dir / "state.db"
+
+
+@attrs.define
+class _Request:
+    instance_id: str
+    command: p.Generate
+    channel: trio.MemorySendChannel[Any]
+    leader: str = ""  # runner id of rank 0 once forwarded
+    incarnation: int = -1
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+class Controller:
+    def __init__(self, config: DaemonConfig, store: Store, clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.store = store
+        self.clock = clock  # wall time: deadlines are persisted and must mean the same after a restart
+        self.cluster = Cluster(download_policy=config.download_policy)
+        self._supervisors: dict[tuple[str, int], Supervisor] = {}
+        self._requests: dict[str, _Request] = {}
+        self._model_paths: dict[str, Path] = {}
+        self._wake = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self.reaped_orphans: list[ProcessRecord] = []
+
+    # -- lifecycle of the controller --------------------------------------------------------
+
+    def restore(self) -> None:
+        """Load the last state, kill the runners a previous daemon left, and make the machines say so."""
+        snapshot = self.store.load()
+        if snapshot is not None:
+            self.cluster = Cluster.from_dict(snapshot, download_policy=self.config.download_policy)
+        self.reaped_orphans = reap_orphans(self.store.processes())
+        for record in self.store.processes():
+            self.store.forget_process(record.runner_id, record.incarnation)
+        now = self.clock()
+        self.cluster.recover(now)
+        for (node, model_id), machine in self.cluster.downloads.items():
+            if machine.download_state is fsm.DownloadState.ONGOING:
+                self.cluster.download_event(node, dl.DownloadFailed(model_id, now, "interrupted by a daemon restart"))
+        self._commit()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Plan and act until cancelled; cancelling stops and reaps every runner."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            while True:
+                self._act()
+                now = self.clock()
+                deadline = fsm.next_deadline(self.cluster.view(), NODE, now)
+                with trio.move_on_after(math.inf if deadline is None else max(0.0, deadline - now)):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+
+    def _changed(self) -> None:
+        self._commit()
+        self._wake.set()
+
+    def _commit(self) -> None:
+        if self.cluster.log:
+            self.store.save(self.cluster.to_dict(), self.cluster.log, self.clock())
+            self.cluster.log.clear()
+
+    # -- the API the daemon's front ends use ----------------------------------------------------
+
+    def place(self, model_id: str, ranks: int, *, policy: fsm.RetryPolicy | None = None) -> str:
+        """Place ``model_id`` on ``ranks`` local ranks; returns the instance id once it is on disk."""
+        validate_model_id(model_id)
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= 64:
+            raise fsm.InvalidConfig(f"ranks must be an int between 1 and 64, got {ranks!r}")
+        instance_id = f"{model_id.split('/')[-1]}-{secrets.token_hex(3)}"
+        slots = [fsm.Slot(rank, NODE, f"{instance_id}/{rank}") for rank in range(ranks)]
+        self.cluster.place(instance_id, model_id, slots, policy=policy or self.config.policy)
+        self.cluster.log.append(fsm.cluster.LogEntry(self.clock(), "instance", instance_id, "place", "", "pending"))
+        self._changed()
+        return instance_id
+
+    def delete(self, instance_id: str) -> None:
+        if instance_id not in self.cluster.instances:
+            raise InstanceNotFound(f"no instance {instance_id!r}; `exod status` lists them")
+        self.cluster.delete(instance_id, self.clock())
+        self._changed()
+
+    async def generate(
+        self,
+        instance_id: str,
+        messages: list[dict[str, str]],
+        *,
+        max_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+    ) -> AsyncIterator[p.Token | p.Done]:
+        """Stream a chat completion from an instance: tokens, then one `Done`; `RequestFailed` on error."""
+        placement = self.cluster.instances.get(instance_id)
+        if placement is None or placement.machine.is_deleted:
+            raise InstanceNotFound(f"no live instance {instance_id!r}")
+        request_id = f"req-{secrets.token_hex(6)}"
+        command = p.Generate(
+            request_id=request_id,
+            prompt_messages=messages,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=stop or [],
+        )
+        send, receive = trio.open_memory_channel[Any](math.inf)
+        self._requests[request_id] = _Request(instance_id, command, send)
+        self.cluster.add_request(request_id, instance_id)
+        self._changed()
+        try:
+            async with receive:
+                async for item in receive:
+                    if isinstance(item, Exception):
+                        raise item
+                    yield item
+                    if isinstance(item, p.Done):
+                        return
+        finally:
+            self._requests.pop(request_id, None)
+            self.cluster.requests.pop(request_id, None)
+
+    def status(self) -> dict[str, Any]:
+        """Everything an operator asks first: states, attempts, next retry, last cause, per runner."""
+        view = self.cluster.view()
+        instances = []
+        for iid, placement in self.cluster.instances.items():
+            m = placement.machine
+            runners = []
+            for slot, r in view.slot_runners(view.instances[iid]):
+                runners.append(
+                    {
+                        "runner_id": slot.runner_id,
+                        "rank": slot.rank,
+                        "incarnation": None if r is None else r.incarnation,
+                        "state": None if r is None else r.state.value,
+                        "phase": None if r is None or r.phase is None else r.phase.value,
+                        "layers": None if r is None else [r.layers_loaded, r.layers_total],
+                        "failure": None if r is None or r.failure is None else r.failure.message,
+                    }
+                )
+            download = self.cluster.downloads.get((NODE, placement.model_id))
+            instances.append(
+                {
+                    "instance_id": iid,
+                    "model_id": placement.model_id,
+                    "ranks": len(placement.slots),
+                    "state": m.instance_state.value,
+                    "generation": m.generation,
+                    "attempts": m.attempts,
+                    "max_retries": m.policy.max_retries,
+                    "next_retry_at": m.deadline,
+                    "delete_reason": None if m.delete_reason is None else m.delete_reason.value,
+                    "last_failure": None if m.last_failure is None else m.last_failure.message,
+                    "download": None
+                    if download is None
+                    else {
+                        "state": download.download_state.value,
+                        "attempts": download.attempts,
+                        "retry_at": download.retry_at,
+                        "last_error": download.last_error,
+                    },
+                    "runners": runners,
+                }
+            )
+        return {"instances": instances}
+
+    # -- plan → execute ------------------------------------------------------------------
+
+    def _act(self) -> None:
+        now = self.clock()
+        for iid in list(self.cluster.instances):
+            self.cluster.instance_event(fsm.instance.Tick(iid, now))
+        for _ in range(MAX_PLAN_ROUNDS):
+            actions = fsm.plan(self.cluster.view(), NODE, now)
+            if not actions:
+                break
+            for action in actions:
+                try:
+                    self._execute(action, now)
+                except fsm.FsmError as exc:  # the view moved under a later action of the same batch
+                    log.warning("action %s not taken: %s", action, exc)
+        else:
+            log.error("plan did not settle after %d rounds; will retry on the next change", MAX_PLAN_ROUNDS)
+        self._fail_orphaned_requests()
+        self._commit()
+
+    def _execute(self, action: fsm.Action, now: float) -> None:
+        assert self._nursery is not None
+        self.cluster.execute(action, now)
+        match action:
+            case fsm.CancelRequest(request_id, _, reason):
+                self._fail_request(request_id, reason)
+            case fsm.StopRunner(runner_id, incarnation, _):
+                supervisor = self._supervisors.get((runner_id, incarnation))
+                if supervisor is not None:
+                    supervisor.stop()
+            case fsm.CreateRunner(instance_id, runner_id, _, rank, world_size, incarnation, _):
+                spec = RunnerSpec(
+                    runner_id=runner_id,
+                    incarnation=incarnation,
+                    rank=rank,
+                    world_size=world_size,
+                    hostfile=self._hostfile(instance_id, incarnation, world_size),
+                    log_path=self.config.state_dir / "logs" / instance_id / f"rank{rank}-gen{incarnation}.log",
+                )
+                supervisor = Supervisor(spec, self, self.config.timeouts)
+                self._supervisors[(runner_id, incarnation)] = supervisor
+                self._nursery.start_soon(self._supervise, supervisor)
+            case fsm.StartDownload(_, model_id):
+                self._nursery.start_soon(self._download, model_id)
+            case fsm.ConnectRunner(runner_id, incarnation):
+                self._post(runner_id, incarnation, p.Connect())
+            case fsm.LoadModel(runner_id, incarnation, model_id):
+                self._post(runner_id, incarnation, p.Load(str(self._model_path(model_id))))
+            case fsm.WarmUp(runner_id, incarnation):
+                self._post(runner_id, incarnation, p.WarmUp())
+            case fsm.ForwardRequest(request_id, runner_id, incarnation):
+                request = self._requests.get(request_id)
+                if request is not None:
+                    if self.cluster.runner(runner_id).rank == 0:
+                        request.leader, request.incarnation = runner_id, incarnation
+                    self._post(runner_id, incarnation, request.command)
+
+    def _post(self, runner_id: str, incarnation: int, command: p.Command) -> None:
+        supervisor = self._supervisors.get((runner_id, incarnation))
+        if supervisor is not None:
+            supervisor.post(command)
+
+    def _hostfile(self, instance_id: str, generation: int, world_size: int) -> Path | None:
+        if world_size == 1:
+            return None
+        path = self.config.state_dir / "run" / instance_id / f"gen{generation}.hostfile.json"
+        if not path.exists():  # every rank of a generation shares one hostfile
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(world_size)]))
+        return path
+
+    def _model_path(self, model_id: str) -> Path:
+        if model_id not in self._model_paths:  # completed before a restart: it is in the local cache
+            self._model_paths[model_id] = resolve_model(model_id, hf_home=self.config.hf_home, offline=True)
+        return self._model_paths[model_id]
+
+    async def _download(self, model_id: str) -> None:
+        resolve = partial(
+            resolve_model,
+            model_id,
+            hf_home=self.config.hf_home,
+            offline=self.config.offline,
+            timeout=self.config.download_timeout,
+        )
+        try:
+            path = await trio.to_thread.run_sync(resolve, abandon_on_cancel=True)
+        except ModelNotFound as exc:
+            self.cluster.download_event(NODE, dl.DownloadFailed(model_id, self.clock(), str(exc)))
+        else:
+            self._model_paths[model_id] = path
+            self.cluster.download_event(NODE, dl.Complete(model_id, self.clock()))
+        self._changed()
+
+    async def _supervise(self, supervisor: Supervisor) -> None:
+        try:
+            await supervisor.run()
+        except OSError as exc:  # the process could not even be started
+            spec = supervisor.spec
+            failure = fsm.Failure(fsm.FailureKind.SPAWN, f"cannot start runner: {exc}", retryable=False)
+            self._runner_event(rn.Fail(spec.runner_id, spec.incarnation, failure=failure))
+            self._runner_event(rn.Exited(spec.runner_id, spec.incarnation, exit_code=1))
+        finally:
+            self._supervisors.pop((supervisor.spec.runner_id, supervisor.spec.incarnation), None)
+
+    # -- requests --------------------------------------------------------------------------
+
+    def _fail_request(self, request_id: str, reason: str) -> None:
+        request = self._requests.get(request_id)
+        if request is not None:
+            request.channel.send_nowait(RequestFailed(reason))
+
+    def _fail_orphaned_requests(self) -> None:
+        """A forwarded request whose rank 0 is no longer Ready will never finish: end it now, never hang."""
+        for request_id, request in list(self._requests.items()):
+            if not request.leader:
+                continue
+            machine = self.cluster.runners.get(request.leader, (None,))[0]
+            if (
+                machine is None
+                or machine.incarnation != request.incarnation
+                or not machine.alive
+                or (machine.runner_state is not fsm.RunnerState.READY)
+            ):
+                cause = machine.failure.message if machine is not None and machine.failure else "runner stopped"
+                self._fail_request(request_id, f"the runner serving this request failed: {cause}")
+                request.leader = ""
+
+    # -- Listener: what supervisors report ----------------------------------------------------
+
+    def _runner_event(self, event: rn.RunnerEvent) -> None:
+        try:
+            self.cluster.runner_event(event, self.clock())
+        except fsm.FsmError as exc:
+            log.warning("runner event %s refused: %s", event, exc)
+        self._fail_orphaned_requests()
+        self._changed()
+
+    def on_spawned(self, spec: RunnerSpec, pid: int) -> None:
+        self.store.record_process(ProcessRecord(spec.runner_id, spec.incarnation, pid, start_ticks(pid) or 0))
+
+    def on_report(self, spec: RunnerSpec, report: p.Report) -> None:
+        rid, inc = spec.runner_id, spec.incarnation
+        match report:
+            case p.Status(phase=p.Phase.JOINED):
+                self._runner_event(rn.Connected(rid, inc))
+            case p.Status(phase=p.Phase.LOADED):
+                self._runner_event(rn.WeightsLoaded(rid, inc))
+            case p.Status(phase=p.Phase.READY):
+                self._runner_event(rn.Warmed(rid, inc))
+            case p.Progress(layers_loaded=done, layers_total=total) if total > 0:
+                self._runner_event(rn.Progress(rid, inc, layers_loaded=done, layers_total=total))
+            case p.Failed():
+                failure = fsm.Failure.exception(
+                    report.exception_type, report.message, retryable=report.retryable, detail=report.traceback
+                )
+                self._runner_event(rn.Fail(rid, inc, failure=failure))
+            case p.Token(request_id=request_id):
+                request = self._requests.get(request_id)
+                if request is not None and request.leader == rid:
+                    request.channel.send_nowait(report)
+            case p.Done(request_id=request_id):
+                request = self._requests.get(request_id)
+                if request is not None and request.leader == rid:
+                    request.channel.send_nowait(report)
+                self._runner_event(rn.RequestFinished(rid, inc))
+            case p.RequestError(request_id=request_id, message=message):
+                self._fail_request(request_id, message)
+                self._runner_event(rn.RequestFinished(rid, inc))
+
+    def on_stall(self, spec: RunnerSpec, phase: str, seconds: float) -> None:
+        failure = fsm.Failure.stalled(phase, seconds)
+        self._runner_event(rn.Fail(spec.runner_id, spec.incarnation, failure=failure))
+
+    def on_exit(self, spec: RunnerSpec, exit_code: int, stderr_tail: str) -> None:
+        self.store.forget_process(spec.runner_id, spec.incarnation)
+        self._runner_event(rn.Exited(spec.runner_id, spec.incarnation, exit_code=exit_code, detail=stderr_tail))

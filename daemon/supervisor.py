@@ -1,0 +1,233 @@
+"""One supervisor per runner process: spawn it, talk to it, watch it, stop it, reap it.
+
+The supervisor decides nothing about the lifecycle: it turns OS facts (a line on
+the control socket, a stall, the process ending) into calls on its `Listener`,
+whose owner (the controller) feeds them to the machines. It learns of an exit
+the moment it happens: ``Process.wait`` is backed by a pidfd on Linux, so
+there is no polling interval.
+
+Stop = ask (``Shutdown``) → grace → SIGTERM → grace → SIGKILL; the process is
+always reaped before `run` returns, whatever cancels it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Protocol
+
+import attrs
+import trio
+
+from exod import protocol as p
+
+
+@attrs.frozen
+class Timeouts:
+    """Stall watchdogs per phase, and the grace periods of a stop (seconds)."""
+
+    connect: float = 60.0  # Connect sent → joined
+    load_progress: float = 120.0  # Load sent → each next progress report
+    warm_up: float = 120.0  # WarmUp sent → ready
+    stop_grace: float = 5.0  # Shutdown sent → SIGTERM
+    term_grace: float = 3.0  # SIGTERM → SIGKILL
+
+
+@attrs.frozen
+class RunnerSpec:
+    runner_id: str
+    incarnation: int
+    rank: int
+    world_size: int
+    hostfile: Path | None
+    log_path: Path
+
+
+class Listener(Protocol):
+    def on_spawned(self, spec: RunnerSpec, pid: int) -> None: ...
+    def on_report(self, spec: RunnerSpec, report: p.Report) -> None: ...
+    def on_stall(self, spec: RunnerSpec, phase: str, seconds: float) -> None: ...
+    def on_exit(self, spec: RunnerSpec, exit_code: int, stderr_tail: str) -> None: ...
+
+
+TAIL_LINES = 20
+
+
+def _tail(path: Path, lines: int = TAIL_LINES) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 16384))
+            return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class Supervisor:
+    def __init__(self, spec: RunnerSpec, listener: Listener, timeouts: Timeouts = Timeouts()) -> None:
+        self.spec = spec
+        self.listener = listener
+        self.timeouts = timeouts
+        self.pid: int | None = None
+        self._stream: trio.SocketStream | None = None
+        self._stop_requested = trio.Event()
+        self._outbox_send, self._outbox = trio.open_memory_channel[p.Command](math.inf)
+        self._watch: tuple[str, float] | None = None  # (phase, deadline in trio time)
+        self._watch_changed = trio.Event()
+        self.exit_code: int | None = None
+
+    # -- commands ------------------------------------------------------------------
+
+    def post(self, command: p.Command) -> None:
+        """Queue a command; commands reach the process in the order they were posted."""
+        self._arm_for(command)
+        self._outbox_send.send_nowait(command)
+
+    async def _write_commands(self) -> None:
+        assert self._stream is not None
+        async for command in self._outbox:
+            try:
+                await self._stream.send_all(command.to_line())
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return  # the process is ending; `run` reports the exit
+
+    def stop(self) -> None:
+        """Ask the process to stop; escalation and reaping happen in `run`."""
+        self._stop_requested.set()
+
+    # -- the watchdog -------------------------------------------------------------------
+
+    def _arm(self, phase: str, seconds: float) -> None:
+        self._watch = (phase, trio.current_time() + seconds)
+        self._watch_changed.set()
+
+    def _disarm(self) -> None:
+        self._watch = None
+        self._watch_changed.set()
+
+    def _arm_for(self, command: p.Command) -> None:
+        if isinstance(command, p.Connect):
+            self._arm("connecting", self.timeouts.connect)
+        elif isinstance(command, p.Load):
+            self._arm("loading", self.timeouts.load_progress)
+        elif isinstance(command, p.WarmUp):
+            self._arm("warming_up", self.timeouts.warm_up)
+
+    def _rearm_on(self, report: p.Report) -> None:
+        if isinstance(report, p.Progress):
+            self._arm("loading", self.timeouts.load_progress)
+        elif isinstance(report, p.Status) and report.phase in (p.Phase.JOINED, p.Phase.LOADED, p.Phase.READY):
+            self._disarm()
+
+    async def _watchdog(self) -> None:
+        while True:
+            self._watch_changed = trio.Event()
+            if self._watch is None:
+                await self._watch_changed.wait()
+                continue
+            phase, deadline = self._watch
+            with trio.move_on_at(deadline):
+                await self._watch_changed.wait()
+                continue
+            seconds = {
+                "connecting": self.timeouts.connect,
+                "loading": self.timeouts.load_progress,
+                "warming_up": self.timeouts.warm_up,
+            }[phase]
+            self._watch = None
+            self.listener.on_stall(self.spec, phase, seconds)
+
+    # -- the process --------------------------------------------------------------------
+
+    def _argv(self, control_fd: int) -> list[str]:
+        s = self.spec
+        argv = [sys.executable, "-m", "exod.runner", "--runner-id", s.runner_id, "--incarnation", str(s.incarnation)]
+        argv += ["--rank", str(s.rank), "--world-size", str(s.world_size), "--control-fd", str(control_fd)]
+        if s.hostfile is not None:
+            argv += ["--hostfile", str(s.hostfile)]
+        return argv
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Spawn, serve until the process ends, report the exit. Cancelling it kills and reaps the process."""
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.spec.log_path.open("ab")
+        try:
+            try:
+                process = await trio.lowlevel.open_process(
+                    self._argv(child.fileno()),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    pass_fds=[child.fileno()],
+                    start_new_session=True,  # a Ctrl-C to the daemon is the daemon's to handle, not the runners'
+                )
+            finally:
+                child.close()
+            self.pid = process.pid
+            self._stream = trio.SocketStream(trio.socket.from_stdlib_socket(parent))
+            self.listener.on_spawned(self.spec, process.pid)
+            task_status.started()
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._read_reports)
+                    nursery.start_soon(self._write_commands)
+                    nursery.start_soon(self._watchdog)
+                    nursery.start_soon(self._stop_when_asked, process)
+                    self.exit_code = await process.wait()
+                    nursery.cancel_scope.cancel()
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self._kill_and_reap(process)
+                    await self._stream.aclose()
+            self.listener.on_exit(self.spec, self.exit_code, _tail(self.spec.log_path))
+        finally:
+            log.close()
+            parent.close()
+
+    async def _read_reports(self) -> None:
+        assert self._stream is not None
+        reader = p.LineReader()
+        while True:
+            try:
+                data = await self._stream.receive_some(65536)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            if not data:
+                return  # EOF: the process is ending; `run` waits for the exit
+            try:
+                messages = [p.from_json(line) for line in reader.feed(data)]
+            except p.ProtocolError as exc:  # a runner that garbles its channel cannot be trusted: fail it
+                s = self.spec
+                self.listener.on_report(s, p.Failed(s.runner_id, s.incarnation, "ProtocolError", str(exc), "", False))
+                self.stop()
+                return
+            for message in messages:
+                if isinstance(message, p.Report):
+                    self._rearm_on(message)
+                    self.listener.on_report(self.spec, message)
+
+    async def _stop_when_asked(self, process: trio.Process) -> None:
+        await self._stop_requested.wait()
+        self._disarm()
+        self.post(p.Shutdown())
+        with trio.move_on_after(self.timeouts.stop_grace):
+            await process.wait()
+            return
+        process.send_signal(signal.SIGTERM)
+        with trio.move_on_after(self.timeouts.term_grace):
+            await process.wait()
+            return
+        process.kill()
+
+    @staticmethod
+    async def _kill_and_reap(process: trio.Process) -> None:
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+        await process.wait()

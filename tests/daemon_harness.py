@@ -1,0 +1,82 @@
+"""Run a real Controller (real runner processes, real MLX) inside ``trio.run`` for a test."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+
+import fsm
+from exod.controller import Controller, DaemonConfig
+from exod.store import Store
+from exod.supervisor import Timeouts
+
+FAST_RETRY = fsm.RetryPolicy(backoff=fsm.Backoff(initial=0.2, factor=2.0, cap=1.0), max_retries=5)
+FAST_TIMEOUTS = Timeouts(connect=30, load_progress=60, warm_up=60, stop_grace=2, term_grace=2)
+
+
+def config(tmp_path: Path, hf_home: Path, **overrides: Any) -> DaemonConfig:
+    values: dict[str, Any] = {
+        "state_dir": tmp_path / "state",
+        "hf_home": hf_home,
+        "offline": True,
+        "timeouts": FAST_TIMEOUTS,
+        "policy": FAST_RETRY,
+        "download_policy": fsm.Backoff(initial=0.2, factor=2.0, cap=0.5),
+        "download_timeout": 5.0,
+    }
+    values.update(overrides)
+    return DaemonConfig(**values)
+
+
+def with_controller(cfg: DaemonConfig, body: Callable[[Controller], Awaitable[Any]], *, limit: float = 90.0) -> Any:
+    """Start a controller, run ``body`` against it, then cancel everything (which reaps every runner)."""
+
+    async def main() -> Any:
+        store = Store.open(cfg.db_path)
+        try:
+            controller = Controller(cfg, store)
+            controller.restore()
+            with trio.fail_after(limit):
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(controller.run)
+                    result = await body(controller)
+                    nursery.cancel_scope.cancel()
+            return result
+        finally:
+            store.close()
+
+    return trio.run(main)
+
+
+async def wait_for(controller: Controller, predicate: Callable[[dict], bool], timeout: float = 60.0) -> dict:
+    """Poll the controller's status (a test's view from outside) until ``predicate`` holds."""
+    with trio.fail_after(timeout):
+        while True:
+            status = controller.status()
+            if predicate(status):
+                return status
+            await trio.sleep(0.02)
+
+
+def instance(status: dict, instance_id: str) -> dict:
+    return next(i for i in status["instances"] if i["instance_id"] == instance_id)
+
+
+def runner_pids() -> list[int]:
+    """Live exod runner processes on this machine (to prove none is left behind)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"exod.runner" in cmdline and state != "Z" and int(entry.name) != os.getpid():
+            pids.append(int(entry.name))
+    return pids

@@ -1,0 +1,167 @@
+"""The controller with real runner processes, real MLX and the generated tiny model."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import attrs
+import pytest
+import trio
+
+import fsm
+from daemon_harness import FAST_TIMEOUTS, config, instance, runner_pids, wait_for, with_controller
+from exod.controller import RequestFailed
+from exod.tiny_model import make_tiny_model
+
+MESSAGES = [{"role": "user", "content": "Hello! What is a state machine?"}]
+SAMPLED = {"temperature": 1.0, "seed": 7}
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def hf_home(tmp_path_factory):
+    home = tmp_path_factory.mktemp("hf")
+    make_tiny_model("exod/tiny-qwen2", arch="qwen2", layers=4, hf_home=home)
+    return home
+
+
+@pytest.fixture(autouse=True)
+def no_runner_left_behind():
+    yield
+    assert runner_pids() == [], "a runner process outlived its test"
+
+
+def reference_text(snapshot, **sampling) -> str:
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = mlx_lm.load(str(snapshot))
+    prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    mx.random.seed(sampling.get("seed", 0))
+    sampler = make_sampler(temp=sampling.get("temperature", 0.0))
+    return mlx_lm.generate(model, tokenizer, prompt, max_tokens=MAX_TOKENS, sampler=sampler)
+
+
+def is_ready(iid):
+    return lambda s: instance(s, iid)["state"] == "ready"
+
+
+async def chat(controller, iid, **sampling) -> str:
+    text = ""
+    async for item in controller.generate(iid, MESSAGES, max_tokens=MAX_TOKENS, **sampling):
+        text += getattr(item, "text", "")
+    return text
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_instance_reaches_ready_and_generates_like_mlx_lm(tmp_path, hf_home, ranks):
+    from exod.models import resolve_model
+
+    snapshot = resolve_model("exod/tiny-qwen2", hf_home=hf_home, offline=True)
+
+    async def body(controller):
+        iid = controller.place("exod/tiny-qwen2", ranks)
+        status = await wait_for(controller, is_ready(iid))
+        assert [r["state"] for r in instance(status, iid)["runners"]] == ["ready"] * ranks
+        return await chat(controller, iid), await chat(controller, iid, **SAMPLED)
+
+    greedy, sampled = with_controller(config(tmp_path, hf_home), body)
+    assert greedy == reference_text(snapshot)
+    assert sampled == reference_text(snapshot, **SAMPLED)
+    assert len(sampled) > 0
+
+
+def test_sigkill_while_ready_recovers_with_backoff_after_reaping_the_generation(tmp_path, hf_home):
+    async def body(controller):
+        iid = controller.place("exod/tiny-qwen2", 2)
+        await wait_for(controller, is_ready(iid))
+        victim = controller._supervisors[(f"{iid}/1", 1)].pid
+        os.kill(victim, signal.SIGKILL)
+        status = await wait_for(controller, lambda s: instance(s, iid)["generation"] == 2 and is_ready(iid)(s))
+        assert await chat(controller, iid)  # serves again
+        return iid, instance(status, iid)
+
+    cfg = config(tmp_path, hf_home)
+    iid, inst = with_controller(cfg, body)
+    assert inst["attempts"] == 1
+    from exod.store import Store
+
+    store = Store.open(cfg.db_path)
+    log = [e for _, e in store.transitions()]
+    store.close()
+    moves = [(e.machine, e.key, e.source, e.target) for e in log]
+    assert ("runner", f"{iid}/1", "failed", "stopped") in moves
+    recovering = moves.index(("instance", iid, "ready", "recovering"))
+    backing_off = moves.index(("instance", iid, "recovering", "backing_off"))
+    restart = moves.index(("instance", iid, "backing_off", "starting"))
+    assert recovering < backing_off < restart
+    # the dead generation was fully reaped before the new one started
+    gen1_stops = [i for i, m in enumerate(moves) if m[0] == "runner" and m[3] == "stopped" and i < restart]
+    assert len(gen1_stops) == 2
+    creates = [i for i, e in enumerate(log) if e.event == "create"]
+    assert len(creates) == 4 and all(i > restart for i in creates[2:])
+    # the backoff was waited out: recorded times
+    assert log[restart].time - log[backing_off].time >= cfg.policy.backoff.initial - 1e-6
+    assert "SIGKILL" in log[moves.index(("runner", f"{iid}/1", "available", "failed"))].cause
+
+
+def test_corrupt_model_is_deleted_as_non_retryable_with_zero_retries(tmp_path):
+    home = tmp_path / "hf"
+    snapshot = make_tiny_model("exod/tiny-broken", hf_home=home)
+    weights = snapshot / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+    async def body(controller):
+        iid = controller.place("exod/tiny-broken", 1)
+        status = await wait_for(controller, lambda s: instance(s, iid)["state"] == "deleted")
+        await wait_for(controller, lambda s: all(r["state"] == "shutdown" for r in instance(s, iid)["runners"]))
+        return instance(status, iid)
+
+    inst = with_controller(config(tmp_path, home), body)
+    assert inst["delete_reason"] == "non_retryable"
+    assert inst["attempts"] == 0 and inst["generation"] == 1
+    assert "safetensors" in inst["last_failure"].lower() or "corrupt" in inst["last_failure"].lower()
+
+
+def test_unknown_model_download_fails_fast_and_is_retried_with_backoff(tmp_path, hf_home):
+    async def body(controller):
+        iid = controller.place("exod/not-there", 1)
+        status = await wait_for(controller, lambda s: (instance(s, iid)["download"] or {}).get("attempts", 0) >= 2)
+        return instance(status, iid)
+
+    inst = with_controller(config(tmp_path, hf_home), body, limit=30)
+    assert inst["state"] == "starting"  # waiting, and it says why
+    assert inst["download"]["state"] in ("failed", "ongoing")
+    assert "exod model make-tiny" in inst["download"]["last_error"]  # the cause, and what to do
+    assert inst["runners"][0]["state"] == "idle"  # the runner process waits; it never loads without the model
+
+
+def test_retries_exhausted_after_exactly_max_retries_failed_generations(tmp_path, hf_home):
+    stalling = attrs.evolve(FAST_TIMEOUTS, warm_up=0.001)  # every generation stalls in warm-up
+    policy = fsm.RetryPolicy(backoff=fsm.Backoff(0.05, 2.0, 0.2), max_retries=3)
+
+    async def body(controller):
+        iid = controller.place("exod/tiny-qwen2", 1)
+        status = await wait_for(controller, lambda s: instance(s, iid)["state"] == "deleted", timeout=80)
+        await wait_for(controller, lambda s: all(r["state"] == "shutdown" for r in instance(s, iid)["runners"]))
+        await trio.sleep(0.5)  # nothing is created afterwards
+        return instance(controller.status(), iid), status
+
+    inst, _ = with_controller(config(tmp_path, hf_home, timeouts=stalling, policy=policy), body)
+    assert inst["delete_reason"] == "retries_exhausted"
+    assert inst["attempts"] == 3 and inst["generation"] == 3
+    assert "no progress in phase warming_up" in inst["last_failure"]
+
+
+def test_delete_ends_in_flight_requests_with_an_error(tmp_path, hf_home):
+    async def body(controller):
+        iid = controller.place("exod/tiny-qwen2", 1)
+        await wait_for(controller, is_ready(iid))
+        with pytest.raises(RequestFailed):
+            async for _ in controller.generate(iid, MESSAGES, max_tokens=100_000):
+                controller.delete(iid)
+        return instance(controller.status(), iid)
+
+    assert with_controller(config(tmp_path, hf_home), body)["delete_reason"] == "requested"
