@@ -12,9 +12,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
-## run: the main job (for now: drive the machines through a failure and print every transition)
+## run: the daemon on its embedded default (the generated tiny model placed on 2 ranks), until Ctrl-C
 run: $(STAMP)
-	$(BIN)/python examples/drive_machines.py
+	$(BIN)/exod model make-tiny
+	$(BIN)/exod serve --offline
 
 ## test: lint, then the whole suite
 test: $(STAMP) lint

@@ -74,3 +74,173 @@ def _human_size(n: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+# -- the daemon ----------------------------------------------------------------------------
+
+STATE_DIR = click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where the daemon keeps its state (default: the user's data dir).",
+)
+URL = click.option("--url", default=None, help="A running daemon's URL (default: found through --state-dir).")
+
+
+def _state_dir(state_dir: Path | None) -> Path:
+    from exod.config import default_state_dir
+
+    return state_dir or default_state_dir()
+
+
+@main.command()
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="A TOML file like daemon/default.toml (default: the embedded one).",
+)
+@click.option("--host", default=None, help="Address to bind (default 127.0.0.1).")
+@click.option("--port", type=click.IntRange(0, 65535), default=None, help="Port (default 8420; 0 picks a free one).")
+@STATE_DIR
+@click.option("--hf-home", type=click.Path(file_okay=False, path_type=Path), default=None, help="HF cache root.")
+@click.option("--offline/--online", default=None, help="Never try the hub (default: HF_HUB_OFFLINE decides).")
+@click.option("--no-place", is_flag=True, help="Ignore the [[place]] entries of the configuration.")
+def serve(config_path, host, port, state_dir, hf_home, offline, no_place) -> None:
+    """Run the daemon: restore state, reap orphans, place, serve the API until SIGINT/SIGTERM."""
+    import logging
+
+    import attrs
+    import trio
+
+    from exod.config import ConfigError, load
+    from exod.serve import AlreadyRunning
+    from exod.serve import serve as run_daemon
+    from exod.store import StoreError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load(config_path, host=host, port=port, state_dir=state_dir, hf_home=hf_home, offline=offline)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if no_place:
+        cfg = attrs.evolve(cfg, placements=())
+    try:
+        trio.run(run_daemon, cfg)
+    except (AlreadyRunning, StoreError) as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _client(url: str | None, state_dir: Path | None):
+    import httpx
+
+    from exod.serve import daemon_address
+
+    address = url or daemon_address(_state_dir(state_dir))
+    if address is None:
+        raise click.ClickException(
+            f"no exod daemon is running for {_state_dir(state_dir)}; start one with `exod serve` or pass --url"
+        )
+    return httpx.Client(base_url=address, timeout=30)
+
+
+def _call(client, method: str, path: str, **kwargs):
+    import httpx
+
+    try:
+        response = client.request(method, path, **kwargs)
+    except httpx.HTTPError as exc:
+        raise click.ClickException(f"cannot reach the daemon at {client.base_url}: {exc}") from exc
+    if response.status_code >= 400:
+        detail = response.json().get("detail", response.text) if response.content else response.reason_phrase
+        raise click.ClickException(f"{response.status_code}: {detail}")
+    return response.json()
+
+
+@main.command()
+@click.argument("model_id")
+@click.option("--ranks", type=click.IntRange(1, 64), default=1, show_default=True)
+@URL
+@STATE_DIR
+def place(model_id: str, ranks: int, url, state_dir) -> None:
+    """Place MODEL_ID (a Hugging Face repo id) on RANKS local ranks."""
+    with _client(url, state_dir) as client:
+        instance = _call(client, "POST", "/instances", json={"model": model_id, "ranks": ranks})
+    click.echo(instance["instance_id"])
+
+
+@main.command()
+@click.argument("instance_id")
+@URL
+@STATE_DIR
+def delete(instance_id: str, url, state_dir) -> None:
+    """Delete an instance: its runners are stopped and its requests end with an error."""
+    with _client(url, state_dir) as client:
+        _call(client, "DELETE", f"/instances/{instance_id}")
+    click.echo(f"deleted {instance_id}")
+
+
+@main.command()
+@URL
+@STATE_DIR
+@click.option("--json", "as_json", is_flag=True, help="Print the raw status document.")
+def status(url, state_dir, as_json: bool) -> None:
+    """Instances, runners, states, attempts, next retry and causes (from the daemon, or its state dir)."""
+    import json
+    import time
+
+    from exod.serve import daemon_address
+
+    if url or daemon_address(_state_dir(state_dir)):
+        with _client(url, state_dir) as client:
+            doc = _call(client, "GET", "/instances")
+        source = "live"
+    else:
+        doc = _offline_status(_state_dir(state_dir))
+        source = "stopped daemon: last saved state"
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+        return
+    click.echo(f"# {source}")
+    if not doc["instances"]:
+        click.echo("no instances; place one with: exod place MODEL --ranks N")
+    for inst in doc["instances"]:
+        retry = "-"
+        if inst["next_retry_at"] is not None:
+            retry = f"in {max(0.0, inst['next_retry_at'] - time.time()):.1f} s"
+        state = inst["state"] + (f" ({inst['delete_reason']})" if inst["delete_reason"] else "")
+        click.echo(
+            f"{inst['instance_id']}  {inst['model_id']}  ranks={inst['ranks']}  {state}  gen={inst['generation']}"
+            f"  attempts={inst['attempts']}/{inst['max_retries']}  next retry: {retry}"
+        )
+        if inst["last_failure"]:
+            click.echo(f"  last failure: {inst['last_failure']}")
+        download = inst.get("download")
+        if download and download["state"] != "completed":
+            click.echo(f"  download: {download['state']} (attempts {download['attempts']}) {download['last_error']}")
+        for r in inst["runners"]:
+            where = r["state"] or "not created"
+            if r["phase"]:
+                where += f".{r['phase']}"
+            failure = f"  ({r['failure']})" if r["failure"] else ""
+            click.echo(f"  rank {r['rank']}  {r['runner_id']}  incarnation {r['incarnation']}  {where}{failure}")
+
+
+def _offline_status(state_dir: Path) -> dict:
+    from exod.controller import status_of
+    from exod.store import Store, StoreError
+    from fsm.cluster import Cluster
+
+    db = state_dir / "state.db"
+    if not db.exists():
+        return {"instances": []}
+    try:
+        store = Store.open(db)
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from exc
+    try:
+        snapshot = store.load()
+    finally:
+        store.close()
+    return status_of(Cluster.from_dict(snapshot)) if snapshot else {"instances": []}

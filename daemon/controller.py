@@ -200,49 +200,7 @@ class Controller:
             self.cluster.requests.pop(request_id, None)
 
     def status(self) -> dict[str, Any]:
-        """Everything an operator asks first: states, attempts, next retry, last cause, per runner."""
-        view = self.cluster.view()
-        instances = []
-        for iid, placement in self.cluster.instances.items():
-            m = placement.machine
-            runners = []
-            for slot, r in view.slot_runners(view.instances[iid]):
-                runners.append(
-                    {
-                        "runner_id": slot.runner_id,
-                        "rank": slot.rank,
-                        "incarnation": None if r is None else r.incarnation,
-                        "state": None if r is None else r.state.value,
-                        "phase": None if r is None or r.phase is None else r.phase.value,
-                        "layers": None if r is None else [r.layers_loaded, r.layers_total],
-                        "failure": None if r is None or r.failure is None else r.failure.message,
-                    }
-                )
-            download = self.cluster.downloads.get((NODE, placement.model_id))
-            instances.append(
-                {
-                    "instance_id": iid,
-                    "model_id": placement.model_id,
-                    "ranks": len(placement.slots),
-                    "state": m.instance_state.value,
-                    "generation": m.generation,
-                    "attempts": m.attempts,
-                    "max_retries": m.policy.max_retries,
-                    "next_retry_at": m.deadline,
-                    "delete_reason": None if m.delete_reason is None else m.delete_reason.value,
-                    "last_failure": None if m.last_failure is None else m.last_failure.message,
-                    "download": None
-                    if download is None
-                    else {
-                        "state": download.download_state.value,
-                        "attempts": download.attempts,
-                        "retry_at": download.retry_at,
-                        "last_error": download.last_error,
-                    },
-                    "runners": runners,
-                }
-            )
-        return {"instances": instances}
+        return status_of(self.cluster)
 
     # -- plan → execute ------------------------------------------------------------------
 
@@ -420,3 +378,49 @@ class Controller:
     def on_exit(self, spec: RunnerSpec, exit_code: int, stderr_tail: str) -> None:
         self.store.forget_process(spec.runner_id, spec.incarnation)
         self._runner_event(rn.Exited(spec.runner_id, spec.incarnation, exit_code=exit_code, detail=stderr_tail))
+
+
+def status_of(cluster: Cluster) -> dict[str, Any]:
+    """Everything an operator asks first: states, attempts, next retry, last cause, per runner."""
+    view = cluster.view()
+    instances = []
+    for iid, placement in cluster.instances.items():
+        m = placement.machine
+        runners = []
+        for slot, r in view.slot_runners(view.instances[iid]):
+            runners.append(
+                {
+                    "runner_id": slot.runner_id,
+                    "rank": slot.rank,
+                    "incarnation": None if r is None else r.incarnation,
+                    "state": None if r is None else r.state.value,
+                    "phase": None if r is None or r.phase is None else r.phase.value,
+                    "layers": None if r is None else [r.layers_loaded, r.layers_total],
+                    "failure": None if r is None or r.failure is None else r.failure.message,
+                }
+            )
+        download = cluster.downloads.get((NODE, placement.model_id))
+        instances.append(
+            {
+                "instance_id": iid,
+                "model_id": placement.model_id,
+                "ranks": len(placement.slots),
+                "state": m.instance_state.value,
+                "generation": m.generation,
+                "attempts": m.attempts,
+                "max_retries": m.policy.max_retries,
+                "next_retry_at": m.deadline,
+                "delete_reason": None if m.delete_reason is None else m.delete_reason.value,
+                "last_failure": None if m.last_failure is None else m.last_failure.message,
+                "download": None
+                if download is None
+                else {
+                    "state": download.download_state.value,
+                    "attempts": download.attempts,
+                    "retry_at": download.retry_at,
+                    "last_error": download.last_error,
+                },
+                "runners": runners,
+            }
+        )
+    return {"instances": instances}

@@ -67,16 +67,16 @@ def instance(status: dict, instance_id: str) -> dict:
 
 
 def runner_pids() -> list[int]:
-    """Live exod runner processes on this machine (to prove none is left behind)."""
-    pids = []
+    """Live exod runner processes on this machine (their hang-up watchdogs, forked children, excluded)."""
+    found: dict[int, int] = {}  # pid -> parent pid
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if b"exod.runner" in cmdline and state != "Z" and int(entry.name) != os.getpid():
-            pids.append(int(entry.name))
-    return pids
+        if b"exod.runner" in cmdline and fields[0] != "Z" and int(entry.name) != os.getpid():
+            found[int(entry.name)] = int(fields[1])
+    return sorted(pid for pid, parent in found.items() if parent not in found)

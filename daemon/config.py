@@ -1,0 +1,94 @@
+"""``exod serve`` configuration: TOML in, validated values out, every mistake named."""
+
+from __future__ import annotations
+
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import attrs
+import platformdirs
+
+import fsm
+from exod.controller import DaemonConfig
+from exod.models import validate_model_id
+from exod.supervisor import Timeouts
+
+
+class ConfigError(ValueError):
+    """The configuration file is wrong; the message names the file, the key and what is expected."""
+
+
+@attrs.frozen
+class Placement:
+    model: str
+    ranks: int
+
+
+@attrs.frozen
+class ServeConfig:
+    daemon: DaemonConfig
+    host: str = "127.0.0.1"
+    port: int = 8420
+    placements: tuple[Placement, ...] = ()
+
+
+_SECTIONS = {
+    "daemon": {"host", "port", "state_dir", "hf_home", "offline"},
+    "retry": {"initial", "factor", "cap", "max_retries", "reset_after"},
+    "timeouts": {f.name for f in attrs.fields(Timeouts)},
+    "place": {"model", "ranks"},
+}
+
+
+def default_state_dir() -> Path:
+    return Path(platformdirs.user_data_dir("exod"))
+
+
+def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
+    """Read ``path`` (default: the embedded default.toml) and apply CLI ``overrides`` (None = not given)."""
+    where = str(path) if path else "the embedded default configuration"
+    try:
+        text = path.read_text() if path else resources.files("exod").joinpath("default.toml").read_text()
+        data = tomllib.loads(text)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {where}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{where} is not valid TOML: {exc}") from exc
+    for section, body in data.items():
+        if section not in _SECTIONS:
+            raise ConfigError(f"{where}: unknown section [{section}]; known: {sorted(_SECTIONS)}")
+        for entry in body if isinstance(body, list) else [body]:
+            if unknown := set(entry) - _SECTIONS[section]:
+                raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)} in [{section}]")
+    d = {**data.get("daemon", {}), **{k: v for k, v in overrides.items() if v is not None}}
+    try:
+        retry = data.get("retry", {})
+        default = fsm.RetryPolicy()
+        policy = fsm.RetryPolicy(
+            backoff=fsm.Backoff(
+                initial=retry.get("initial", default.backoff.initial),
+                factor=retry.get("factor", default.backoff.factor),
+                cap=retry.get("cap", default.backoff.cap),
+            ),
+            max_retries=retry.get("max_retries", default.max_retries),
+            reset_after=retry.get("reset_after", default.reset_after),
+        )
+        timeouts = Timeouts(**{k: float(v) for k, v in data.get("timeouts", {}).items()})
+        placements = tuple(
+            Placement(validate_model_id(p["model"]), int(p.get("ranks", 1))) for p in data.get("place", [])
+        )
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    port = d.get("port", 8420)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"{where}: port must be an int in 0..65535, got {port!r}")
+    daemon = DaemonConfig(
+        state_dir=Path(d.get("state_dir") or default_state_dir()).expanduser(),
+        hf_home=Path(d["hf_home"]).expanduser() if d.get("hf_home") else None,
+        offline=d.get("offline"),
+        timeouts=timeouts,
+        policy=policy,
+    )
+    return ServeConfig(daemon=daemon, host=str(d.get("host", "127.0.0.1")), port=port, placements=placements)

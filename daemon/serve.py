@@ -1,0 +1,102 @@
+"""``exod serve``: the daemon's whole task tree in one function.
+
+::
+
+    serve
+    ├── controller.run      plan → act; one supervisor task per runner process
+    ├── hypercorn (trio)    the HTTP API
+    └── signal watcher      SIGINT/SIGTERM → cancel all: every runner is stopped and reaped
+
+One daemon per state directory (an exclusive lock); its address is written to
+``daemon.json`` there so the CLI finds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import signal
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+
+from exod.api import create_app
+from exod.config import ServeConfig
+from exod.controller import Controller
+from exod.store import Store
+
+log = logging.getLogger("exod.serve")
+
+
+class AlreadyRunning(RuntimeError):
+    """Another daemon holds this state directory."""
+
+
+@contextlib.contextmanager
+def state_dir_lock(state_dir: Path) -> Iterator[None]:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with (state_dir / "daemon.lock").open("a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise AlreadyRunning(
+                f"another exod daemon is using {state_dir}; stop it, or pass another --state-dir"
+            ) from None
+        yield
+
+
+def daemon_address(state_dir: Path) -> str | None:
+    """The URL of the daemon serving ``state_dir``, if one is running."""
+    try:
+        info = json.loads((state_dir / "daemon.json").read_text())
+        os.kill(info["pid"], 0)
+    except (OSError, ValueError, KeyError):
+        return None
+    return info["url"]
+
+
+async def serve(config: ServeConfig, *, announce=print) -> None:
+    state_dir = config.daemon.state_dir
+    with state_dir_lock(state_dir):
+        store = Store.open(config.daemon.db_path)
+        try:
+            controller = Controller(config.daemon, store)
+            controller.restore()
+            if controller.reaped_orphans:
+                log.warning("reaped %d runner(s) left by a previous daemon", len(controller.reaped_orphans))
+            live = {p.model_id for p in controller.cluster.instances.values() if not p.machine.is_deleted}
+            for placement in config.placements:
+                if placement.model not in live:
+                    controller.place(placement.model, placement.ranks)
+            hc = HypercornConfig()
+            hc.bind = [f"{config.host}:{config.port}"]
+            hc.accesslog = None
+            logging.getLogger("hypercorn.error").propagate = False  # it has its own handler
+            async with trio.open_nursery() as nursery:
+                await nursery.start(controller.run)
+                urls = await nursery.start(partial(hypercorn_serve, create_app(controller), hc, mode="asgi"))
+                url = urls[0]
+                (state_dir / "daemon.json").write_text(json.dumps({"pid": os.getpid(), "url": url}))
+                announce(f"exod serving on {url} (state in {state_dir})")
+                announce(
+                    f"  try:  exod status --state-dir {state_dir}\n"
+                    f"        exod place exod/tiny-qwen2 --ranks 1 --url {url}\n"
+                    f"        curl {url}/instances\n"
+                    "  stop: Ctrl-C (every runner is stopped and reaped)"
+                )
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for signum in signals:
+                        announce(f"exod: {signal.Signals(signum).name} received, stopping runners")
+                        break
+                nursery.cancel_scope.cancel()
+        finally:
+            with contextlib.suppress(OSError):
+                (state_dir / "daemon.json").unlink()
+            store.close()

@@ -1,0 +1,149 @@
+"""`exod serve` as a real process: CLI round trip, SIGKILL of the daemon, restart on the same state dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from daemon_harness import runner_pids
+from exod.tiny_model import make_tiny_model
+
+CONFIG = """
+[daemon]
+host = "127.0.0.1"
+port = 0
+offline = true
+
+[retry]
+initial = 0.2
+cap = 1.0
+max_retries = 5
+
+[[place]]
+model = "exod/tiny-qwen2"
+ranks = 2
+"""
+
+
+def exod(*args: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "exod", *args], env=env, capture_output=True, text=True, timeout=60, check=check
+    )
+
+
+def start_daemon(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
+    log = (tmp_path / "serve.log").open("ab")
+    state = tmp_path / "state"
+    args = [sys.executable, "-m", "exod", "serve", "--config", str(tmp_path / "exod.toml"), "--state-dir", str(state)]
+    daemon = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            info = json.loads((state / "daemon.json").read_text())
+            if info["pid"] == daemon.pid:
+                return daemon, info["url"]
+        except (OSError, ValueError):
+            pass
+        assert daemon.poll() is None, (tmp_path / "serve.log").read_text()
+        time.sleep(0.05)
+    daemon.kill()
+    raise AssertionError("daemon did not start: " + (tmp_path / "serve.log").read_text())
+
+
+def wait_instance(url: str, predicate, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = httpx.get(f"{url}/instances", timeout=10).json()["instances"]
+        if last and predicate(last[0]):
+            return last[0]
+        time.sleep(0.05)
+    raise AssertionError(f"timed out; last status: {last}")
+
+
+@pytest.fixture
+def env(tmp_path):
+    hf = tmp_path / "hf"
+    make_tiny_model("exod/tiny-qwen2", layers=2, hf_home=hf)
+    (tmp_path / "exod.toml").write_text(CONFIG)
+    return {**os.environ, "HF_HOME": str(hf), "HF_HUB_OFFLINE": "1"}
+
+
+def test_daemon_sigkill_and_restart_restores_state_and_reaps_orphans(tmp_path, env):
+    daemon, url = start_daemon(tmp_path, env)
+    try:
+        ready = wait_instance(url, lambda i: i["state"] == "ready")
+        iid = ready["instance_id"]
+        # one failure first, so there is a retry count to restore
+        first = sorted(runner_pids())
+        assert len(first) == 2
+        os.kill(first[1], signal.SIGKILL)
+        recovered = wait_instance(url, lambda i: i["state"] == "ready" and i["generation"] == 2)
+        assert recovered["attempts"] == 1
+        orphans = sorted(runner_pids())
+        assert len(orphans) == 2 and not set(orphans) & set(first)
+        # status through the CLI, live
+        live = exod("status", "--state-dir", str(tmp_path / "state"), env=env).stdout
+        assert "# live" in live and iid in live and "attempts=1/5" in live
+    finally:
+        daemon.kill()  # SIGKILL: no cleanup at all
+        daemon.wait()
+
+    offline = exod("status", "--state-dir", str(tmp_path / "state"), env=env).stdout
+    assert "last saved state" in offline and "attempts=1/5" in offline
+
+    daemon, url = start_daemon(tmp_path, env)
+    try:
+        again = wait_instance(url, lambda i: i["state"] == "ready" and i["generation"] == 3)
+        assert again["instance_id"] == iid  # restored, not placed a second time
+        assert again["attempts"] == 1  # a daemon restart costs no retry
+        assert len(httpx.get(f"{url}/instances", timeout=10).json()["instances"]) == 1
+        now = sorted(runner_pids())
+        assert len(now) == 2 and not set(now) & set(orphans)  # orphans reaped, no duplicates
+        # the CLI drives the live daemon
+        placed = exod("place", "exod/tiny-qwen2", "--ranks", "1", "--url", url, env=env).stdout.strip()
+        bad = exod("place", "../../etc", "--url", url, env=env, check=False)
+        assert bad.returncode != 0 and "org/name" in bad.stderr
+        assert exod("delete", placed, "--url", url, env=env).returncode == 0
+        missing = exod("delete", "nope", "--url", url, env=env, check=False)
+        assert missing.returncode != 0 and "404" in missing.stderr
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=30) == 0
+    assert runner_pids() == []
+
+
+def test_a_second_daemon_on_the_same_state_dir_is_refused(tmp_path, env):
+    daemon, _ = start_daemon(tmp_path, env)
+    try:
+        second = exod(
+            "serve",
+            "--config",
+            str(tmp_path / "exod.toml"),
+            "--state-dir",
+            str(tmp_path / "state"),
+            env=env,
+            check=False,
+        )
+        assert second.returncode != 0 and "another exod daemon" in second.stderr
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(timeout=30)
+    assert runner_pids() == []
+
+
+def test_corrupt_state_file_refuses_to_start_and_is_kept(tmp_path, env):
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "state.db").write_bytes(b"garbage" * 64)
+    result = exod("serve", "--config", str(tmp_path / "exod.toml"), "--state-dir", str(state), env=env, check=False)
+    assert result.returncode != 0 and "left untouched" in result.stderr
+    assert (state / "state.db").read_bytes() == b"garbage" * 64
