@@ -66,8 +66,14 @@ def instance(status: dict, instance_id: str) -> dict:
     return next(i for i in status["instances"] if i["instance_id"] == instance_id)
 
 
+# Every process this test session starts inherits this tag, so a check for leftovers sees only ours
+# (another test run, or a benchmark, on the same machine is none of our business).
+os.environ.setdefault("EXOD_TEST_SESSION", str(os.getpid()))
+SESSION_TAG = f"EXOD_TEST_SESSION={os.environ['EXOD_TEST_SESSION']}".encode()
+
+
 def runner_pids() -> list[int]:
-    """Live exod runner processes on this machine (their hang-up watchdogs, forked children, excluded)."""
+    """Live exod runners started by this test session (their hang-up watchdogs, forked children, excluded)."""
     found: dict[int, int] = {}  # pid -> parent pid
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -75,8 +81,9 @@ def runner_pids() -> list[int]:
         try:
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            ours = SESSION_TAG in (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"exod.runner" in cmdline and fields[0] != "Z" and int(entry.name) != os.getpid():
+        if b"exod.runner" in cmdline and ours and fields[0] != "Z":
             found[int(entry.name)] = int(fields[1])
     return sorted(pid for pid, parent in found.items() if parent not in found)
