@@ -51,6 +51,28 @@ def make_tiny(repo_id: str, arch: str, layers: int, hidden: int, seed: int, hf_h
     click.echo(str(path))
 
 
+@model.command("pull")
+@click.argument("model_id")
+@click.option("--hf-home", type=click.Path(file_okay=False, path_type=Path), default=None, help="Cache root.")
+@click.option("--offline/--online", default=None, help="Only look in the cache (default: HF_HUB_OFFLINE decides).")
+@click.option(
+    "--stall-timeout",
+    type=click.FloatRange(min=0.1),
+    default=30.0,
+    show_default=True,
+    help="Give up after this many seconds without a byte.",
+)
+def pull(model_id: str, hf_home: Path | None, offline: bool | None, stall_timeout: float) -> None:
+    """Fetch MODEL_ID into the cache (progress bars on the terminal) and print its snapshot path."""
+    from exod.models import InvalidModelId, ModelNotFound, resolve_model
+
+    try:
+        path = resolve_model(model_id, hf_home=hf_home, offline=offline, timeout=stall_timeout, show_progress=True)
+    except (InvalidModelId, ModelNotFound) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(str(path))
+
+
 @model.command("list")
 @click.option("--hf-home", type=click.Path(file_okay=False, path_type=Path), default=None, help="Cache root.")
 def list_models(hf_home: Path | None) -> None:
@@ -114,7 +136,9 @@ def serve(config_path, host, port, state_dir, hf_home, offline, no_place) -> Non
     import attrs
     import trio
 
+    import fsm
     from exod.config import ConfigError, load
+    from exod.models import ModelNotFound
     from exod.serve import AlreadyRunning
     from exod.serve import serve as run_daemon
     from exod.store import StoreError
@@ -128,7 +152,7 @@ def serve(config_path, host, port, state_dir, hf_home, offline, no_place) -> Non
         cfg = attrs.evolve(cfg, placements=())
     try:
         trio.run(run_daemon, cfg)
-    except (AlreadyRunning, StoreError) as exc:
+    except (AlreadyRunning, StoreError, ModelNotFound, fsm.InvalidConfig) as exc:
         raise click.ClickException(str(exc)) from exc
 
 

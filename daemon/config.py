@@ -22,8 +22,11 @@ class ConfigError(ValueError):
 
 @attrs.frozen
 class Placement:
-    model: str
+    """A model to keep placed: a repo id, or (config and CLI only) a local directory."""
+
     ranks: int
+    model: str | None = None
+    path: Path | None = None
 
 
 @attrs.frozen
@@ -38,7 +41,7 @@ _SECTIONS = {
     "daemon": {"host", "port", "state_dir", "hf_home", "offline"},
     "retry": {"initial", "factor", "cap", "max_retries", "reset_after"},
     "timeouts": {f.name for f in attrs.fields(Timeouts)},
-    "place": {"model", "ranks"},
+    "place": {"model", "path", "ranks"},
 }
 
 
@@ -76,9 +79,7 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
             reset_after=retry.get("reset_after", default.reset_after),
         )
         timeouts = Timeouts(**{k: float(v) for k, v in data.get("timeouts", {}).items()})
-        placements = tuple(
-            Placement(validate_model_id(p["model"]), int(p.get("ranks", 1))) for p in data.get("place", [])
-        )
+        placements = tuple(_placement(p) for p in data.get("place", []))
     except (ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"{where}: {exc}") from exc
     port = d.get("port", 8420)
@@ -92,3 +93,14 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
         policy=policy,
     )
     return ServeConfig(daemon=daemon, host=str(d.get("host", "127.0.0.1")), port=port, placements=placements)
+
+
+def _placement(entry: dict[str, Any]) -> Placement:
+    if ("model" in entry) == ("path" in entry):
+        raise ValueError("each [[place]] needs exactly one of model = 'org/name' or path = '/a/model/dir'")
+    ranks = entry.get("ranks", 1)
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= 64:
+        raise ValueError(f"[[place]] ranks must be an int in 1..64, got {ranks!r}")
+    if "model" in entry:
+        return Placement(ranks, model=validate_model_id(entry["model"]))
+    return Placement(ranks, path=Path(entry["path"]).expanduser())

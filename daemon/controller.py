@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import secrets
 import socket
 import time
@@ -29,7 +30,7 @@ import trio
 
 import fsm
 from exod import protocol as p
-from exod.models import ModelNotFound, resolve_model, validate_model_id
+from exod.models import ModelNotFound, resolve_local_dir, resolve_model, validate_model_id
 from exod.orphans import reap_orphans, start_ticks
 from exod.store import ProcessRecord, Store
 from exod.supervisor import RunnerSpec, Supervisor, Timeouts
@@ -95,6 +96,7 @@ class Controller:
         self._supervisors: dict[tuple[str, int], Supervisor] = {}
         self._requests: dict[str, _Request] = {}
         self._model_paths: dict[str, Path] = {}
+        self.local_models: dict[str, Path] = {}  # "local/NAME" -> directory, from the config or CLI only
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.reaped_orphans: list[ProcessRecord] = []
@@ -151,6 +153,16 @@ class Controller:
         self.cluster.log.append(fsm.cluster.LogEntry(self.clock(), "instance", instance_id, "place", "", "pending"))
         self._changed()
         return instance_id
+
+    def register_local_model(self, directory: Path) -> str:
+        """Name a local model directory ``local/NAME`` so it can be placed; never reachable from the API."""
+        path = resolve_local_dir(directory)
+        name = re.sub(r"[^A-Za-z0-9._-]+", "-", path.name).strip(".-") or "model"
+        model_id = f"local/{name}"
+        if self.local_models.get(model_id, path) != path:
+            raise fsm.InvalidConfig(f"two local model directories are both named {name!r}: rename one")
+        self.local_models[model_id] = path
+        return model_id
 
     def delete(self, instance_id: str) -> None:
         if instance_id not in self.cluster.instances:
@@ -274,18 +286,27 @@ class Controller:
         return path
 
     def _model_path(self, model_id: str) -> Path:
+        if model_id in self.local_models:
+            return self.local_models[model_id]
         if model_id not in self._model_paths:  # completed before a restart: it is in the local cache
             self._model_paths[model_id] = resolve_model(model_id, hf_home=self.config.hf_home, offline=True)
         return self._model_paths[model_id]
 
     async def _download(self, model_id: str) -> None:
-        resolve = partial(
-            resolve_model,
-            model_id,
-            hf_home=self.config.hf_home,
-            offline=self.config.offline,
-            timeout=self.config.download_timeout,
-        )
+        def progress(done: int, total: int | None) -> None:  # called in the download's worker thread
+            trio.from_thread.run_sync(self._bytes_progress, model_id, done, total)
+
+        if model_id.startswith("local/"):
+            resolve = partial(self._local_model, model_id)
+        else:
+            resolve = partial(
+                resolve_model,
+                model_id,
+                hf_home=self.config.hf_home,
+                offline=self.config.offline,
+                timeout=self.config.download_timeout,
+                progress=progress,
+            )
         try:
             path = await trio.to_thread.run_sync(resolve, abandon_on_cancel=True)
         except ModelNotFound as exc:
@@ -294,6 +315,17 @@ class Controller:
             self._model_paths[model_id] = path
             self.cluster.download_event(NODE, dl.Complete(model_id, self.clock()))
         self._changed()
+
+    def _local_model(self, model_id: str) -> Path:
+        if model_id not in self.local_models:
+            raise ModelNotFound(f"{model_id} names a local directory that is no longer in the configuration")
+        return resolve_local_dir(self.local_models[model_id])
+
+    def _bytes_progress(self, model_id: str, done: int, total: int | None) -> None:
+        try:
+            self.cluster.download_event(NODE, dl.BytesProgress(model_id, self.clock(), done, total))
+        except fsm.FsmError as exc:  # e.g. a late callback after the download ended
+            log.debug("download progress for %s ignored: %s", model_id, exc)
 
     async def _supervise(self, supervisor: Supervisor) -> None:
         try:
@@ -419,6 +451,7 @@ def status_of(cluster: Cluster) -> dict[str, Any]:
                     "attempts": download.attempts,
                     "retry_at": download.retry_at,
                     "last_error": download.last_error,
+                    "bytes": [download.bytes_done, download.bytes_total],
                 },
                 "runners": runners,
             }

@@ -10,7 +10,10 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -91,13 +94,55 @@ def _offline_from_env() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
 
 
+ProgressCallback = Callable[[int, "int | None"], None]
+
+
+def progress_tqdm(report: ProgressCallback, *, show: bool) -> type:
+    """A tqdm class for ``snapshot_download`` that hands the aggregated byte count to ``report``.
+
+    huggingface_hub builds its byte bars (unit "B") from the class it is given and feeds every file's
+    progress into them; the file-count bar is left alone. ``show=False`` keeps counting but prints nothing.
+    """
+    from huggingface_hub.utils import tqdm as hf_tqdm
+
+    class Reporting(hf_tqdm):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            if not show:
+                kwargs["file"] = open(os.devnull, "w")  # noqa: SIM115 - closed with the bar
+            kwargs.pop("name", None)
+            super().__init__(*args, **kwargs)
+            self._counts_bytes = kwargs.get("unit") == "B" and "Reconstruct" in str(kwargs.get("desc", ""))
+
+        def update(self, n: float | None = 1) -> bool | None:
+            shown = super().update(n)
+            if self._counts_bytes:
+                report(int(self.n), int(self.total) if self.total else None)
+            return shown
+
+        def close(self) -> None:
+            file = self.fp if not show else None
+            super().close()
+            if file is not None:
+                file.close()
+
+    return Reporting
+
+
 def resolve_model(
-    model_id: str, *, hf_home: Path | None = None, offline: bool | None = None, timeout: float = 10.0
+    model_id: str,
+    *,
+    hf_home: Path | None = None,
+    offline: bool | None = None,
+    timeout: float = 10.0,
+    progress: ProgressCallback | None = None,
+    show_progress: bool = False,
 ) -> Path:
     """Return the local snapshot directory of ``model_id``, downloading it only when online.
 
-    ``offline=None`` follows ``HF_HUB_OFFLINE``. Online, the hub gets ``timeout`` seconds in all: the call
-    runs in a worker thread so a black-holed network cannot hang the daemon.
+    ``offline=None`` follows ``HF_HUB_OFFLINE``. Online, ``timeout`` is a stall limit, not a total: the
+    download runs in a worker thread and is given up once ``timeout`` seconds pass without a byte, so a
+    black-holed network cannot hang the daemon and a large model can still take as long as it needs.
+    ``progress(bytes_done, bytes_total)`` is called as bytes arrive.
     """
     validate_model_id(model_id)
     if timeout <= 0:
@@ -110,11 +155,21 @@ def resolve_model(
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     outcome: dict[str, object] = {}
+    last_progress = [time.monotonic()]
+
+    def on_progress(done: int, total: int | None) -> None:
+        last_progress[0] = time.monotonic()
+        if progress is not None:
+            progress(done, total)
 
     def work() -> None:
         try:
             outcome["path"] = snapshot_download(
-                model_id, cache_dir=cache_dir, local_files_only=offline, etag_timeout=timeout
+                model_id,
+                cache_dir=cache_dir,
+                local_files_only=offline,
+                etag_timeout=timeout,
+                tqdm_class=progress_tqdm(on_progress, show=show_progress),
             )
         except BaseException as exc:  # handed to the caller's thread below
             outcome["error"] = exc
@@ -124,12 +179,13 @@ def resolve_model(
     else:
         worker = threading.Thread(target=work, name=f"resolve-model {model_id}", daemon=True)
         worker.start()
-        worker.join(timeout)
-        if worker.is_alive():
-            raise ModelNotFound(
-                f"model {model_id!r} is not in the cache at {cache_dir} and the hub did not answer within "
-                f"{timeout:g} s. Set HF_HUB_OFFLINE=1 to use only the cache. {MAKE_TINY_HINT}"
-            )
+        while worker.is_alive():
+            worker.join(min(0.1, timeout))
+            if worker.is_alive() and time.monotonic() - last_progress[0] > timeout:
+                raise ModelNotFound(
+                    f"model {model_id!r} is not in the cache at {cache_dir} and the hub sent nothing for "
+                    f"{timeout:g} s. Set HF_HUB_OFFLINE=1 to use only the cache. {MAKE_TINY_HINT}"
+                )
 
     if "path" in outcome:
         return Path(str(outcome["path"]))

@@ -73,8 +73,9 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                 log.warning("reaped %d runner(s) left by a previous daemon", len(controller.reaped_orphans))
             live = {p.model_id for p in controller.cluster.instances.values() if not p.machine.is_deleted}
             for placement in config.placements:
-                if placement.model not in live:
-                    controller.place(placement.model, placement.ranks)
+                model_id = placement.model or controller.register_local_model(placement.path)
+                if model_id not in live:
+                    controller.place(model_id, placement.ranks)
             hc = HypercornConfig()
             hc.bind = [f"{config.host}:{config.port}"]
             hc.accesslog = None

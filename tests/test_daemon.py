@@ -107,6 +107,25 @@ def test_sigkill_while_ready_recovers_with_backoff_after_reaping_the_generation(
     assert "SIGKILL" in log[moves.index(("runner", f"{iid}/1", "available", "failed"))].cause
 
 
+def test_a_local_model_directory_from_the_config_is_placed_and_served(tmp_path, hf_home):
+    import shutil
+
+    from exod.models import resolve_model
+
+    directory = tmp_path / "my model"
+    shutil.copytree(resolve_model("exod/tiny-qwen2", hf_home=hf_home, offline=True), directory)
+
+    async def body(controller):
+        model_id = controller.register_local_model(directory)
+        iid = controller.place(model_id, 1)
+        await wait_for(controller, is_ready(iid))
+        return model_id, await chat(controller, iid)
+
+    model_id, text = with_controller(config(tmp_path, tmp_path / "empty-hf"), body)
+    assert model_id == "local/my-model"
+    assert text == reference_text(directory)
+
+
 def test_corrupt_model_is_deleted_as_non_retryable_with_zero_retries(tmp_path):
     home = tmp_path / "hf"
     snapshot = make_tiny_model("exod/tiny-broken", hf_home=home)

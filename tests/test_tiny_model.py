@@ -228,11 +228,38 @@ def test_a_hub_that_never_answers_is_cut_off_at_the_timeout(tmp_path: Path, monk
     monkeypatch.setattr(huggingface_hub, "snapshot_download", hang)
     start = time.monotonic()
     try:
-        with pytest.raises(ModelNotFound, match=r"did not answer within 0\.3 s"):
+        with pytest.raises(ModelNotFound, match=r"sent nothing for 0\.3 s"):
             resolve_model("nobody/nothing", hf_home=tmp_path, offline=False, timeout=0.3)
     finally:
         release.set()
     assert time.monotonic() - start < 5
+
+
+def test_a_slow_download_that_keeps_moving_is_not_cut_off_and_reports_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The timeout is a stall limit: 1 s of download with a byte every 0.1 s passes a 0.3 s timeout."""
+    import huggingface_hub
+
+    def trickle(*args: object, tqdm_class: type, **kwargs: object) -> str:
+        bar = tqdm_class(total=0, initial=0, unit="B", desc="Reconstructing (incomplete total...)", name="x")
+        files = tqdm_class(total=2, desc="Fetching 2 files")  # the file-count bar is not bytes
+        bar.total = 1000
+        for _ in range(10):
+            time.sleep(0.1)
+            bar.update(100)
+            files.update(0)
+        bar.close()
+        files.close()
+        return str(tmp_path)
+
+    seen: list[tuple[int, int | None]] = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", trickle)
+    path = resolve_model(
+        "org/slow", hf_home=tmp_path, offline=False, timeout=0.3, progress=lambda d, t: seen.append((d, t))
+    )
+    assert path == tmp_path
+    assert seen[0] == (100, 1000) and seen[-1] == (1000, 1000) and len(seen) == 10
 
 
 def test_resolve_local_dir(models: dict[str, Path], tmp_path: Path) -> None:
@@ -301,3 +328,15 @@ def test_sharded_load_pipeline_for_qwen2_tensor_for_both(models: dict[str, Path]
         sharded_load(str(models[arch]), tensor_group=group)
     with pytest.raises(ValueError, match="does not support pipelining"):
         sharded_load(str(models["llama"]), pipeline_group=group)
+
+
+def test_cli_pull_resolves_from_the_cache_and_fails_fast_with_the_cause(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    hf_home = models["home"]
+    ok = CliRunner().invoke(main, ["model", "pull", "exod/tiny-qwen2", "--hf-home", str(hf_home), "--offline"])
+    assert ok.exit_code == 0, ok.output
+    assert ok.output.strip() == str(models["qwen2"])
+    missing = CliRunner().invoke(main, ["model", "pull", "exod/absent", "--hf-home", str(tmp_path), "--offline"])
+    assert missing.exit_code == 1
+    assert "neither cached" in missing.output and "exod model make-tiny" in missing.output

@@ -1,0 +1,61 @@
+"""exod.config: the embedded default, overrides, and a clear error for every mistake."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from exod.config import ConfigError, load
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "exod.toml"
+    path.write_text(text)
+    return path
+
+
+def test_embedded_default_places_the_tiny_model_on_two_ranks():
+    cfg = load(None, state_dir=Path("/tmp/x"))
+    assert (cfg.host, cfg.port) == ("127.0.0.1", 8420)
+    assert [(p.model, p.ranks) for p in cfg.placements] == [("exod/tiny-qwen2", 2)]
+    assert cfg.daemon.policy.max_retries == 5 and cfg.daemon.policy.backoff.cap == 30.0
+    assert cfg.daemon.state_dir == Path("/tmp/x")
+
+
+def test_file_values_and_cli_overrides(tmp_path):
+    path = write(
+        tmp_path,
+        '[daemon]\nport = 9000\nhf_home = "~/hf"\n[retry]\ninitial = 0.5\nmax_retries = 2\n'
+        '[timeouts]\nconnect = 5\n[[place]]\npath = "/models/m"\nranks = 1\n',
+    )
+    cfg = load(path, port=0)
+    assert cfg.port == 0  # the CLI wins
+    assert cfg.daemon.hf_home == Path("~/hf").expanduser()
+    assert cfg.daemon.policy.backoff.initial == 0.5 and cfg.daemon.policy.max_retries == 2
+    assert cfg.daemon.timeouts.connect == 5.0
+    assert cfg.placements[0].path == Path("/models/m") and cfg.placements[0].model is None
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[deamon]\nport = 1\n", r"unknown section \[deamon\]"),
+        ("[daemon]\nprot = 1\n", r"unknown key\(s\) \['prot'\]"),
+        ("[daemon]\nport = 70000\n", "port must be"),
+        ("[retry]\ncap = 1\ninitial = 5\n", "cap"),
+        ("[retry]\nmax_retries = 0\n", "max_retries"),
+        ('[[place]]\nmodel = "../etc"\n', "org/name"),
+        ('[[place]]\nmodel = "a/b"\npath = "/x"\n', "exactly one of"),
+        ('[[place]]\nmodel = "a/b"\nranks = 0\n', "ranks"),
+        ("[daemon\n", "not valid TOML"),
+    ],
+)
+def test_mistakes_are_named(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        load(write(tmp_path, text))
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load(tmp_path / "nope.toml")
