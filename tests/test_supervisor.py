@@ -1,0 +1,122 @@
+"""exod.supervisor with stand-in processes: stop escalation, exit reporting, stall watchdogs, garbled channels."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import attrs
+import trio
+
+from exod import protocol as p
+from exod.supervisor import RunnerSpec, Supervisor, Timeouts
+
+IGNORES_EVERYTHING = """
+import signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("ignoring", flush=True)
+time.sleep(60)
+"""
+DIES_ON_TERM = "import time; time.sleep(60)"
+GARBLES = """
+import os, sys
+fd = int(sys.argv[1])
+os.write(fd, b'{"type": "status", "runner_id": "r", "incarnation": 1, "phase": "nonsense"}\\n')
+import time; time.sleep(60)
+"""
+SAYS_NOTHING = "import time; time.sleep(60)"
+
+
+class StandIn(Supervisor):
+    def __init__(self, script: str, tmp_path: Path, timeouts: Timeouts) -> None:
+        spec = RunnerSpec("r", 1, 0, 1, None, tmp_path / "r.log")
+        self.events: list[tuple] = []
+        super().__init__(spec, self, timeouts)
+        self.script = script
+
+    def _argv(self, control_fd: int) -> list[str]:
+        return [sys.executable, "-c", self.script, str(control_fd)]
+
+    # the Listener, recording
+    def on_spawned(self, spec, pid):
+        self.events.append(("spawned", pid))
+
+    def on_report(self, spec, report):
+        self.events.append(("report", report))
+
+    def on_stall(self, spec, phase, seconds):
+        self.events.append(("stall", phase))
+
+    def on_exit(self, spec, exit_code, stderr_tail):
+        self.events.append(("exit", exit_code, stderr_tail))
+
+
+FAST = Timeouts(connect=0.3, load_progress=0.3, warm_up=0.3, stop_grace=0.3, term_grace=0.3)
+
+
+def run(supervisor: StandIn, after_start) -> float:
+    async def main() -> float:
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(supervisor.run)
+                await after_start(supervisor)
+                start = trio.current_time()
+                # run() returns once the process is reaped
+            return trio.current_time() - start
+
+    return trio.run(main)
+
+
+async def ask_stop(s: StandIn) -> None:
+    await trio.sleep(0.3)  # let the stand-in install its handlers
+    s.stop()
+
+
+def test_a_process_ignoring_shutdown_and_sigterm_is_killed(tmp_path):
+    s = StandIn(IGNORES_EVERYTHING, tmp_path, FAST)
+    run(s, ask_stop)
+    assert s.events[0][0] == "spawned"
+    assert s.events[-1][:2] == ("exit", -signal.SIGKILL)
+    assert "ignoring" in s.events[-1][2]  # the log tail travels with the exit
+
+
+def test_sigterm_is_enough_for_a_process_that_honours_it(tmp_path):
+    s = StandIn(DIES_ON_TERM, tmp_path, FAST)
+    run(s, ask_stop)
+    assert s.events[-1][:2] == ("exit", -signal.SIGTERM)
+
+
+def test_a_stall_is_reported_once_per_armed_phase(tmp_path):
+    s = StandIn(SAYS_NOTHING, tmp_path, FAST)
+
+    async def connect_then_wait(sup):
+        sup.post(p.Connect())
+        await trio.sleep(0.8)
+        sup.stop()
+
+    run(s, connect_then_wait)
+    assert [e for e in s.events if e[0] == "stall"] == [("stall", "connecting")]
+
+
+def test_a_garbled_channel_fails_the_runner_and_stops_it(tmp_path):
+    s = StandIn(GARBLES, tmp_path, attrs.evolve(FAST, stop_grace=0.1))
+    run(s, lambda sup: trio.sleep(0))
+    reports = [e[1] for e in s.events if e[0] == "report"]
+    assert len(reports) == 1 and isinstance(reports[0], p.Failed)
+    assert reports[0].exception_type == "ProtocolError" and not reports[0].retryable
+    assert s.events[-1][0] == "exit"
+
+
+def test_cancelling_the_supervisor_kills_and_reaps(tmp_path):
+    s = StandIn(IGNORES_EVERYTHING, tmp_path, FAST)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(s.run)
+            await trio.sleep(0.2)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    pid = s.events[0][1]
+    assert not Path(f"/proc/{pid}").exists()  # killed and reaped (not even a zombie) before run() returned
