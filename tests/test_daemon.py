@@ -73,6 +73,31 @@ def test_instance_reaches_ready_and_generates_like_mlx_lm(tmp_path, hf_home, ran
     assert len(sampled) > 0
 
 
+def test_concurrent_requests_queue_and_never_interleave(tmp_path, hf_home):
+    from exod.models import resolve_model
+
+    snapshot = resolve_model("exod/tiny-qwen2", hf_home=hf_home, offline=True)
+    seeds = [1, 2, 3, 4]
+
+    async def body(controller):
+        iid = controller.place("exod/tiny-qwen2", 2)
+        await wait_for(controller, is_ready(iid))
+        results: dict[int, str] = {}
+
+        async def one(seed):
+            results[seed] = await chat(controller, iid, temperature=1.0, seed=seed)
+
+        async with trio.open_nursery() as nursery:
+            for seed in seeds:
+                nursery.start_soon(one, seed)
+        return results
+
+    results = with_controller(config(tmp_path, hf_home), body)
+    for seed in seeds:
+        assert results[seed] == reference_text(snapshot, temperature=1.0, seed=seed)
+    assert len(set(results.values())) > 1  # different seeds, different texts: the check has teeth
+
+
 def test_sigkill_while_ready_recovers_with_backoff_after_reaping_the_generation(tmp_path, hf_home):
     async def body(controller):
         iid = controller.place("exod/tiny-qwen2", 2)
