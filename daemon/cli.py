@@ -129,7 +129,14 @@ def _state_dir(state_dir: Path | None) -> Path:
 @click.option("--hf-home", type=click.Path(file_okay=False, path_type=Path), default=None, help="HF cache root.")
 @click.option("--offline/--online", default=None, help="Never try the hub (default: HF_HUB_OFFLINE decides).")
 @click.option("--no-place", is_flag=True, help="Ignore the [[place]] entries of the configuration.")
-def serve(config_path, host, port, state_dir, hf_home, offline, no_place) -> None:
+@click.option(
+    "--place",
+    "extra",
+    multiple=True,
+    metavar="MODEL_OR_DIR[:RANKS]",
+    help="Also keep this placed: a repo id, or a local model directory (the CLI and config only). Repeatable.",
+)
+def serve(config_path, host, port, state_dir, hf_home, offline, no_place, extra) -> None:
     """Run the daemon: restore state, reap orphans, place, serve the API until SIGINT/SIGTERM."""
     import logging
 
@@ -148,12 +155,27 @@ def serve(config_path, host, port, state_dir, hf_home, offline, no_place) -> Non
         cfg = load(config_path, host=host, port=port, state_dir=state_dir, hf_home=hf_home, offline=offline)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
-    if no_place:
-        cfg = attrs.evolve(cfg, placements=())
+    try:
+        added = tuple(_parse_place(text) for text in extra)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--place") from exc
+    cfg = attrs.evolve(cfg, placements=(() if no_place else cfg.placements) + added)
     try:
         trio.run(run_daemon, cfg)
     except (AlreadyRunning, StoreError, ModelNotFound, fsm.InvalidConfig) as exc:
         raise click.ClickException(str(exc)) from exc
+
+
+def _parse_place(text: str):
+    from exod.config import Placement
+    from exod.models import validate_model_id
+
+    target, _, ranks = text.rpartition(":") if ":" in text else (text, "", "1")
+    if not ranks.isdigit() or not 1 <= int(ranks) <= 64:
+        raise ValueError(f"{text!r}: RANKS must be an int in 1..64")
+    if Path(target).expanduser().is_dir():
+        return Placement(int(ranks), path=Path(target).expanduser())
+    return Placement(int(ranks), model=validate_model_id(target))
 
 
 def _client(url: str | None, state_dir: Path | None):

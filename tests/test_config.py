@@ -59,3 +59,14 @@ def test_mistakes_are_named(tmp_path, text, message):
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         load(tmp_path / "nope.toml")
+
+
+def test_serve_place_option_takes_repo_ids_and_local_directories(tmp_path):
+    from exod.cli import _parse_place
+
+    assert (_parse_place("exod/tiny-qwen2:2").model, _parse_place("exod/tiny-qwen2:2").ranks) == ("exod/tiny-qwen2", 2)
+    assert _parse_place(f"{tmp_path}:1").path == tmp_path
+    assert _parse_place("org/name").ranks == 1
+    for bad in ("../etc:1", "org/name:0", "org/name:x"):
+        with pytest.raises(ValueError):
+            _parse_place(bad)
