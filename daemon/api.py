@@ -1,20 +1,34 @@
-"""The daemon's HTTP API (instance management and live state), on FastAPI.
+"""The daemon's HTTP API: FastAPI, served by hypercorn's trio worker inside the daemon's trio run.
 
-FastAPI because it derives request validation and the OpenAPI document from
-the same type hints; it runs on anyio, hence under trio and hypercorn's trio
-worker in the daemon's own trio run.
+FastAPI because it derives request validation and the OpenAPI document from the same type hints, and
+it runs on anyio, hence under trio. Every error has OpenAI's shape (`exod.errors`).
 """
 
 from __future__ import annotations
 
+import json
+import secrets
+from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, HTTPException
+import trio
+from fastapi import FastAPI, Header, Query
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 import fsm
+from exod import chat
 from exod.controller import Controller, InstanceNotFound
+from exod.errors import ApiError, install
+from exod.metrics import Metrics
 from exod.models import InvalidModelId
+from exod.render import MEDIA_TYPES, Format, GraphvizMissing, render
+
+MAX_BODY_BYTES = 1 << 20
+MAX_TOKENS_CEILING = 4096
+KEEPALIVE_S = 15.0
 
 
 class RetryOverrides(BaseModel):
@@ -38,39 +52,103 @@ class PlaceRequest(BaseModel):
 def _policy(base: fsm.RetryPolicy, overrides: RetryOverrides | None) -> fsm.RetryPolicy | None:
     if overrides is None:
         return None
-    backoff = base.backoff
+    b = base.backoff
+    o = overrides
     return fsm.RetryPolicy(
         backoff=fsm.Backoff(
-            initial=overrides.initial if overrides.initial is not None else backoff.initial,
-            factor=overrides.factor if overrides.factor is not None else backoff.factor,
-            cap=overrides.cap if overrides.cap is not None else backoff.cap,
-            jitter=backoff.jitter,
+            initial=b.initial if o.initial is None else o.initial,
+            factor=b.factor if o.factor is None else o.factor,
+            cap=b.cap if o.cap is None else o.cap,
+            jitter=b.jitter,
         ),
-        max_retries=overrides.max_retries if overrides.max_retries is not None else base.max_retries,
-        reset_after=overrides.reset_after if overrides.reset_after is not None else base.reset_after,
+        max_retries=base.max_retries if o.max_retries is None else o.max_retries,
+        reset_after=base.reset_after if o.reset_after is None else o.reset_after,
     )
 
 
-def create_app(controller: Controller) -> FastAPI:
-    app = FastAPI(title="exod", version=fsm.__version__)
+class _Guard:
+    """ASGI middleware: bearer token on every path but /health, and a cap on request bodies."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body: int) -> None:
+        self.app, self.api_key, self.max_body = app, api_key, max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        if self.api_key and scope["path"] != "/health":
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            if not secrets.compare_digest(given, f"Bearer {self.api_key}"):
+                await ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'").response()(
+                    scope, receive, send
+                )
+                return
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body):
+            await ApiError(413, f"request body over {self.max_body} bytes").response()(scope, receive, send)
+            return
+        body, more = b"", True
+        while more:  # read it all (bounded) so a chunked body cannot slip past the cap
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body:
+                await ApiError(413, f"request body over {self.max_body} bytes").response()(scope, receive, send)
+                return
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+def create_app(
+    controller: Controller,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    max_tokens_ceiling: int = MAX_TOKENS_CEILING,
+) -> ASGIApp:
+    app = FastAPI(title="exod", version=fsm.__version__, description="Explicit lifecycles for LLM runners.")
+    install(app)
+    metrics = Metrics(controller)
+    app.include_router(chat.router(controller, metrics, max_tokens_ceiling))
 
     def find(instance_id: str) -> dict[str, Any]:
         for inst in controller.status()["instances"]:
             if inst["instance_id"] == instance_id:
                 return inst
-        raise HTTPException(404, f"no instance {instance_id!r}")
+        raise ApiError(404, f"no instance {instance_id!r}")
 
     @app.get("/health")
     async def health() -> dict[str, str]:
+        """Liveness: the daemon answers."""
         return {"status": "ok"}
+
+    @app.get("/ready", responses={503: {"description": "no instance is Ready"}})
+    async def ready() -> dict[str, Any]:
+        """Readiness: at least one instance is Ready."""
+        ready = [i["instance_id"] for i in controller.status()["instances"] if i["state"] == "ready"]
+        if not ready:
+            raise ApiError(503, "no instance is Ready yet", headers={"Retry-After": "1"})
+        return {"status": "ready", "instances": ready}
+
+    @app.get("/metrics", response_class=Response)
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/instances", status_code=201)
     async def place(body: PlaceRequest) -> dict[str, Any]:
         try:
-            policy = _policy(controller.config.policy, body.retry)
-            instance_id = controller.place(body.model, body.ranks, policy=policy)
+            instance_id = controller.place(body.model, body.ranks, policy=_policy(controller.config.policy, body.retry))
         except (InvalidModelId, fsm.InvalidConfig) as exc:
-            raise HTTPException(422, str(exc)) from exc
+            raise ApiError(400, str(exc), param="model") from exc
         return find(instance_id)
 
     @app.get("/instances")
@@ -86,7 +164,67 @@ def create_app(controller: Controller) -> FastAPI:
         try:
             controller.delete(instance_id)
         except InstanceNotFound as exc:
-            raise HTTPException(404, str(exc)) from exc
+            raise ApiError(404, str(exc)) from exc
         return find(instance_id)
 
-    return app
+    @app.get("/diagrams/{machine}", response_class=Response)
+    async def machine_diagram(machine: str, format: Format = Format.MERMAID, state: str | None = None) -> Response:
+        """A machine as Mermaid, DOT or SVG, optionally with one state highlighted."""
+        cls = fsm.MACHINES.get(machine)
+        if cls is None:
+            raise ApiError(404, f"no machine {machine!r}; machines: {sorted(fsm.MACHINES)}")
+        return await _diagram(cls, format, state)
+
+    @app.get("/instances/{instance_id}/diagram", response_class=Response)
+    async def instance_diagram(instance_id: str, format: Format = Format.MERMAID) -> Response:
+        """The instance's retry machine with its live state highlighted."""
+        placement = controller.cluster.instances.get(instance_id)
+        if placement is None:
+            raise ApiError(404, f"no instance {instance_id!r}")
+        return await _diagram(placement.machine, format, None)
+
+    async def _diagram(machine: Any, fmt: Format, state: str | None) -> Response:
+        try:
+            body = await render(machine, fmt, state)
+        except fsm.InvalidConfig as exc:
+            raise ApiError(400, str(exc), param="state") from exc
+        except GraphvizMissing as exc:
+            raise ApiError(501, str(exc), param="format") from exc
+        return Response(body, media_type=MEDIA_TYPES[fmt])
+
+    @app.get("/events", response_class=StreamingResponse)
+    async def events(
+        last_event_id: int | None = Header(None, ge=0, description="resume after this sequence number"),
+        after: int = Query(0, ge=0, description="resume after this sequence number (when no Last-Event-ID)"),
+    ) -> StreamingResponse:
+        """Server-sent events: every lifecycle transition, from the durable log, resumable."""
+        start = last_event_id if last_event_id is not None else after
+
+        async def stream() -> AsyncIterator[str]:
+            seen = start
+            while True:
+                written = controller.log_written  # taken before reading: a commit in between is not missed
+                batch = list(controller.store.transitions(after=seen, limit=500))
+                for seq, e in batch:
+                    seen = seq
+                    doc = {
+                        "seq": seq,
+                        "time": e.time,
+                        "machine": e.machine,
+                        "id": e.key,
+                        "event": e.event,
+                        "from": e.source,
+                        "to": e.target,
+                        "cause": e.cause,
+                    }
+                    yield f"id: {seq}\nevent: transition\ndata: {json.dumps(doc)}\n\n"
+                if len(batch) == 500:
+                    continue  # more are waiting
+                with trio.move_on_after(KEEPALIVE_S) as idle:
+                    await written.wait()
+                if idle.cancelled_caught:
+                    yield ": keepalive\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    return _Guard(app, api_key, max_body_bytes)

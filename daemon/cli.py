@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -130,13 +131,17 @@ def _state_dir(state_dir: Path | None) -> Path:
 @click.option("--offline/--online", default=None, help="Never try the hub (default: HF_HUB_OFFLINE decides).")
 @click.option("--no-place", is_flag=True, help="Ignore the [[place]] entries of the configuration.")
 @click.option(
+    "--api-key", envvar="EXOD_API_KEY", default=None, help="Bearer token required on every endpoint but /health."
+)
+@click.option("--insecure", is_flag=True, help="Allow binding beyond loopback without an API key.")
+@click.option(
     "--place",
     "extra",
     multiple=True,
     metavar="MODEL_OR_DIR[:RANKS]",
     help="Also keep this placed: a repo id, or a local model directory (the CLI and config only). Repeatable.",
 )
-def serve(config_path, host, port, state_dir, hf_home, offline, no_place, extra) -> None:
+def serve(config_path, host, port, state_dir, hf_home, offline, no_place, api_key, insecure, extra) -> None:
     """Run the daemon: restore state, reap orphans, place, serve the API until SIGINT/SIGTERM."""
     import logging
 
@@ -159,7 +164,11 @@ def serve(config_path, host, port, state_dir, hf_home, offline, no_place, extra)
         added = tuple(_parse_place(text) for text in extra)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--place") from exc
-    cfg = attrs.evolve(cfg, placements=(() if no_place else cfg.placements) + added)
+    cfg = attrs.evolve(cfg, placements=(() if no_place else cfg.placements) + added, api_key=api_key, insecure=insecure)
+    try:
+        cfg.check_exposure()
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
     try:
         trio.run(run_daemon, cfg)
     except (AlreadyRunning, StoreError, ModelNotFound, fsm.InvalidConfig) as exc:
@@ -188,7 +197,8 @@ def _client(url: str | None, state_dir: Path | None):
         raise click.ClickException(
             f"no exod daemon is running for {_state_dir(state_dir)}; start one with `exod serve` or pass --url"
         )
-    return httpx.Client(base_url=address, timeout=30)
+    key = os.environ.get("EXOD_API_KEY")
+    return httpx.Client(base_url=address, timeout=30, headers={"Authorization": f"Bearer {key}"} if key else {})
 
 
 def _call(client, method: str, path: str, **kwargs):
@@ -199,8 +209,7 @@ def _call(client, method: str, path: str, **kwargs):
     except httpx.HTTPError as exc:
         raise click.ClickException(f"cannot reach the daemon at {client.base_url}: {exc}") from exc
     if response.status_code >= 400:
-        detail = response.json().get("detail", response.text) if response.content else response.reason_phrase
-        raise click.ClickException(f"{response.status_code}: {detail}")
+        _call_failed(response)
     return response.json()
 
 
@@ -290,3 +299,53 @@ def _offline_status(state_dir: Path) -> dict:
     finally:
         store.close()
     return status_of(Cluster.from_dict(snapshot)) if snapshot else {"instances": []}
+
+
+@main.command()
+@click.argument("model_id")
+@click.argument("prompt")
+@click.option("--max-tokens", type=click.IntRange(1), default=128, show_default=True)
+@click.option("--temperature", type=click.FloatRange(0, 2), default=0.0, show_default=True)
+@click.option("--seed", type=click.IntRange(0), default=None)
+@URL
+@STATE_DIR
+def chat(model_id: str, prompt: str, max_tokens: int, temperature: float, seed, url, state_dir) -> None:
+    """Stream an answer to PROMPT from MODEL_ID on a running daemon."""
+    import json
+
+    import httpx
+
+    body = {
+        "model": model_id,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "stream": True,
+    }
+    if seed is not None:
+        body["seed"] = seed
+    with _client(url, state_dir) as client:
+        try:
+            with client.stream("POST", "/v1/chat/completions", json=body, timeout=None) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    _call_failed(response)
+                for line in response.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    doc = json.loads(line[len("data: ") :])
+                    if "error" in doc:
+                        click.echo()
+                        raise click.ClickException(doc["error"]["message"])
+                    click.echo(doc["choices"][0]["delta"].get("content", ""), nl=False)
+        except httpx.HTTPError as exc:
+            raise click.ClickException(f"cannot reach the daemon at {client.base_url}: {exc}") from exc
+    click.echo()
+
+
+def _call_failed(response) -> None:
+    try:
+        detail = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        detail = response.text or response.reason_phrase
+    raise click.ClickException(f"{response.status_code}: {detail}")

@@ -35,6 +35,29 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8420
     placements: tuple[Placement, ...] = ()
+    api_key: str | None = None
+    insecure: bool = False
+    max_tokens: int = 4096
+    max_body_bytes: int = 1 << 20
+
+    def check_exposure(self) -> None:
+        """Binding beyond loopback needs a bearer token, or an explicit --insecure."""
+        if not is_loopback(self.host) and not self.api_key and not self.insecure:
+            raise ConfigError(
+                f"binding {self.host} exposes the API beyond this machine: pass --api-key KEY "
+                "(or set EXOD_API_KEY), or --insecure if that is really intended"
+            )
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 _SECTIONS = {
@@ -42,6 +65,7 @@ _SECTIONS = {
     "retry": {"initial", "factor", "cap", "max_retries", "reset_after"},
     "timeouts": {f.name for f in attrs.fields(Timeouts)},
     "place": {"model", "path", "ranks"},
+    "limits": {"max_requests_per_instance", "queue_timeout", "max_tokens", "max_body_bytes"},
 }
 
 
@@ -85,14 +109,27 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
     port = d.get("port", 8420)
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ConfigError(f"{where}: port must be an int in 0..65535, got {port!r}")
+    limits = data.get("limits", {})
+    for key, value in limits.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"{where}: [limits] {key} must be a positive number, got {value!r}")
     daemon = DaemonConfig(
         state_dir=Path(d.get("state_dir") or default_state_dir()).expanduser(),
         hf_home=Path(d["hf_home"]).expanduser() if d.get("hf_home") else None,
         offline=d.get("offline"),
         timeouts=timeouts,
         policy=policy,
+        max_requests_per_instance=int(limits.get("max_requests_per_instance", 16)),
+        queue_timeout=float(limits.get("queue_timeout", 30.0)),
     )
-    return ServeConfig(daemon=daemon, host=str(d.get("host", "127.0.0.1")), port=port, placements=placements)
+    return ServeConfig(
+        daemon=daemon,
+        host=str(d.get("host", "127.0.0.1")),
+        port=port,
+        placements=placements,
+        max_tokens=int(limits.get("max_tokens", 4096)),
+        max_body_bytes=int(limits.get("max_body_bytes", 1 << 20)),
+    )
 
 
 def _placement(entry: dict[str, Any]) -> Placement:

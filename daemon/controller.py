@@ -13,6 +13,7 @@ before the controller waits again: what a caller was told is on disk.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
@@ -52,6 +53,19 @@ class RequestFailed(Exception):
     """A generation request ended with an error (runner failed, instance deleted, bad request)."""
 
 
+class Overloaded(Exception):
+    """The instance's request queue is full."""
+
+
+class ModelNotReady(Exception):
+    """The model is placed but no instance of it is Ready yet."""
+
+    def __init__(self, model_id: str, retry_after: int) -> None:
+        self.model_id = model_id
+        self.retry_after = retry_after
+        super().__init__(f"model {model_id!r} has no Ready instance yet; retry in {retry_after} s")
+
+
 @attrs.frozen
 class DaemonConfig:
     state_dir: Path
@@ -60,7 +74,9 @@ class DaemonConfig:
     timeouts: Timeouts = attrs.Factory(Timeouts)
     policy: fsm.RetryPolicy = attrs.Factory(fsm.RetryPolicy)
     download_policy: fsm.Backoff = fsm.DEFAULT_DOWNLOAD_BACKOFF
-    download_timeout: float = 30.0
+    download_timeout: float = 30.0  # seconds without a byte before a download is given up (and retried)
+    max_requests_per_instance: int = 16  # in flight + queued; beyond it: Overloaded (HTTP 429)
+    queue_timeout: float = 30.0  # a request no Ready runner took by then fails instead of waiting on
 
     @property
     def db_path(self) -> Path:
@@ -74,6 +90,43 @@ class _Request:
     channel: trio.MemorySendChannel[Any]
     leader: str = ""  # runner id of rank 0 once forwarded
     incarnation: int = -1
+    forwarded: trio.Event = attrs.Factory(trio.Event)
+
+
+class RequestStream:
+    """The tokens of one request, then its `Done`; raises `RequestFailed` if it cannot finish."""
+
+    def __init__(self, controller: Controller, request_id: str, request: _Request, receive: Any) -> None:
+        self.controller = controller
+        self.request_id = request_id
+        self._request = request
+        self._receive = receive
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> p.Token | p.Done:
+        if self._done:
+            raise StopAsyncIteration
+        if not self._request.forwarded.is_set():
+            limit = self.controller.config.queue_timeout
+            with trio.move_on_after(limit):
+                await self._request.forwarded.wait()
+            if not self._request.forwarded.is_set():
+                self._done = True
+                raise RequestFailed(f"no Ready runner took the request within {limit:g} s")
+        item = await self._receive.receive()
+        if isinstance(item, Exception):
+            self._done = True
+            raise item
+        if isinstance(item, p.Done):
+            self._done = True
+        return item
+
+    def close(self) -> None:
+        self._done = True
+        self.controller._forget_request(self.request_id)
 
 
 def free_ports(count: int) -> list[int]:
@@ -98,8 +151,10 @@ class Controller:
         self._model_paths: dict[str, Path] = {}
         self.local_models: dict[str, Path] = {}  # "local/NAME" -> directory, from the config or CLI only
         self._wake = trio.Event()
+        self.log_written = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.reaped_orphans: list[ProcessRecord] = []
+        self.failure_counts: collections.Counter[str] = collections.Counter()  # by FailureKind value
 
     # -- lifecycle of the controller --------------------------------------------------------
 
@@ -139,6 +194,8 @@ class Controller:
         if self.cluster.log:
             self.store.save(self.cluster.to_dict(), self.cluster.log, self.clock())
             self.cluster.log.clear()
+            self.log_written.set()  # wakes the event streams; each waits on a fresh Event next time
+            self.log_written = trio.Event()
 
     # -- the API the daemon's front ends use ----------------------------------------------------
 
@@ -170,7 +227,26 @@ class Controller:
         self.cluster.delete(instance_id, self.clock())
         self._changed()
 
-    async def generate(
+    def pick_instance(self, model_id: str) -> str:
+        """The Ready instance of ``model_id`` with the fewest requests; `ModelNotReady` says when to retry."""
+        live = [
+            (iid, pl)
+            for iid, pl in self.cluster.instances.items()
+            if pl.model_id == model_id and not pl.machine.is_deleted
+        ]
+        if not live:
+            raise InstanceNotFound(f"model {model_id!r} is not placed; place it with `exod place {model_id}`")
+        ready = [iid for iid, pl in live if pl.machine.instance_state is fsm.InstanceState.READY]
+        if ready:
+            return min(ready, key=lambda iid: (self._load(iid), iid))
+        now = self.clock()
+        waits = [pl.machine.deadline - now for _, pl in live if pl.machine.deadline is not None]
+        raise ModelNotReady(model_id, max(1, math.ceil(min(waits, default=1.0))))
+
+    def _load(self, instance_id: str) -> int:
+        return sum(1 for r in self._requests.values() if r.instance_id == instance_id)
+
+    def submit(
         self,
         instance_id: str,
         messages: list[dict[str, str]],
@@ -180,11 +256,16 @@ class Controller:
         top_p: float = 1.0,
         seed: int | None = None,
         stop: list[str] | None = None,
-    ) -> AsyncIterator[p.Token | p.Done]:
-        """Stream a chat completion from an instance: tokens, then one `Done`; `RequestFailed` on error."""
+    ) -> RequestStream:
+        """Queue a chat completion on an instance; refuses at once (not later) when it cannot take it."""
         placement = self.cluster.instances.get(instance_id)
         if placement is None or placement.machine.is_deleted:
             raise InstanceNotFound(f"no live instance {instance_id!r}")
+        if self._load(instance_id) >= self.config.max_requests_per_instance:
+            raise Overloaded(
+                f"instance {instance_id} already has {self.config.max_requests_per_instance} requests queued; "
+                "retry shortly"
+            )
         request_id = f"req-{secrets.token_hex(6)}"
         command = p.Generate(
             request_id=request_id,
@@ -196,20 +277,24 @@ class Controller:
             stop=stop or [],
         )
         send, receive = trio.open_memory_channel[Any](math.inf)
-        self._requests[request_id] = _Request(instance_id, command, send)
+        request = _Request(instance_id, command, send)
+        self._requests[request_id] = request
         self.cluster.add_request(request_id, instance_id)
         self._changed()
+        return RequestStream(self, request_id, request, receive)
+
+    async def generate(self, instance_id: str, messages: list[dict[str, str]], **params: Any) -> AsyncIterator[Any]:
+        """`submit`, then iterate: tokens, then one `Done`; `RequestFailed` on error."""
+        stream = self.submit(instance_id, messages, **params)
         try:
-            async with receive:
-                async for item in receive:
-                    if isinstance(item, Exception):
-                        raise item
-                    yield item
-                    if isinstance(item, p.Done):
-                        return
+            async for item in stream:
+                yield item
         finally:
-            self._requests.pop(request_id, None)
-            self.cluster.requests.pop(request_id, None)
+            stream.close()
+
+    def _forget_request(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        self.cluster.requests.pop(request_id, None)
 
     def status(self) -> dict[str, Any]:
         return status_of(self.cluster)
@@ -269,6 +354,7 @@ class Controller:
                 if request is not None:
                     if self.cluster.runner(runner_id).rank == 0:
                         request.leader, request.incarnation = runner_id, incarnation
+                        request.forwarded.set()
                     self._post(runner_id, incarnation, request.command)
 
     def _post(self, runner_id: str, incarnation: int, command: p.Command) -> None:
@@ -364,8 +450,12 @@ class Controller:
     # -- Listener: what supervisors report ----------------------------------------------------
 
     def _runner_event(self, event: rn.RunnerEvent) -> None:
+        machine = self.cluster.runners.get(event.runner_id, (None,))[0]
+        failed_before = machine is not None and machine.failure is not None
         try:
             self.cluster.runner_event(event, self.clock())
+            if machine is not None and machine.failure is not None and not failed_before:
+                self.failure_counts[machine.failure.kind.value] += 1
         except fsm.FsmError as exc:
             log.warning("runner event %s refused: %s", event, exc)
         self._fail_orphaned_requests()

@@ -82,7 +82,13 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
             logging.getLogger("hypercorn.error").propagate = False  # it has its own handler
             async with trio.open_nursery() as nursery:
                 await nursery.start(controller.run)
-                urls = await nursery.start(partial(hypercorn_serve, create_app(controller), hc, mode="asgi"))
+                app = create_app(
+                    controller,
+                    api_key=config.api_key,
+                    max_body_bytes=config.max_body_bytes,
+                    max_tokens_ceiling=config.max_tokens,
+                )
+                urls = await nursery.start(partial(hypercorn_serve, app, hc, mode="asgi"))
                 url = urls[0]
                 (state_dir / "daemon.json").write_text(json.dumps({"pid": os.getpid(), "url": url}))
                 announce(f"exod serving on {url} (state in {state_dir})")

@@ -7,7 +7,7 @@ feeds events to the machines and executes what `plan` returns.
 # Events live in their machine's module, to be imported from there:
 #   from fsm import runner, instance, download
 #   runner.Connect(...), instance.RankFailed(...), download.Begin(...)
-from fsm import download, instance, runner
+from fsm import diagram, download, instance, runner
 from fsm._machine import Outcome, Step
 from fsm.actions import (
     Action,
@@ -94,6 +94,7 @@ __all__ = [
     "WarmUp",
     "__version__",
     "budget_exhausted",
+    "diagram",
     "download",
     "instance",
     "next_deadline",

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from daemon_harness import runner_pids
+from daemon_harness import exod, runner_pids, start_daemon, wait_instance
 from exod.tiny_model import make_tiny_model
 
 CONFIG = """
@@ -31,42 +26,6 @@ max_retries = 5
 model = "exod/tiny-qwen2"
 ranks = 2
 """
-
-
-def exod(*args: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "exod", *args], env=env, capture_output=True, text=True, timeout=60, check=check
-    )
-
-
-def start_daemon(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
-    log = (tmp_path / "serve.log").open("ab")
-    state = tmp_path / "state"
-    args = [sys.executable, "-m", "exod", "serve", "--config", str(tmp_path / "exod.toml"), "--state-dir", str(state)]
-    daemon = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            info = json.loads((state / "daemon.json").read_text())
-            if info["pid"] == daemon.pid:
-                return daemon, info["url"]
-        except (OSError, ValueError):
-            pass
-        assert daemon.poll() is None, (tmp_path / "serve.log").read_text()
-        time.sleep(0.05)
-    daemon.kill()
-    raise AssertionError("daemon did not start: " + (tmp_path / "serve.log").read_text())
-
-
-def wait_instance(url: str, predicate, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = httpx.get(f"{url}/instances", timeout=10).json()["instances"]
-        if last and predicate(last[0]):
-            return last[0]
-        time.sleep(0.05)
-    raise AssertionError(f"timed out; last status: {last}")
 
 
 @pytest.fixture

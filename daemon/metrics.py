@@ -1,0 +1,64 @@
+"""Prometheus metrics of the daemon (prometheus-client).
+
+State gauges are read from the machines at scrape time (a collector), so they
+can never drift from the truth; counters and histograms are bumped where the
+thing happens. One registry per daemon, not the process-global one, so that
+two daemons in one test process do not mix.
+"""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+import fsm
+
+
+class Metrics:
+    def __init__(self, controller: object) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "exod_requests", "Chat completion requests by outcome", ["model", "outcome"], registry=self.registry
+        )
+        self.latency = Histogram(
+            "exod_request_seconds",
+            "Chat completion latency, request to last token",
+            ["model"],
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=self.registry,
+        )
+        self.tokens = Counter("exod_tokens_generated", "Completion tokens generated", ["model"], registry=self.registry)
+        self.registry.register(_StateCollector(controller))
+
+
+class _StateCollector(Collector):
+    def __init__(self, controller: object) -> None:
+        self.controller = controller
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        cluster = self.controller.cluster  # type: ignore[attr-defined]
+        runners = GaugeMetricFamily("exod_runners", "Runner processes by lifecycle state", labels=["state"])
+        by_state = Tally(m.runner_state.value for m, _, _ in cluster.runners.values() if m.alive)
+        for state in fsm.RunnerState:
+            runners.add_metric([state.value], by_state.get(state.value, 0))
+        yield runners
+        instances = GaugeMetricFamily("exod_instances", "Instances by retry-policy state", labels=["state"])
+        by_instance = Tally(p.machine.instance_state.value for p in cluster.instances.values())
+        for state in fsm.InstanceState:
+            instances.add_metric([state.value], by_instance.get(state.value, 0))
+        yield instances
+        attempts = GaugeMetricFamily(
+            "exod_instance_retries", "Failed generations counted against each instance's budget", labels=["instance"]
+        )
+        for iid, placement in cluster.instances.items():
+            attempts.add_metric([iid], placement.machine.attempts)
+        yield attempts
+        failures = CounterMetricFamily("exod_runner_failures", "Runner failures since start, by cause", labels=["kind"])
+        counts = self.controller.failure_counts  # type: ignore[attr-defined]
+        for kind in fsm.FailureKind:
+            failures.add_metric([kind.value], counts.get(kind.value, 0))
+        yield failures

@@ -1,0 +1,279 @@
+"""fsm.diagram: deterministic Mermaid/DOT documents and the event table of each machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+import fsm
+from fsm import diagram, runner
+from fsm.diagram import Transition
+
+ROOT = Path(__file__).resolve().parent.parent
+NAMES = sorted(fsm.MACHINES)
+
+# Transitions per event, counted by hand from the class bodies (fsm/runner.py,
+# fsm/instance.py, fsm/download.py); "" counts the eventless transitions.
+EXPECTED_COUNTS = {
+    "runner": {
+        "connect": 1,
+        "connected": 1,
+        "load": 2,
+        "progress": 1,
+        "weights_loaded": 1,
+        "warm_up": 1,
+        "warmed": 1,
+        "request_started": 2,
+        "request_finished": 2,
+        "fail": 5,
+        "stop": 5,
+        "exited": 6,
+    },
+    "instance": {
+        "start": 2,
+        "rank_created": 2,
+        "rank_ready": 4,
+        "": 2,
+        "rank_failed": 9,
+        "rank_stopped": 6,
+        "resume": 2,
+        "tick": 5,
+        "give_up": 3,
+        "delete": 5,
+    },
+    "download": {
+        "begin": 1,
+        "progress": 1,
+        "complete": 1,
+        "fail": 1,
+        "retry": 1,
+        "load_started": 1,
+        "invalidate": 1,
+    },
+}
+
+
+def _independent_rows(cls) -> Counter:
+    """(source, event, target, guard) of every non-initial transition, read straight from the library's objects."""
+    rows: Counter = Counter()
+    for state in cls.states_map.values():
+        for t in state.transitions:
+            if t.initial:
+                continue
+            guard = ", ".join(str(spec) for spec in t.cond if not spec.is_convention)
+            for event in [str(e) for e in t.events] or [""]:
+                rows[(state.id, event, t.target.id, guard)] += 1
+    return rows
+
+
+# -- determinism ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_documents_are_identical_across_calls(name: str) -> None:
+    cls = fsm.MACHINES[name]
+    assert diagram.mermaid(cls) == diagram.mermaid(cls)
+    assert diagram.dot(cls) == diagram.dot(cls)
+    assert diagram.markdown_table(cls) == diagram.markdown_table(cls)
+    assert diagram.transition_table(cls) == diagram.transition_table(cls)
+
+
+def test_documents_are_identical_across_interpreters() -> None:
+    code = (
+        "import json, sys, fsm\n"
+        "from fsm import diagram\n"
+        "out = {n: [diagram.mermaid(c), diagram.dot(c), diagram.markdown_table(c)] for n, c in fsm.MACHINES.items()}\n"
+        "sys.stdout.write(json.dumps(out))\n"
+    )
+    here = {n: [diagram.mermaid(c), diagram.dot(c), diagram.markdown_table(c)] for n, c in fsm.MACHINES.items()}
+    for seed in ("0", "4242"):  # distinct hash seeds: set/dict iteration must not leak into the output
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        result = subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=60
+        )
+        assert json.loads(result.stdout) == here
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dot_has_no_object_ids(name: str) -> None:
+    text = diagram.dot(fsm.MACHINES[name])
+    assert "0x" not in text
+    assert str(id(fsm.MACHINES[name])) not in text
+
+
+# -- the table ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_transition_appears_exactly_once(name: str) -> None:
+    cls = fsm.MACHINES[name]
+    table = diagram.transition_table(cls)
+    assert Counter(row.event for row in table) == Counter(EXPECTED_COUNTS[name])
+    assert Counter((r.source, r.event, r.target, r.guard) for r in table) == _independent_rows(cls)
+    assert all(isinstance(row, Transition) for row in table)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_table_order_is_source_event_target(name: str) -> None:
+    table = diagram.transition_table(fsm.MACHINES[name])
+    keys = [(r.source, r.event, r.target) for r in table]
+    assert keys == sorted(keys)
+
+
+def test_runner_rows() -> None:
+    table = diagram.transition_table(fsm.RunnerLifecycle)
+    assert Transition("idle", "connect", "multi_rank", "connecting", "", False) in table
+    assert Transition("idle", "load", "single_rank", "loading", "", False) in table
+    assert Transition("joined", "load", "", "loading", "", False) in table
+    assert Transition("weights", "progress", "", "weights", "_record_progress", True) in table
+    assert Transition("busy", "request_finished", "!last_request", "busy", "_request_out", True) in table
+    assert Transition("busy", "request_finished", "last_request", "available", "_request_out", False) in table
+    # the compounds' implicit initial transitions are not events
+    assert not [r for r in table if r.event == ""]
+    assert not [r for r in table if r.target in {"joining", "weights", "available", "stopping"} and r.event == ""]
+
+
+def test_instance_eventless_rows_and_tie_order() -> None:
+    table = diagram.transition_table(fsm.InstanceRetry)
+    eventless = [r for r in table if r.event == ""]
+    assert eventless == [
+        Transition("recovering", "", "nothing_alive", "backing_off", "_arm_timer", False),
+        Transition("starting", "", "all_ranks_ready", "ready", "_mark_ready", False),
+    ]
+    # same (source, event, target) twice: declaration order decides
+    ties = [r.guard for r in table if (r.source, r.event, r.target) == ("starting", "rank_failed", "deleted")]
+    assert ties == ["non_retryable", "last_allowed_failure"]
+
+
+def test_markdown_table() -> None:
+    text = diagram.markdown_table(fsm.RunnerLifecycle)
+    lines = text.splitlines()
+    assert lines[0] == "| source | event | guard | target | action |"
+    assert lines[1] == "| --- | --- | --- | --- | --- |"
+    assert len(lines) == 2 + len(diagram.transition_table(fsm.RunnerLifecycle))
+    assert "| `idle` | `connect` | `multi_rank` | `connecting` | |" in lines
+    assert all(line.replace("\\|", "").count("|") == 6 for line in lines)  # five columns on every row
+    eventless = diagram.markdown_table(fsm.InstanceRetry)
+    assert "| `starting` | *(eventless)* | `all_ranks_ready` | `ready` | `mark_ready` |" in eventless.splitlines()
+
+
+# -- Mermaid -------------------------------------------------------------------------------
+
+
+def test_runner_mermaid_structure() -> None:
+    text = diagram.mermaid(fsm.RunnerLifecycle)
+    lines = [line.strip() for line in text.splitlines()]
+    assert lines[0] == "stateDiagram-v2"
+    assert lines[1] == "[*] --> idle"
+    for compound, initial in [
+        ("Connecting", "joining"),
+        ("Loading", "weights"),
+        ("Ready", "available"),
+        ("Shutdown", "stopping"),
+    ]:
+        head = f'state "{compound}" as {compound.lower()} {{'
+        assert head in lines
+        assert lines[lines.index(head) + 1] == f"[*] --> {initial}"
+    assert 'state "Warming up" as warming_up' in lines
+    assert "stopped --> [*]" in lines
+    assert "idle --> connecting : connect [multi_rank]" in lines
+    assert "idle --> loading : load [single_rank]" in lines
+    assert "weights --> weights : progress / record_progress" in lines
+    assert "busy --> busy : request_finished [!last_request] / request_out" in lines
+    assert "classDef" not in text  # a class highlights nothing
+    # edges inside one compound are drawn in its block: "connected" comes before the block closes
+    assert lines.index("joining --> joined : connected") < lines.index('state "Loading" as loading {')
+
+
+def test_instance_mermaid_eventless_and_final() -> None:
+    lines = [line.strip() for line in diagram.mermaid(fsm.InstanceRetry).splitlines()]
+    assert "recovering --> backing_off : [nothing_alive] / arm_timer" in lines
+    assert "starting --> ready : [all_ranks_ready] / mark_ready" in lines
+    assert "deleted --> [*]" in lines
+    assert 'state "Backing off" as backing_off' in lines
+    assert "pending --> pending : tick" in lines  # internal self-transitions are included
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_mermaid_has_one_edge_per_table_row(name: str) -> None:
+    cls = fsm.MACHINES[name]
+    edges = [
+        line.strip()
+        for line in diagram.mermaid(cls).splitlines()
+        if " --> " in line and "[*]" not in line.split(" : ")[0]
+    ]
+    table = diagram.transition_table(cls)
+    expected = [f"{r.source} --> {r.target}" + (f" : {r.label}" if r.label else "") for r in table]
+    assert sorted(edges) == sorted(expected)
+
+
+# -- highlight --------------------------------------------------------------------------------
+
+
+def test_highlight_follows_an_instance_state() -> None:
+    machine = fsm.RunnerLifecycle("r0")
+    assert "class idle current" in diagram.mermaid(machine)
+    machine.apply(runner.Load("r0", 0))
+    assert machine.path == "loading.weights"
+    text = diagram.mermaid(machine)
+    assert "classDef current" in text
+    assert "    class weights current" in text.splitlines()
+    assert text.count(" current") == 2  # the classDef and one class line
+    assert '"weights" [label="Weights", style="rounded,filled"' in diagram.dot(machine)
+
+
+def test_explicit_highlight_overrides_the_instance() -> None:
+    machine = fsm.RunnerLifecycle("r0")
+    text = diagram.mermaid(machine, highlight="busy")
+    assert "class busy current" in text
+    assert "class idle current" not in text
+    assert "class stopped current" in diagram.mermaid(fsm.RunnerLifecycle, highlight="stopped")
+    assert "filled" in diagram.dot(fsm.DownloadLifecycle, highlight="failed")
+    assert "filled" not in diagram.dot(fsm.DownloadLifecycle)
+
+
+@pytest.mark.parametrize("bad", ["nope", "loading", ""])
+@pytest.mark.parametrize("render", [diagram.mermaid, diagram.dot])
+def test_bad_highlight_raises_invalid_config(render, bad: str) -> None:
+    with pytest.raises(fsm.InvalidConfig) as info:
+        render(fsm.RunnerLifecycle, highlight=bad)
+    assert "weights" in str(info.value) and "stopped" in str(info.value)  # lists the valid leaf ids
+
+
+def test_not_a_machine_raises_invalid_config() -> None:
+    with pytest.raises(fsm.InvalidConfig):
+        diagram.mermaid(object)  # type: ignore[arg-type]
+
+
+# -- DOT -----------------------------------------------------------------------------------------
+
+
+def test_runner_dot_structure() -> None:
+    text = diagram.dot(fsm.RunnerLifecycle)
+    assert text.startswith('digraph "RunnerLifecycle" {')
+    for compound in ("connecting", "loading", "ready", "shutdown"):
+        assert f'subgraph "cluster_{compound}" {{' in text
+        assert f'"__initial__{compound}" [shape=point' in text
+    assert '"__initial__" -> "idle";' in text
+    assert '"stopped" [label="Stopped", shape=doublecircle];' in text
+    assert '"idle" -> "__initial__connecting" [label="connect [multi_rank]", lhead="cluster_connecting"];' in text
+
+
+@pytest.mark.skipif(
+    shutil.which("dot") is None, reason="Graphviz `dot` binary not installed (CI installs it with apt: graphviz)"
+)
+@pytest.mark.parametrize("name", NAMES)
+def test_graphviz_accepts_dot(name: str) -> None:
+    leaf = {"runner": "busy", "instance": "ready", "download": "failed"}[name]
+    for machine_dot in (diagram.dot(fsm.MACHINES[name]), diagram.dot(fsm.MACHINES[name], highlight=leaf)):
+        result = subprocess.run(["dot", "-Tsvg"], input=machine_dot, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert "<svg" in result.stdout
+        assert "Warning" not in result.stderr and "Error" not in result.stderr, result.stderr
