@@ -295,3 +295,54 @@ def _no_server_error(operation, url: str):
         )
 
     return fuzz
+
+
+def test_openai_client_example_and_exod_chat_run_against_the_daemon(daemon):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "HF_HOME": str(daemon["hf"])}
+    example = subprocess.run(
+        [sys.executable, str(root / "examples" / "openai_client.py"), "--url", daemon["url"]],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert example.returncode == 0, example.stderr
+    assert f"models: ['{MODEL}']" in example.stdout and "(16 tokens)" in example.stdout
+    assert example.stdout.count("stream: ") == 1
+    chat = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "exod",
+            "chat",
+            MODEL,
+            "hello",
+            "--max-tokens",
+            "5",
+            "--seed",
+            "2",
+            "--temperature",
+            "1",
+            "--url",
+            daemon["url"],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout.strip()
+    missing = subprocess.run(
+        [sys.executable, "-m", "exod", "chat", "nobody/nothing", "hi", "--url", daemon["url"]],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert missing.returncode == 1 and "404" in missing.stderr

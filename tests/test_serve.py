@@ -106,3 +106,25 @@ def test_corrupt_state_file_refuses_to_start_and_is_kept(tmp_path, env):
     result = exod("serve", "--config", str(tmp_path / "exod.toml"), "--state-dir", str(state), env=env, check=False)
     assert result.returncode != 0 and "left untouched" in result.stderr
     assert (state / "state.db").read_bytes() == b"garbage" * 64
+
+
+def test_api_key_guards_every_endpoint_but_health(tmp_path, env):
+    daemon, url = start_daemon(tmp_path, env, "--no-place", "--api-key", "s3cret")
+    try:
+        assert httpx.get(f"{url}/health").status_code == 200
+        for path in ("/instances", "/v1/models", "/metrics", "/openapi.json"):
+            denied = httpx.get(f"{url}{path}")
+            assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
+            assert httpx.get(f"{url}{path}", headers={"Authorization": "Bearer wrong"}).status_code == 401
+            assert httpx.get(f"{url}{path}", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        status = exod("status", "--url", url, env={**env, "EXOD_API_KEY": "s3cret"})
+        assert "no instances" in status.stdout
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(timeout=30)
+
+
+def test_binding_beyond_loopback_needs_a_key_or_insecure(tmp_path, env):
+    refused = exod("serve", "--host", "0.0.0.0", "--state-dir", str(tmp_path / "s"), env=env, check=False)
+    assert refused.returncode != 0 and "--api-key" in refused.stderr
+    assert not (tmp_path / "s" / "state.db").exists()  # refused before touching anything
