@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from exod import protocol as p
-from exod.controller import Controller, InstanceNotFound, ModelNotReady, Overloaded, RequestFailed
+from exod.controller import Controller, InstanceNotFound, InvalidRequest, ModelNotReady, Overloaded, RequestFailed
 from exod.errors import ApiError
 
 MAX_MESSAGES = 256
@@ -91,6 +91,8 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
             raise ApiError(404, str(exc), param="model", code="model_not_found") from exc
         except ModelNotReady as exc:
             raise ApiError(503, str(exc), headers={"Retry-After": str(exc.retry_after)}) from exc
+        except InvalidRequest as exc:
+            raise ApiError(400, str(exc), param="messages") from exc
         except Overloaded as exc:
             raise ApiError(429, str(exc), headers={"Retry-After": "1"}, code="rate_limit_exceeded") from exc
         started = time.monotonic()

@@ -53,6 +53,10 @@ class RequestFailed(Exception):
     """A generation request ended with an error (runner failed, instance deleted, bad request)."""
 
 
+class InvalidRequest(ValueError):
+    """A request the runner could not decode (caught before it is sent)."""
+
+
 class Overloaded(Exception):
     """The instance's request queue is full."""
 
@@ -151,6 +155,8 @@ class Controller:
         self._model_paths: dict[str, Path] = {}
         self.local_models: dict[str, Path] = {}  # "local/NAME" -> directory, from the config or CLI only
         self._wake = trio.Event()
+        self._stopping = False
+        self._all_stopped = trio.Event()
         self.log_written = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.reaped_orphans: list[ProcessRecord] = []
@@ -186,6 +192,21 @@ class Controller:
                     await self._wake.wait()
                 self._wake = trio.Event()
 
+    async def shutdown(self) -> None:
+        """Stop every runner the graceful way (ask → grace → SIGTERM → SIGKILL) and wait for them all.
+
+        The machines are left as they were: at the next start, `restore` resumes each live instance with a
+        fresh generation, charging no retry, exactly as after a crash.
+        """
+        self._stopping = True
+        if not self._supervisors:
+            return
+        for supervisor in list(self._supervisors.values()):
+            supervisor.stop()
+        t = self.config.timeouts
+        with trio.move_on_after(t.stop_grace + t.term_grace + 2.0):
+            await self._all_stopped.wait()
+
     def _changed(self) -> None:
         self._commit()
         self._wake.set()
@@ -202,6 +223,10 @@ class Controller:
     def place(self, model_id: str, ranks: int, *, policy: fsm.RetryPolicy | None = None) -> str:
         """Place ``model_id`` on ``ranks`` local ranks; returns the instance id once it is on disk."""
         validate_model_id(model_id)
+        if model_id.startswith("local/") and model_id not in self.local_models:
+            raise fsm.InvalidConfig(
+                f"{model_id}: local model directories are placed from the config file or `exod serve --place` only"
+            )
         if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= 64:
             raise fsm.InvalidConfig(f"ranks must be an int between 1 and 64, got {ranks!r}")
         instance_id = f"{model_id.split('/')[-1]}-{secrets.token_hex(3)}"
@@ -276,6 +301,10 @@ class Controller:
             seed=seed,
             stop=stop or [],
         )
+        try:
+            p.from_json(command.to_line())  # what the runner will decode: refuse it here, not there
+        except p.ProtocolError as exc:
+            raise InvalidRequest(f"invalid request: {exc}") from exc
         send, receive = trio.open_memory_channel[Any](math.inf)
         request = _Request(instance_id, command, send)
         self._requests[request_id] = request
@@ -302,6 +331,8 @@ class Controller:
     # -- plan → execute ------------------------------------------------------------------
 
     def _act(self) -> None:
+        if self._stopping:
+            return
         now = self.clock()
         for iid in list(self.cluster.instances):
             self.cluster.instance_event(fsm.instance.Tick(iid, now))
@@ -321,6 +352,14 @@ class Controller:
 
     def _execute(self, action: fsm.Action, now: float) -> None:
         assert self._nursery is not None
+        if isinstance(action, fsm.LoadModel):  # the I/O that can fail comes before the machines move
+            try:
+                model_path = self._model_path(action.model_id)
+            except ModelNotFound as exc:  # gone from the cache since it was downloaded: fetch it again
+                log.warning("model %s vanished from the cache: %s", action.model_id, exc)
+                self._model_paths.pop(action.model_id, None)
+                self.cluster.download_event(NODE, dl.Invalidate(action.model_id, now))
+                return
         self.cluster.execute(action, now)
         match action:
             case fsm.CancelRequest(request_id, _, reason):
@@ -346,7 +385,7 @@ class Controller:
             case fsm.ConnectRunner(runner_id, incarnation):
                 self._post(runner_id, incarnation, p.Connect())
             case fsm.LoadModel(runner_id, incarnation, model_id):
-                self._post(runner_id, incarnation, p.Load(str(self._model_path(model_id))))
+                self._post(runner_id, incarnation, p.Load(str(model_path)))
             case fsm.WarmUp(runner_id, incarnation):
                 self._post(runner_id, incarnation, p.WarmUp())
             case fsm.ForwardRequest(request_id, runner_id, incarnation):
@@ -379,8 +418,10 @@ class Controller:
         return self._model_paths[model_id]
 
     async def _download(self, model_id: str) -> None:
-        def progress(done: int, total: int | None) -> None:  # called in the download's worker thread
-            trio.from_thread.run_sync(self._bytes_progress, model_id, done, total)
+        token = trio.lowlevel.current_trio_token()
+
+        def progress(done: int, total: int | None) -> None:  # called in huggingface_hub's worker threads
+            token.run_sync_soon(self._bytes_progress, model_id, done, total)
 
         if model_id.startswith("local/"):
             resolve = partial(self._local_model, model_id)
@@ -395,8 +436,9 @@ class Controller:
             )
         try:
             path = await trio.to_thread.run_sync(resolve, abandon_on_cancel=True)
-        except ModelNotFound as exc:
-            self.cluster.download_event(NODE, dl.DownloadFailed(model_id, self.clock(), str(exc)))
+        except Exception as exc:  # ModelNotFound, or anything the hub client raised: retried with backoff
+            reason = str(exc) if isinstance(exc, ModelNotFound) else f"{type(exc).__name__}: {exc}"
+            self.cluster.download_event(NODE, dl.DownloadFailed(model_id, self.clock(), reason))
         else:
             self._model_paths[model_id] = path
             self.cluster.download_event(NODE, dl.Complete(model_id, self.clock()))
@@ -414,15 +456,20 @@ class Controller:
             log.debug("download progress for %s ignored: %s", model_id, exc)
 
     async def _supervise(self, supervisor: Supervisor) -> None:
+        spec = supervisor.spec
         try:
             await supervisor.run()
-        except OSError as exc:  # the process could not even be started
-            spec = supervisor.spec
-            failure = fsm.Failure(fsm.FailureKind.SPAWN, f"cannot start runner: {exc}", retryable=False)
+        except Exception as exc:  # the runner's failure, never the daemon's: spawn errors, I/O errors
+            log.exception("supervisor of %s/%d failed", spec.runner_id, spec.incarnation)
+            kind = fsm.FailureKind.SPAWN if supervisor.pid is None else fsm.FailureKind.EXCEPTION
+            what = "cannot start runner" if supervisor.pid is None else "supervisor error"
+            failure = fsm.Failure(kind, f"{what}: {type(exc).__name__}: {exc}")  # retryable: usually transient
             self._runner_event(rn.Fail(spec.runner_id, spec.incarnation, failure=failure))
             self._runner_event(rn.Exited(spec.runner_id, spec.incarnation, exit_code=1))
         finally:
             self._supervisors.pop((supervisor.spec.runner_id, supervisor.spec.incarnation), None)
+            if self._stopping and not self._supervisors:
+                self._all_stopped.set()
 
     # -- requests --------------------------------------------------------------------------
 
@@ -450,6 +497,8 @@ class Controller:
     # -- Listener: what supervisors report ----------------------------------------------------
 
     def _runner_event(self, event: rn.RunnerEvent) -> None:
+        if self._stopping:  # the machines keep their state as of the shutdown; `restore` takes it from there
+            return
         machine = self.cluster.runners.get(event.runner_id, (None,))[0]
         failed_before = machine is not None and machine.failure is not None
         try:
@@ -465,6 +514,12 @@ class Controller:
         self.store.record_process(ProcessRecord(spec.runner_id, spec.incarnation, pid, start_ticks(pid) or 0))
 
     def on_report(self, spec: RunnerSpec, report: p.Report) -> None:
+        try:
+            self._on_report(spec, report)
+        except fsm.FsmError as exc:  # e.g. progress beyond the total: the report is wrong, the daemon goes on
+            log.warning("report %s from %s/%d refused: %s", report, spec.runner_id, spec.incarnation, exc)
+
+    def _on_report(self, spec: RunnerSpec, report: p.Report) -> None:
         rid, inc = spec.runner_id, spec.incarnation
         match report:
             case p.Status(phase=p.Phase.JOINED):
@@ -480,15 +535,12 @@ class Controller:
                     report.exception_type, report.message, retryable=report.retryable, detail=report.traceback
                 )
                 self._runner_event(rn.Fail(rid, inc, failure=failure))
-            case p.Token(request_id=request_id):
+            case p.Token(request_id=request_id) | p.Done(request_id=request_id):
                 request = self._requests.get(request_id)
-                if request is not None and request.leader == rid:
+                if request is not None and request.leader == rid:  # rank 0 speaks for the request
                     request.channel.send_nowait(report)
-            case p.Done(request_id=request_id):
-                request = self._requests.get(request_id)
-                if request is not None and request.leader == rid:
-                    request.channel.send_nowait(report)
-                self._runner_event(rn.RequestFinished(rid, inc))
+                if isinstance(report, p.Done):
+                    self._runner_event(rn.RequestFinished(rid, inc))
             case p.RequestError(request_id=request_id, message=message):
                 self._fail_request(request_id, message)
                 self._runner_event(rn.RequestFinished(rid, inc))

@@ -39,8 +39,11 @@ def start_ticks(pid: int) -> int | None:
 
 
 def is_same_process(record: ProcessRecord) -> bool:
+    """Only a process whose start time is known and matches is ours: never kill what cannot be identified."""
+    if record.start_ticks <= 0:
+        return False
     ticks = start_ticks(record.pid)
-    return ticks is not None and (ticks == record.start_ticks or record.start_ticks == 0)
+    return ticks is not None and ticks == record.start_ticks
 
 
 def _wait_gone(pid: int, timeout: float) -> bool:

@@ -79,6 +79,17 @@ class Channel:
             log.warning("control channel closed while sending %s: exiting", cls.type)
             exit_now(0)
 
+    def _refuse_request(self, line: bytes, exc: p.ProtocolError) -> bool:
+        """Answer an undecodable ``generate`` that names its request with a `RequestError`."""
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            return False
+        if not isinstance(doc, dict) or doc.get("type") != "generate" or not isinstance(doc.get("request_id"), str):
+            return False
+        self.send(p.RequestError, request_id=doc["request_id"], message=f"invalid request: {exc}")
+        return True
+
     def start_reader(self) -> None:
         threading.Thread(target=self._read_forever, name="control-reader", daemon=True).start()
 
@@ -87,7 +98,12 @@ class Channel:
         try:
             while data := self._sock.recv(65536):
                 for line in reader.feed(data):
-                    command = p.from_json(line)
+                    try:
+                        command = p.from_json(line)
+                    except p.ProtocolError as exc:
+                        if self._refuse_request(line, exc):
+                            continue  # one bad request is that request's error, not the runner's
+                        raise
                     if not isinstance(command, p.Command):
                         raise p.ProtocolError(f"runner received a {command.type} report")
                     if isinstance(command, p.Shutdown):
@@ -160,8 +176,7 @@ _NON_RETRYABLE_TYPES: tuple[type[BaseException], ...] = (
     IsADirectoryError,
     json.JSONDecodeError,
     UnsupportedModel,
-    p.ProtocolError,
-)
+)  # a ProtocolError is the daemon's bug, not the model's: retryable (the budget still bounds it)
 _NON_RETRYABLE_MARKERS = ("safetensors", "corrupt", "incomplete download")
 
 

@@ -102,6 +102,7 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                     async for signum in signals:
                         announce(f"exod: {signal.Signals(signum).name} received, stopping runners")
                         break
+                await controller.shutdown()
                 nursery.cancel_scope.cancel()
         finally:
             with contextlib.suppress(OSError):

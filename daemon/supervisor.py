@@ -57,6 +57,7 @@ class Listener(Protocol):
 
 
 TAIL_LINES = 20
+DRAIN_S = 1.0  # after an exit, how long to read what the process wrote before it died
 
 
 def _tail(path: Path, lines: int = TAIL_LINES) -> str:
@@ -80,6 +81,7 @@ class Supervisor:
         self._watch: tuple[str, float] | None = None  # (phase, deadline in trio time)
         self._watch_changed = trio.Event()
         self.exit_code: int | None = None
+        self._drained = trio.Event()
 
     # -- commands ------------------------------------------------------------------
 
@@ -154,10 +156,9 @@ class Supervisor:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Spawn, serve until the process ends, report the exit. Cancelling it kills and reaps the process."""
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = self.spec.log_path.open("ab")
-        try:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with parent, self.spec.log_path.open("ab") as log:
             try:
                 process = await trio.lowlevel.open_process(
                     self._argv(child.fileno()),
@@ -169,28 +170,34 @@ class Supervisor:
                 )
             finally:
                 child.close()
-            self.pid = process.pid
-            self._stream = trio.SocketStream(trio.socket.from_stdlib_socket(parent))
-            self.listener.on_spawned(self.spec, process.pid)
-            task_status.started()
-            try:
+            try:  # from here on, whatever happens, the process is killed if need be and reaped
+                self.pid = process.pid
+                self._stream = trio.SocketStream(trio.socket.from_stdlib_socket(parent))
+                self.listener.on_spawned(self.spec, process.pid)
+                task_status.started()
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._read_reports)
                     nursery.start_soon(self._write_commands)
                     nursery.start_soon(self._watchdog)
                     nursery.start_soon(self._stop_when_asked, process)
                     self.exit_code = await process.wait()
+                    with trio.move_on_after(DRAIN_S):  # the last lines (a Failed report) come before EOF
+                        await self._drained.wait()
                     nursery.cancel_scope.cancel()
             finally:
                 with trio.CancelScope(shield=True):
                     await self._kill_and_reap(process)
-                    await self._stream.aclose()
-            self.listener.on_exit(self.spec, self.exit_code, _tail(self.spec.log_path))
-        finally:
-            log.close()
-            parent.close()
+                    if self._stream is not None:
+                        await self._stream.aclose()
+        self.listener.on_exit(self.spec, self.exit_code, _tail(self.spec.log_path))
 
     async def _read_reports(self) -> None:
+        try:
+            await self._read_until_eof()
+        finally:
+            self._drained.set()
+
+    async def _read_until_eof(self) -> None:
         assert self._stream is not None
         reader = p.LineReader()
         while True:

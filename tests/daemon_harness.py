@@ -89,7 +89,8 @@ def runner_pids() -> list[int]:
             ours = SESSION_TAG in (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"exod.runner" in cmdline and ours and fields[0] != "Z":
+        unreaped_child = fields[0] == "Z" and int(fields[1]) == os.getpid()  # ours to reap, and we did not
+        if b"exod.runner" in cmdline and ours and (fields[0] != "Z" or unreaped_child):
             found[int(entry.name)] = int(fields[1])
     return sorted(pid for pid, parent in found.items() if parent not in found)
 

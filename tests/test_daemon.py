@@ -209,3 +209,71 @@ def test_delete_ends_in_flight_requests_with_an_error(tmp_path, hf_home):
         return instance(controller.status(), iid)
 
     assert with_controller(config(tmp_path, hf_home), body)["delete_reason"] == "requested"
+
+
+def test_a_model_gone_from_the_cache_after_a_restart_is_fetched_again_not_a_crash(tmp_path):
+    import shutil
+
+    home = tmp_path / "hf"
+    make_tiny_model("exod/tiny-qwen2", hf_home=home)
+    cfg = config(tmp_path, home)
+
+    async def first(controller):
+        iid = controller.place("exod/tiny-qwen2", 1)
+        await wait_for(controller, is_ready(iid))
+        return iid
+
+    iid = with_controller(cfg, first)
+    shutil.rmtree(home)
+
+    async def second(controller):
+        return await wait_for(controller, lambda s: (instance(s, iid)["download"] or {}).get("attempts", 0) >= 1)
+
+    inst = instance(with_controller(cfg, second), iid)
+    assert inst["state"] == "starting" and "neither cached" in inst["download"]["last_error"]
+    assert inst["attempts"] == 0  # the daemon's restart and the lost cache charge no retry
+
+
+def test_download_progress_from_foreign_threads_reaches_the_machine(tmp_path, hf_home, monkeypatch):
+    import threading
+
+    import exod.controller
+    from exod.models import resolve_model
+
+    snapshot = resolve_model("exod/tiny-qwen2", hf_home=hf_home, offline=True)
+
+    def fake_resolve(model_id, *, progress, **kwargs):  # like huggingface_hub: progress from its own threads
+        worker = threading.Thread(target=lambda: [progress(n, 300) for n in (100, 200, 300)])
+        worker.start()
+        worker.join()
+        return snapshot
+
+    monkeypatch.setattr(exod.controller, "resolve_model", fake_resolve)
+    seen = []
+
+    async def body(controller):
+        original = controller._bytes_progress
+        controller._bytes_progress = lambda m, d, t: (seen.append((d, t)), original(m, d, t))
+        iid = controller.place("exod/tiny-qwen2", 1)
+        await wait_for(controller, is_ready(iid))
+        return instance(controller.status(), iid)
+
+    inst = with_controller(config(tmp_path, hf_home, offline=False), body)
+    assert seen == [(100, 300), (200, 300), (300, 300)]
+    assert inst["download"]["bytes"] == [300, 300]
+
+
+def test_requests_the_runner_could_not_decode_and_unregistered_local_models_are_refused(tmp_path, hf_home):
+    from exod.controller import InvalidRequest
+
+    async def body(controller):
+        iid = controller.place("exod/tiny-qwen2", 1)
+        await wait_for(controller, is_ready(iid))
+        with pytest.raises(InvalidRequest):
+            controller.submit(iid, [{"role": "user", "content": None}])
+        with pytest.raises(fsm.InvalidConfig, match="local model"):
+            controller.place("local/anything", 1)
+        assert await chat(controller, iid)  # nothing else was disturbed
+        return instance(controller.status(), iid)
+
+    assert with_controller(config(tmp_path, hf_home), body)["attempts"] == 0

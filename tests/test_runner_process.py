@@ -377,8 +377,18 @@ def test_malformed_command_fails_the_runner(spawn) -> None:
     runner = spawn(incarnation=3)
     runner.sock.sendall(b'{"type": "load"}\n')
     failed = runner.recv_until(p.Failed)[-1]
-    assert (failed.runner_id, failed.incarnation, failed.retryable) == ("r0", 3, False)
+    # the daemon sent garbage: its bug, not the model's, so retrying is allowed (the budget bounds it)
+    assert (failed.runner_id, failed.incarnation, failed.retryable) == ("r0", 3, True)
     assert runner.wait() != 0
+
+
+def test_an_undecodable_request_is_that_request_s_error_and_the_runner_lives_on(spawn) -> None:
+    runner = spawn(incarnation=1)
+    runner.sock.sendall(b'{"type": "generate", "request_id": "bad", "prompt_messages": [{"role": null}]}\n')
+    refused = runner.recv_until(p.RequestError)[-1]
+    assert refused.request_id == "bad" and "invalid request" in refused.message
+    runner.sock.sendall(p.Generate(request_id="early", prompt_tokens=[1, 2]).to_line())
+    assert runner.recv_until(p.RequestError)[-1].request_id == "early"  # still answering
 
 
 def test_closing_the_control_channel_ends_an_idle_runner(spawn) -> None:
