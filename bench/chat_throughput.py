@@ -1,0 +1,372 @@
+"""Chat throughput and latency: exod's OpenAI API against ``mlx_lm.server``, same model, same prompts.
+
+    python bench/chat_throughput.py [--requests N] [--max-tokens T] [--concurrency 1,4]
+
+Both servers run at once on loopback and serve the same generated qwen2 (big enough that generation, not
+HTTP, dominates): ``exod serve`` with the model placed on 1 rank, and ``python -m mlx_lm.server --model
+<snapshot>``. Every request is greedy (temperature 0, seed 0), ``max_tokens`` fixed, ``stream=True`` with
+``stream_options.include_usage``. After one untimed warm-up request to each, for each concurrency level
+``c`` the N requests of the level are sent as rounds of ``c`` concurrent requests, the rounds alternating
+between exod and mlx_lm. Per server and level: tokens/s = completion tokens (from ``usage``, checked
+against the streamed chunks) summed / the level's summed round wall time; per request: latency (send →
+``[DONE]``) and time to first token (send → first chunk with content). Reported as exod/mlx_lm ratios
+(goal: tokens/s ≥ 1.0 at every level).
+
+Reference (no HTTP, no daemon): ``mlx_lm.stream_generate`` on the same prompts in a plain process — the
+generation speed both servers are bounded by at concurrency 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+from _common import machine_info, percentile, reaped, table, write_result  # type: ignore[import-not-found]
+
+from exod.models import resolve_model
+from exod.tiny_model import make_tiny_model
+
+MODEL = "exod/tiny-chat-bench"
+SHAPE = {"arch": "qwen2", "layers": 8, "hidden": 768, "heads": 12, "kv_heads": 4, "intermediate": 1536}
+VOCAB = 512
+GOAL_RATIO = 1.0
+TOPICS = (
+    "the quick brown fox",
+    "finite-state machines",
+    "restarting failed runners",
+    "the capital of France",
+    "pipeline parallelism",
+    "numbers from 0 to 42",
+    "a little model",
+    "plain error messages",
+    "the HF cache layout",
+    "chat completions over HTTP",
+    "tensor parallel layers",
+    "hello world in Python",
+)
+
+REFERENCE = """
+import json, sys, time
+import mlx_lm
+from mlx_lm.sample_utils import make_sampler
+model, tokenizer = mlx_lm.load(sys.argv[1])
+prompts, max_tokens = json.loads(sys.argv[2]), int(sys.argv[3])
+def run(messages):
+    tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    n, t0, first = 0, time.monotonic(), None
+    for r in mlx_lm.stream_generate(model, tokenizer, tokens, max_tokens=max_tokens, sampler=make_sampler(temp=0.0)):
+        if r.finish_reason != "stop":
+            n += 1
+        if first is None:
+            first = time.monotonic() - t0
+    return n, time.monotonic() - t0, first
+run(prompts[0])
+out = [run(m) for m in prompts]
+print("done " + json.dumps(out), flush=True)
+"""
+
+
+def prompts(n: int) -> list[list[dict[str, str]]]:
+    return [
+        [{"role": "user", "content": f"Request {i}: tell me a long story about {TOPICS[i % len(TOPICS)]}."}]
+        for i in range(n)
+    ]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def started(argv: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """Start a server in its own process group; SIGTERM, then SIGKILL the group, and reap, however the block ends."""
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+    try:
+        with reaped(proc):
+            try:
+                yield proc
+            finally:
+                if proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGTERM)  # exod reaps its runners on SIGTERM
+                    try:
+                        proc.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        pass
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever the group left behind (runners, watchdogs)
+
+
+def wait_until(check: Any, proc: subprocess.Popen[bytes], log: Path, what: str, timeout: float = 90.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(httpx.HTTPError, OSError, ValueError, KeyError):
+            if value := check():
+                return value
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} did not become ready in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+def exod_ready(state: Path) -> str | None:
+    url = json.loads((state / "daemon.json").read_text())["url"]
+    instances = httpx.get(f"{url}/instances", timeout=5).json()["instances"]
+    return url if any(i["state"] == "ready" for i in instances) else None
+
+
+def mlx_ready(url: str) -> bool:
+    return httpx.get(f"{url}/health", timeout=5).status_code == 200
+
+
+def chat_stream(client: httpx.Client, url: str, model: str, messages: list[dict[str, str]], max_tokens: int) -> dict:
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "seed": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.monotonic()
+    first = None
+    chunks = 0
+    usage = None
+    with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            doc = json.loads(data)
+            if "error" in doc:
+                raise RuntimeError(f"{url}: {doc['error']}")
+            if doc.get("usage"):
+                usage = doc["usage"]
+            for choice in doc.get("choices", []):
+                if choice.get("delta", {}).get("content"):
+                    chunks += 1
+                    if first is None:
+                        first = time.monotonic()
+    t1 = time.monotonic()
+    tokens = usage["completion_tokens"] if usage else chunks
+    return {
+        "latency_ms": (t1 - t0) * 1000,
+        "ttft_ms": None if first is None else (first - t0) * 1000,
+        "completion_tokens": tokens,
+        "content_chunks": chunks,
+        "usage_reported": usage is not None,
+    }
+
+
+def round_of(url: str, model: str, batch: list[list[dict[str, str]]], max_tokens: int) -> tuple[float, list[dict]]:
+    """Send ``batch`` concurrently (one thread and connection each); returns the round's wall time and results."""
+    results: list[Any] = [None] * len(batch)
+
+    def one(i: int) -> None:
+        try:
+            with httpx.Client(timeout=120) as client:
+                results[i] = chat_stream(client, url, model, batch[i], max_tokens)
+        except Exception as exc:  # re-raised in the caller
+            results[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(batch))]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - t0
+    for r in results:
+        if isinstance(r, Exception):
+            raise r
+    return wall, results
+
+
+def level_stats(walls: list[float], results: list[dict]) -> dict[str, Any]:
+    lat = [r["latency_ms"] for r in results]
+    ttft = [r["ttft_ms"] for r in results if r["ttft_ms"] is not None]
+    tokens = sum(r["completion_tokens"] for r in results)
+    return {
+        "requests": len(results),
+        "completion_tokens": tokens,
+        "wall_s": round(sum(walls), 3),
+        "tokens_per_s": round(tokens / sum(walls), 2),
+        "latency_median_ms": round(statistics.median(lat), 1),
+        "latency_p90_ms": round(percentile(lat, 90), 1),
+        "ttft_median_ms": round(statistics.median(ttft), 1) if ttft else None,
+        "ttft_p90_ms": round(percentile(ttft, 90), 1) if ttft else None,
+        "ms_per_token_median": round(
+            statistics.median(r["latency_ms"] / max(1, r["completion_tokens"]) for r in results), 2
+        ),
+        "usage_reported": all(r["usage_reported"] for r in results),
+        "min_completion_tokens": min(r["completion_tokens"] for r in results),
+    }
+
+
+def reference(snapshot: Path, msgs: list[list[dict[str, str]]], max_tokens: int) -> dict[str, Any]:
+    argv = [sys.executable, "-c", REFERENCE, str(snapshot), json.dumps(msgs), str(max_tokens)]
+    with reaped(subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)) as proc:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()
+        if not line.startswith("done "):
+            raise RuntimeError(f"reference did not finish: {line!r}")
+    runs = json.loads(line[5:])
+    tokens = sum(n for n, _, _ in runs)
+    wall = sum(w for _, w, _ in runs)
+    return {
+        "requests": len(runs),
+        "completion_tokens": tokens,
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(tokens / wall, 2),
+        "latency_median_ms": round(statistics.median(w * 1000 for _, w, _ in runs), 1),
+        "ttft_median_ms": round(statistics.median(f * 1000 for _, _, f in runs), 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=8, help="requests per server and level (default 8)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request (default 64)")
+    parser.add_argument("--concurrency", default="1,4", help="comma-separated levels (default 1,4)")
+    args = parser.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    if any(args.requests % c for c in levels):
+        parser.error("--requests must be a multiple of every concurrency level")
+    msgs = prompts(args.requests)
+
+    with tempfile.TemporaryDirectory(prefix="exod-bench-chat-") as tmp_name:
+        tmp = Path(tmp_name)
+        hf_home = tmp / "hf"
+        make_tiny_model(MODEL, **SHAPE, vocab_size=VOCAB, hf_home=hf_home)
+        snapshot = resolve_model(MODEL, hf_home=hf_home, offline=True)
+        env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        (tmp / "exod.toml").write_text(
+            f'[daemon]\nhost = "127.0.0.1"\nport = 0\n\n[limits]\nmax_requests_per_instance = 64\n'
+            f'queue_timeout = 120.0\n\n[[place]]\nmodel = "{MODEL}"\nranks = 1\n'
+        )
+        exod_argv = [sys.executable, "-m", "exod", "serve", "--config", str(tmp / "exod.toml")]
+        exod_argv += ["--state-dir", str(tmp / "state"), "--port", "0"]
+        mlx_port = free_port()
+        mlx_argv = [sys.executable, "-m", "mlx_lm.server", "--model", str(snapshot), "--port", str(mlx_port)]
+        mlx_argv += ["--log-level", "WARNING"]
+        exod_log, mlx_log = tmp / "exod.log", tmp / "mlx_lm.log"
+
+        with started(exod_argv, env, exod_log) as exod_proc, started(mlx_argv, env, mlx_log) as mlx_proc:
+            exod_url = wait_until(lambda: exod_ready(tmp / "state"), exod_proc, exod_log, "exod serve")
+            mlx_url = f"http://127.0.0.1:{mlx_port}"
+            wait_until(lambda: mlx_ready(mlx_url), mlx_proc, mlx_log, "mlx_lm.server")
+            servers = {"exod": (exod_url, MODEL), "mlx_lm": (mlx_url, "default_model")}
+            warm = prompts(1)[0]
+            for url, model in servers.values():  # untimed: first request compiles/allocates
+                round_of(url, model, [warm], args.max_tokens)
+
+            measured: dict[str, dict[str, Any]] = {name: {} for name in servers}
+            for c in levels:
+                walls: dict[str, list[float]] = {name: [] for name in servers}
+                results: dict[str, list[dict]] = {name: [] for name in servers}
+                for start in range(0, args.requests, c):
+                    batch = msgs[start : start + c]
+                    for name, (url, model) in servers.items():
+                        wall, res = round_of(url, model, batch, args.max_tokens)
+                        walls[name].append(wall)
+                        results[name].extend(res)
+                for name in servers:
+                    measured[name][f"c{c}"] = level_stats(walls[name], results[name])
+                    if measured[name][f"c{c}"]["min_completion_tokens"] <= 0:
+                        raise RuntimeError(f"{name} produced a request with no completion tokens at concurrency {c}")
+        ref = reference(snapshot, msgs, args.max_tokens)
+
+    ratios = {}
+    for c in levels:
+        e, m = measured["exod"][f"c{c}"], measured["mlx_lm"][f"c{c}"]
+        ratios[f"c{c}"] = {
+            "tokens_per_s": round(e["tokens_per_s"] / m["tokens_per_s"], 3),
+            "latency_median": round(e["latency_median_ms"] / m["latency_median_ms"], 3),
+            "latency_p90": round(e["latency_p90_ms"] / m["latency_p90_ms"], 3),
+            "ttft_median": round(e["ttft_median_ms"] / m["ttft_median_ms"], 3),
+        }
+    result = {
+        "benchmark": "chat_throughput",
+        "model": {**SHAPE, "vocab_size": VOCAB, "ranks": 1},
+        "max_tokens": args.max_tokens,
+        "requests_per_level": args.requests,
+        "sampling": "greedy (temperature 0, seed 0), stream=True with include_usage",
+        "goal": f"exod/mlx_lm tokens/s >= {GOAL_RATIO} at every level",
+        "exod": measured["exod"],
+        "mlx_lm": measured["mlx_lm"],
+        "reference_stream_generate_sequential": ref,
+        "ratio_exod_over_mlx_lm": ratios,
+        "meets_goal": all(r["tokens_per_s"] >= GOAL_RATIO for r in ratios.values()),
+        "machine": machine_info(),
+    }
+    path = write_result("chat_throughput", result)
+
+    rows: list[tuple[str, ...]] = [
+        ("server, concurrency", "tok/s", "lat p50 ms", "lat p90 ms", "TTFT p50 ms", "tokens")
+    ]
+    for c in levels:
+        for name in servers:
+            s = measured[name][f"c{c}"]
+            rows.append(
+                (
+                    f"{name}, c={c}",
+                    f"{s['tokens_per_s']:.1f}",
+                    f"{s['latency_median_ms']:.1f}",
+                    f"{s['latency_p90_ms']:.1f}",
+                    f"{s['ttft_median_ms']:.1f}",
+                    str(s["completion_tokens"]),
+                )
+            )
+        r = ratios[f"c{c}"]
+        rows.append(
+            (
+                f"exod/mlx_lm, c={c}",
+                f"{r['tokens_per_s']:.3f}",
+                f"{r['latency_median']:.3f}",
+                f"{r['latency_p90']:.3f}",
+                f"{r['ttft_median']:.3f}",
+                "",
+            )
+        )
+    rows.append(
+        (
+            "reference: stream_generate, c=1",
+            f"{ref['tokens_per_s']:.1f}",
+            f"{ref['latency_median_ms']:.1f}",
+            "",
+            f"{ref['ttft_median_ms']:.1f}",
+            str(ref["completion_tokens"]),
+        )
+    )
+    print(table(rows))
+    verdict = "meets" if result["meets_goal"] else "MISSES"
+    print(f"goal exod/mlx_lm tokens/s ≥ {GOAL_RATIO} at every level: {verdict}")
+    print(f"→ {path}")
+
+
+if __name__ == "__main__":
+    main()
