@@ -63,7 +63,7 @@ def is_loopback(host: str) -> bool:
 _SECTIONS = {
     "daemon": {"host", "port", "state_dir", "hf_home", "offline"},
     "retry": {"initial", "factor", "cap", "max_retries", "reset_after"},
-    "timeouts": {f.name for f in attrs.fields(Timeouts)},
+    "timeouts": {f.name for f in attrs.fields(Timeouts)},  # connect, load_progress, warm_up, generate, …
     "place": {"model", "path", "ranks"},
     "limits": {"max_requests_per_instance", "queue_timeout", "max_tokens", "max_body_bytes"},
 }

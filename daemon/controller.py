@@ -43,6 +43,7 @@ log = logging.getLogger("exod.controller")
 
 NODE = "local"  # every rank of an instance runs on this machine, over loopback
 MAX_PLAN_ROUNDS = 64  # one change rarely needs more than a handful of plan → execute rounds
+KEEP_DELETED = 32  # deleted instances kept for `status` before they are forgotten
 
 
 class InstanceNotFound(LookupError):
@@ -348,7 +349,22 @@ class Controller:
         else:
             log.error("plan did not settle after %d rounds; will retry on the next change", MAX_PLAN_ROUNDS)
         self._fail_orphaned_requests()
+        self._forget_old_deleted(now)
         self._commit()
+
+    def _forget_old_deleted(self, now: float) -> None:
+        """Keep the newest `KEEP_DELETED` deleted instances (for `status`: why did it go?); drop older ones."""
+        done = [
+            iid
+            for iid, pl in self.cluster.instances.items()
+            if pl.machine.is_deleted
+            and not any(
+                self.cluster.runners[s.runner_id][0].alive for s in pl.slots if s.runner_id in self.cluster.runners
+            )
+        ]
+        for iid in done[: max(0, len(done) - KEEP_DELETED)]:
+            self.cluster.forget(iid)
+            self.cluster.log.append(fsm.cluster.LogEntry(now, "instance", iid, "forget", "deleted", ""))
 
     def _execute(self, action: fsm.Action, now: float) -> None:
         assert self._nursery is not None

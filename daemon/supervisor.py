@@ -35,6 +35,7 @@ class Timeouts:
     connect: float = 60.0  # Connect sent → joined
     load_progress: float = 120.0  # Load sent → each next progress report
     warm_up: float = 120.0  # WarmUp sent → ready
+    generate: float = 300.0  # while requests are outstanding: each next token (rank 0) or finished request
     stop_grace: float = 5.0  # Shutdown sent → SIGTERM
     term_grace: float = 3.0  # SIGTERM → SIGKILL
 
@@ -82,6 +83,7 @@ class Supervisor:
         self._watch_changed = trio.Event()
         self.exit_code: int | None = None
         self._drained = trio.Event()
+        self._outstanding = 0  # Generate commands without their Done yet
 
     # -- commands ------------------------------------------------------------------
 
@@ -113,7 +115,11 @@ class Supervisor:
         self._watch_changed.set()
 
     def _arm_for(self, command: p.Command) -> None:
-        if isinstance(command, p.Connect):
+        if isinstance(command, p.Generate):
+            self._outstanding += 1
+            if self._watch is None:
+                self._arm("generating", self.timeouts.generate)
+        elif isinstance(command, p.Connect):
             self._arm("connecting", self.timeouts.connect)
         elif isinstance(command, p.Load):
             self._arm("loading", self.timeouts.load_progress)
@@ -121,7 +127,14 @@ class Supervisor:
             self._arm("warming_up", self.timeouts.warm_up)
 
     def _rearm_on(self, report: p.Report) -> None:
-        if isinstance(report, p.Progress):
+        if isinstance(report, (p.Done, p.RequestError)):
+            self._outstanding = max(0, self._outstanding - 1)
+        if isinstance(report, (p.Token, p.Done, p.RequestError)) and self._watch and self._watch[0] == "generating":
+            if self._outstanding:
+                self._arm("generating", self.timeouts.generate)
+            else:
+                self._disarm()
+        elif isinstance(report, p.Progress):
             self._arm("loading", self.timeouts.load_progress)
         elif isinstance(report, p.Status) and report.phase in (p.Phase.JOINED, p.Phase.LOADED, p.Phase.READY):
             self._disarm()
@@ -140,6 +153,7 @@ class Supervisor:
                 "connecting": self.timeouts.connect,
                 "loading": self.timeouts.load_progress,
                 "warming_up": self.timeouts.warm_up,
+                "generating": self.timeouts.generate,
             }[phase]
             self._watch = None
             self.listener.on_stall(self.spec, phase, seconds)

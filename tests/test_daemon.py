@@ -277,3 +277,19 @@ def test_requests_the_runner_could_not_decode_and_unregistered_local_models_are_
         return instance(controller.status(), iid)
 
     assert with_controller(config(tmp_path, hf_home), body)["attempts"] == 0
+
+
+def test_only_the_newest_deleted_instances_are_kept(tmp_path, hf_home, monkeypatch):
+    import exod.controller
+
+    monkeypatch.setattr(exod.controller, "KEEP_DELETED", 2)
+
+    async def body(controller):
+        ids = [controller.place("exod/not-there", 1) for _ in range(4)]
+        for iid in ids:
+            controller.delete(iid)
+        await wait_for(controller, lambda s: len(s["instances"]) == 2)
+        return ids, [i["instance_id"] for i in controller.status()["instances"]]
+
+    ids, kept = with_controller(config(tmp_path, hf_home), body, limit=30)
+    assert kept == ids[2:]

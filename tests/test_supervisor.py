@@ -120,3 +120,15 @@ def test_cancelling_the_supervisor_kills_and_reaps(tmp_path):
     trio.run(main)
     pid = s.events[0][1]
     assert not Path(f"/proc/{pid}").exists()  # killed and reaped (not even a zombie) before run() returned
+
+
+def test_a_busy_runner_that_goes_silent_is_reported_stalled(tmp_path):
+    s = StandIn(SAYS_NOTHING, tmp_path, attrs.evolve(FAST, generate=0.3))
+
+    async def request_then_wait(sup):
+        sup.post(p.Generate(request_id="r1", prompt_tokens=[1]))
+        await trio.sleep(0.8)
+        sup.stop()
+
+    run(s, request_then_wait)
+    assert [e for e in s.events if e[0] == "stall"] == [("stall", "generating")]
