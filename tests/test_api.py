@@ -346,3 +346,22 @@ def test_openai_client_example_and_exod_chat_run_against_the_daemon(daemon):
         env=env,
     )
     assert missing.returncode == 1 and "404" in missing.stderr
+
+
+def test_runner_killed_during_a_non_streaming_request_is_a_502_not_a_hang(daemon):
+    url = daemon["url"]
+    wait_instance(url, lambda i: i["state"] == "ready")
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2000, "temperature": 1.0, "seed": 5}
+    result: dict[str, httpx.Response] = {}
+    worker = threading.Thread(
+        target=lambda: result.update(r=httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60))
+    )
+    worker.start()
+    time.sleep(0.5)  # generating by now
+    killed_at = time.monotonic()
+    os.kill(runner_pids()[-1], signal.SIGKILL)
+    worker.join(30)
+    assert not worker.is_alive()
+    assert result["r"].status_code == 502 and result["r"].json()["error"]["type"] == "server_error"
+    assert time.monotonic() - killed_at < 5
+    wait_instance(url, lambda i: i["state"] == "ready")
