@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint clean
+.PHONY: run test lint specs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ test: $(STAMP) lint
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+## specs: regenerate specs/*.md (diagrams, transition tables, invariants, defaults) from the code
+specs: $(STAMP)
+	$(BIN)/exod specs --dir specs
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

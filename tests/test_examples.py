@@ -1,0 +1,59 @@
+"""examples/drive_runner.py and examples/custom_retry_policy.py run and print what they claim."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import fsm
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(name: str, *args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name), *args], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_drive_runner_goes_through_the_lifecycle_and_fails_while_busy():
+    out = _run("drive_runner.py")
+    lines = out.splitlines()
+    steps = [line.split()[0] for line in lines[1:] if line.strip() and not line.startswith(("final", "failure"))]
+    assert steps[:3] == ["connect", "connected", "load"]
+    assert steps.count("progress") == 4
+    assert re.search(r"^connect\s+idle → joining\s+connecting\.joining$", out, re.M)
+    assert re.search(r"^load\s+joined → weights\s+loading\.weights$", out, re.M)
+    assert "layers 4/4" in out
+    assert re.search(r"^warm_up\s+loaded → warming_up", out, re.M)
+    assert re.search(r"^warmed\s+warming_up → available\s+ready\.available$", out, re.M)
+    assert re.search(r"^request_started\s+available → busy\s+ready\.busy\s+in flight 1$", out, re.M)
+    assert re.search(r"^exited\s+busy → failed, failed → stopped\s+shutdown\.stopped$", out, re.M)
+    assert re.search(r"^warmed\s+ignored: stale incarnation 0 < 1", out, re.M)
+    assert "final: shutdown.stopped, alive=False" in out
+    assert "failure: runner killed by SIGKILL (retryable=True" in out
+
+
+def test_custom_retry_policy_prints_a_seeded_schedule_and_its_diagram(tmp_path):
+    out = _run("custom_retry_policy.py")
+    assert out == _run("custom_retry_policy.py")  # seeded jitter: the same schedule every run
+    assert "initial 0.5 s, factor 3.0, cap 10.0 s, jitter True, max_retries 3" in out
+    schedule = re.findall(r"retry (\d): +([\d.]+) s → +([\d.]+) s", out)
+    assert [float(c) for _, c, _ in schedule] == [0.5, 1.5, 4.5, 10.0, 10.0]
+    assert all(0 <= float(d) <= float(c) for _, c, d in schedule)
+    rows = re.findall(r"^ +(\d) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +backing_off until", out, re.M)
+    assert [int(g) for g, *_ in rows] == [1, 2]
+    for (_, _, _, ceiling, delay), (_, c, jittered) in zip(rows, schedule, strict=False):
+        assert float(ceiling) == float(c) and float(delay) == float(jittered)
+    assert re.search(r"^ +3 .* deleted$", out, re.M)
+    assert "deleted (retries_exhausted) after 3 failed generations" in out
+    assert "stateDiagram-v2" in out and "    class deleted current" in out
+
+    target = tmp_path / "instance.mmd"
+    out = _run("custom_retry_policy.py", str(target))
+    assert f"diagram written to {target}" in out and "stateDiagram-v2" not in out
+    assert target.read_text() == fsm.diagram.mermaid(fsm.InstanceRetry, highlight="deleted")
