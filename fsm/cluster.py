@@ -59,7 +59,15 @@ class _Placement:
 class Cluster:
     """In-memory state of every machine; see the module docstring."""
 
-    def __init__(self, download_policy: Backoff | None = None) -> None:
+    def __init__(
+        self,
+        download_policy: Backoff | None = None,
+        *,
+        runner_cls: type[rn.RunnerLifecycle] = rn.RunnerLifecycle,
+        instance_cls: type[inst.InstanceRetry] = inst.InstanceRetry,
+        download_cls: type[dl.DownloadLifecycle] = dl.DownloadLifecycle,
+    ) -> None:
+        self.runner_cls, self.instance_cls, self.download_cls = runner_cls, instance_cls, download_cls
         self.instances: dict[str, _Placement] = {}
         self.runners: dict[str, tuple[rn.RunnerLifecycle, str, str]] = {}  # id -> (machine, instance, node)
         self.downloads: dict[tuple[str, str], dl.DownloadLifecycle] = {}
@@ -84,7 +92,7 @@ class Cluster:
         taken = {s.runner_id for p in self.instances.values() for s in p.slots}
         if clash := taken & {s.runner_id for s in view.slots}:
             raise InvalidConfig(f"runner ids already used by another instance: {sorted(clash)}")
-        machine = inst.InstanceRetry(instance_id, world_size=view.world_size, policy=policy, seed=seed)
+        machine = self.instance_cls(instance_id, world_size=view.world_size, policy=policy, seed=seed)
         self.instances[instance_id] = _Placement(model_id, view.slots, machine)
 
     def delete(self, instance_id: str, now: float) -> Outcome:
@@ -200,12 +208,15 @@ class Cluster:
             raise InvalidEvent(
                 f"runner {action.runner_id!r} incarnation {previous[0].incarnation} is still alive or newer"
             )
-        machine = rn.RunnerLifecycle(
-            action.runner_id, rank=action.rank, world_size=action.world_size, incarnation=action.incarnation
-        )
+        machine = self._new_runner(action)
         self.runners[action.runner_id] = (machine, action.instance_id, action.node_id)
         self.log.append(LogEntry(now, "runner", action.runner_id, "create", "", machine.leaf))
         return self.instance_event(inst.RankCreated(action.instance_id, now, action.incarnation, action.rank))
+
+    def _new_runner(self, action: act.CreateRunner) -> rn.RunnerLifecycle:
+        return self.runner_cls(
+            action.runner_id, rank=action.rank, world_size=action.world_size, incarnation=action.incarnation
+        )
 
     # -- views ---------------------------------------------------------------------------
 
@@ -270,7 +281,7 @@ class Cluster:
     def _download(self, node_id: str, model_id: str) -> dl.DownloadLifecycle:
         key = (node_id, model_id)
         if key not in self.downloads:
-            self.downloads[key] = dl.DownloadLifecycle(model_id, policy=self.download_policy)
+            self.downloads[key] = self.download_cls(model_id, policy=self.download_policy)
         return self.downloads[key]
 
     def _record(self, machine: str, key: str, now: float, outcome: Outcome, cause: str = "") -> None:

@@ -137,15 +137,22 @@ class DownloadLifecycle(Lifecycle):
         if policy.jitter:
             raise InvalidConfig("download backoff takes no jitter: one node retries one model")
         snap = _snapshot or DownloadSnapshot(model_id, policy, leaf="pending")
-        self.model_id = snap.model_id
-        self.policy = snap.policy
-        self.attempts = snap.attempts
-        self.retry_at = snap.retry_at
-        self.clock = snap.clock
-        self.bytes_done = snap.bytes_done
-        self.bytes_total = snap.bytes_total
-        self.last_error = snap.last_error
+        self._adopt(snap)
         super().__init__(start_leaf=snap.leaf if _snapshot else None)
+
+    def _adopt(self, snap: DownloadSnapshot) -> None:
+        """Take the extended state from a snapshot (construction and `reload` share it)."""
+        # straight into __dict__: python-statemachine checks every setattr, and `reload` is a hot path
+        self.__dict__.update(
+            model_id=snap.model_id,
+            policy=snap.policy,
+            attempts=snap.attempts,
+            retry_at=snap.retry_at,
+            clock=snap.clock,
+            bytes_done=snap.bytes_done,
+            bytes_total=snap.bytes_total,
+            last_error=snap.last_error,
+        )
 
     @property
     def backoff_elapsed(self) -> bool:

@@ -276,20 +276,28 @@ class InstanceRetry(Lifecycle):
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise InvalidConfig(f"seed must be an int, got {seed!r}")
         snap = _snapshot or InstanceSnapshot(instance_id, world_size, policy or RetryPolicy(), seed, leaf="pending")
-        self.instance_id = snap.instance_id
-        self.world_size = snap.world_size
+        self._adopt(snap)
         self.policy = policy or snap.policy
-        self.seed = snap.seed
-        self.generation = snap.generation
-        self.attempts = snap.attempts
-        self.deadline = snap.deadline
-        self.ready_since = snap.ready_since
-        self.clock = snap.clock
-        self.live_ranks: set[int] = set(snap.live_ranks)
-        self.ready_ranks: set[int] = set(snap.ready_ranks)
-        self.delete_reason = snap.delete_reason
-        self.last_failure = snap.last_failure
         super().__init__(start_leaf=snap.leaf if _snapshot else None)
+
+    def _adopt(self, snap: InstanceSnapshot) -> None:
+        """Take the extended state from a snapshot (construction and `reload` share it)."""
+        # straight into __dict__: python-statemachine checks every setattr, and `reload` is a hot path
+        self.__dict__.update(
+            policy=snap.policy,
+            instance_id=snap.instance_id,
+            world_size=snap.world_size,
+            seed=snap.seed,
+            generation=snap.generation,
+            attempts=snap.attempts,
+            deadline=snap.deadline,
+            ready_since=snap.ready_since,
+            clock=snap.clock,
+            live_ranks=set(snap.live_ranks),
+            ready_ranks=set(snap.ready_ranks),
+            delete_reason=snap.delete_reason,
+            last_failure=snap.last_failure,
+        )
 
     # -- guards ---------------------------------------------------------------
 

@@ -273,16 +273,23 @@ class RunnerLifecycle(Lifecycle):
         if rank >= world_size:
             raise InvalidConfig(f"rank {rank} is out of range for world_size {world_size}")
         snap = _snapshot or RunnerSnapshot(runner_id, incarnation, rank, world_size, leaf="idle")
-        self.runner_id = snap.runner_id
-        self.incarnation = snap.incarnation
-        self.rank = snap.rank
-        self.world_size = snap.world_size
-        self.layers_loaded = snap.layers_loaded
-        self.layers_total = snap.layers_total
-        self.in_flight = snap.in_flight
-        self.stop_requested = snap.stop_requested
-        self.failure: Failure | None = snap.failure
+        self._adopt(snap)
         super().__init__(start_leaf=snap.leaf if _snapshot else None)
+
+    def _adopt(self, snap: RunnerSnapshot) -> None:
+        """Take the extended state from a snapshot (construction and `reload` share it)."""
+        # straight into __dict__: python-statemachine checks every setattr, and `reload` is a hot path
+        self.__dict__.update(
+            runner_id=snap.runner_id,
+            incarnation=snap.incarnation,
+            rank=snap.rank,
+            world_size=snap.world_size,
+            layers_loaded=snap.layers_loaded,
+            layers_total=snap.layers_total,
+            in_flight=snap.in_flight,
+            stop_requested=snap.stop_requested,
+            failure=snap.failure,
+        )
 
     # -- guards -------------------------------------------------------------
 

@@ -1,29 +1,10 @@
-"""A fake world around `fsm.cluster.Cluster`: what processes and downloads would report.
-
-Actions from the planner are executed on the cluster; each one that starts
-real work (connect, load, warm-up, stop, download, a request) leaves a
-*pending completion* that a test delivers when it chooses, so that Hypothesis
-explores every interleaving of completions, failures and clock jumps.
-"""
+"""A fake world around `fsm.cluster.Cluster` for Hypothesis: `fsm.world` completions, delivered on demand."""
 
 from __future__ import annotations
 
-import attrs
-
 import fsm
-from fsm import download, runner
 from fsm.cluster import Cluster
-
-
-@attrs.frozen
-class Pending:
-    kind: str  # connected | loaded | warmed | exited | finished | download
-    key: str  # runner id, or node id for downloads
-    incarnation: int = 0
-    model_id: str = ""
-
-
-_EXPECTED_LEAF = {"connected": "joining", "loaded": "weights", "warmed": "warming_up", "finished": "busy"}
+from fsm.world import Pending, complete, pending_for
 
 
 class FakeWorld:
@@ -34,68 +15,22 @@ class FakeWorld:
         self.pending: list[Pending] = []
         self.executed: list[tuple[float, fsm.Action]] = []
 
-    # -- the planner, executed -------------------------------------------------
-
     def step(self, node_id: str) -> list[fsm.Action]:
+        """Plan on ``node_id`` and execute every action; their completions become pending."""
         actions = fsm.plan(self.cluster.view(), node_id, self.now)
         for action in actions:
             self.before_execute(action)
             self.cluster.execute(action, self.now)
             self.executed.append((self.now, action))
-            self._schedule(action)
+            if (op := pending_for(action)) is not None:
+                self.pending.append(op)
         return actions
 
     def before_execute(self, action: fsm.Action) -> None:
         """A hook for invariants that must hold at the moment an action is taken."""
 
-    def _schedule(self, action: fsm.Action) -> None:
-        match action:
-            case fsm.ConnectRunner(rid, inc):
-                self.pending.append(Pending("connected", rid, inc))
-            case fsm.LoadModel(rid, inc, _):
-                self.pending.append(Pending("loaded", rid, inc))
-            case fsm.WarmUp(rid, inc):
-                self.pending.append(Pending("warmed", rid, inc))
-            case fsm.StopRunner(rid, inc, _):
-                self.pending.append(Pending("exited", rid, inc))
-            case fsm.ForwardRequest(_, rid, inc):
-                self.pending.append(Pending("finished", rid, inc))
-            case fsm.StartDownload(node, model):
-                self.pending.append(Pending("download", node, model_id=model))
-
-    # -- completions -----------------------------------------------------------
-
     def deliver(self, index: int, *, ok: bool = True) -> bool:
-        """Deliver pending completion ``index``; False if it no longer applies (its runner moved on)."""
-        op = self.pending.pop(index)
-        now = self.now
-        if op.kind == "download":
-            machine = self.cluster.downloads.get((op.key, op.model_id))
-            if machine is None or machine.download_state is not fsm.DownloadState.ONGOING:
-                return False
-            event = download.Complete(op.model_id, now) if ok else download.DownloadFailed(op.model_id, now, "offline")
-            self.cluster.download_event(op.key, event)
-            return True
-        machine = self.cluster.runners.get(op.key, (None,))[0]
-        if machine is None or machine.incarnation != op.incarnation or not machine.alive:
-            return False
-        if op.kind == "exited":
-            self.cluster.runner_event(runner.Exited(op.key, op.incarnation, exit_code=0), now)
-            return True
-        if machine.leaf != _EXPECTED_LEAF[op.kind]:
-            return False
-        if op.kind == "connected":
-            self.cluster.runner_event(runner.Connected(op.key, op.incarnation), now)
-        elif op.kind == "loaded":
-            self.cluster.runner_event(runner.Progress(op.key, op.incarnation, layers_loaded=2, layers_total=4), now)
-            self.cluster.runner_event(runner.WeightsLoaded(op.key, op.incarnation), now)
-        elif op.kind == "warmed":
-            self.cluster.runner_event(runner.Warmed(op.key, op.incarnation), now)
-        elif op.kind == "finished":
-            self.cluster.runner_event(runner.RequestFinished(op.key, op.incarnation), now)
-        return True
-
-    # -- a benign world ------------------------------------------------------
+        return complete(self.cluster, self.pending.pop(index), self.now, ok=ok)
 
     def settle(self, max_rounds: int = 400) -> int:
         """Plan, execute and complete everything, advancing time to deadlines, until nothing is left.

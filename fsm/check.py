@@ -1,0 +1,519 @@
+"""A bounded model checker for the composed system.
+
+Theory of operation
+-------------------
+The system is what the daemon runs, with the world made explicit: the planner,
+one instance of N ranks (one node per rank), its runners, its downloads, the
+retry policy and a discrete clock, plus an adversary. From each state the
+checker takes every event there is:
+
+* ``plan NODE`` — that node runs `fsm.plan` and executes every action (`Cluster.execute`);
+* ``complete OP`` — a pending completion arrives (`fsm.world`); ``fail OP`` — a download fails;
+* ``crash R`` / ``error R`` / ``fatal R`` — runner R exits, reports a retryable error, or a
+  non-retryable one (the adversary; which kinds is configurable);
+* ``tick`` — the clock jumps to the next deadline (backoff, download retry, budget reset);
+* ``delete`` — the user deletes the instance.
+
+It explores breadth-first, so the first violation found has a shortest trace,
+and checks the invariants of DESIGN §3.5 on every transition and state:
+
+1. Shutdown and Deleted are absorbing; no runner is created for a Deleted instance.
+2. Failed is left only to Shutdown.
+3. Each backoff delay lies in [min(initial, cap), cap] (jitter: [0, cap]) and, jitter off,
+   never decreases within a failure streak.
+4. Generations started per streak ≤ max_retries + 1.
+5. No start before its deadline.
+6. Never two generations alive at once, never more than N live runners.
+7. An event of an older incarnation changes nothing (probed in every state).
+8. The budget resets iff Ready continuously for ≥ reset_after.
+9. Determinism: a sample of transitions is recomputed and must agree.
+10. No deadlock: in every state, some progress event (plan, complete, tick) changes the state,
+    unless the instance is Ready with every rank Ready, or Deleted with every runner reaped.
+
+The machines stay the single source of truth: a transition is computed by the
+real python-statemachine classes, re-pointed at each state with `reload`
+instead of being rebuilt (the only thing "compiled" is that shortcut, and a
+property test holds it equal to `from_snapshot`). Variants — a planner or a
+machine with a bug planted — plug in through `CheckConfig`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+
+from fsm import actions as act
+from fsm import instance as inst
+from fsm import runner as rn
+from fsm.cluster import Cluster
+from fsm.download import DownloadLifecycle
+from fsm.failure import Failure
+from fsm.instance import InstanceRetry, InstanceState, RetryPolicy
+from fsm.plan import next_deadline
+from fsm.plan import plan as default_plan
+from fsm.runner import RunnerLifecycle, RunnerPhase, RunnerState
+from fsm.view import Slot
+from fsm.world import Pending, applies, complete, pending_for
+
+INSTANCE = "i"
+MODEL = "org/model"
+FAULTS = ("crash", "error", "fatal")
+
+
+@attrs.frozen
+class CheckConfig:
+    ranks: int = 2
+    policy: RetryPolicy = attrs.field(factory=RetryPolicy)
+    depth: int = 200
+    max_states: int = 400_000
+    faults: tuple[str, ...] = FAULTS
+    deletes: bool = True
+    download_failures: int = 1  # failed downloads the adversary may cause (each retry is a new state)
+    plan: Callable[..., list[act.Action]] = default_plan
+    runner_cls: type[RunnerLifecycle] = RunnerLifecycle
+    instance_cls: type[InstanceRetry] = InstanceRetry
+    download_cls: type[DownloadLifecycle] = DownloadLifecycle
+    determinism_samples: int = 200
+    transition_table: bool = True  # memoize each machine's transitions (see _TransitionTable)
+    # True: all pending completions arrive in one event, each node plans once per "plan" event, and
+    # time only passes when nothing else can happen (a discrete clock with maximal progress). This keeps
+    # the space small enough to be exhaustive; False explores each completion and each node on its own.
+    coarse: bool = True
+
+    @property
+    def nodes(self) -> list[str]:
+        return [f"n{r}" for r in range(self.ranks)]
+
+
+@attrs.frozen
+class Violation:
+    invariant: str
+    message: str
+    trace: tuple[str, ...]
+
+    def report(self) -> str:
+        steps = "\n".join(f"  {i + 1:3}. {event}" for i, event in enumerate(self.trace))
+        head = f"invariant violated: {self.invariant}\n  {self.message}"
+        return f"{head}\nshortest trace ({len(self.trace)} events):\n{steps}"
+
+
+@attrs.frozen
+class CheckResult:
+    states: int
+    transitions: int
+    depth: int  # the deepest level explored
+    exhaustive: bool  # every reachable state was explored (within depth and max_states)
+    seconds: float
+    violation: Violation | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.violation is None
+
+    def report(self) -> str:
+        scope = "exhaustive" if self.exhaustive else "bounded (depth or state limit reached)"
+        head = (
+            f"{self.states} states, {self.transitions} transitions, depth {self.depth}, {scope}, "
+            f"{self.seconds:.1f} s ({self.states / max(self.seconds, 1e-9):,.0f} states/s)"
+        )
+        return head + ("\nall invariants hold" if self.ok else "\n" + self.violation.report())  # type: ignore[union-attr]
+
+
+@attrs.frozen
+class _State:
+    """Everything that matters, hashable: equal states are explored once."""
+
+    instance: Any
+    runners: tuple[tuple[str, Any], ...]
+    downloads: tuple[tuple[str, Any], ...]
+    pending: tuple[Pending, ...]
+    now: float
+    streak_delay: float  # the last backoff delay of the current streak (invariant 3)
+    streak_starts: int  # generations started in the current streak (invariant 4)
+
+
+class _Fail(Exception):
+    def __init__(self, invariant: str, message: str) -> None:
+        super().__init__(message)
+        self.invariant = invariant
+        self.event: str | None = None  # the event whose transition broke it (None: the state itself)
+
+
+class _TransitionTable:
+    """The machines' transitions, filled in lazily by the machines themselves.
+
+    ``(class, snapshot, event) → (snapshot', outcome or error)``, each entry computed once by the real
+    python-statemachine class; every later visit is a lookup. This is the only "compilation" the checker
+    does, and it cannot disagree with the classes: they wrote it (a test holds it to that anyway).
+    """
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[type, Any, Any], tuple[Any, Any]] = {}
+        self.hits = 0
+
+    def install(self, machine: Any) -> Any:
+        if "apply" in vars(machine):
+            return machine
+        original = type(machine).apply
+
+        def apply(event: Any) -> Any:
+            key = (type(machine), machine.snapshot(), event)
+            entry = self.entries.get(key)
+            if entry is None:
+                try:
+                    result: Any = original(machine, event)
+                except Exception as exc:  # refused: remembered as refused, the machine unchanged
+                    result = exc
+                entry = self.entries[key] = (machine.snapshot(), result)
+            else:
+                self.hits += 1
+                machine.reload(entry[0])
+            if isinstance(entry[1], Exception):
+                raise entry[1]
+            return entry[1]
+
+        object.__setattr__(machine, "apply", apply)  # python-statemachine guards its own __setattr__
+        return machine
+
+
+class _PooledCluster(Cluster):
+    """A Cluster whose machines are reused objects, re-pointed with `reload`, stepping through the table."""
+
+    def __init__(self, config: CheckConfig, table: _TransitionTable | None) -> None:
+        super().__init__(
+            runner_cls=config.runner_cls, instance_cls=config.instance_cls, download_cls=config.download_cls
+        )
+        self.pool: dict[str, RunnerLifecycle] = {}
+        self.table = table
+
+    def adopt(self, machine: Any) -> Any:
+        return machine if self.table is None else self.table.install(machine)
+
+    def _new_runner(self, action: act.CreateRunner) -> RunnerLifecycle:
+        machine = self.pool.get(action.runner_id)
+        if machine is None:
+            return self.adopt(super()._new_runner(action))
+        machine.reload(rn.RunnerSnapshot(action.runner_id, action.incarnation, action.rank, action.world_size, "idle"))
+        return machine
+
+    def _download(self, node_id: str, model_id: str) -> DownloadLifecycle:
+        return self.adopt(super()._download(node_id, model_id))
+
+
+class _System:
+    """The composed system at one state at a time; `successors` enumerates every event."""
+
+    def __init__(self, config: CheckConfig, table: _TransitionTable | None = None) -> None:
+        self.config = config
+        self.cluster = _PooledCluster(config, table)
+        self.slots = [Slot(r, node, f"{INSTANCE}/{r}") for r, node in enumerate(config.nodes)]
+        self.cluster.place(INSTANCE, MODEL, self.slots, policy=config.policy)
+        self.placement = self.cluster.instances[INSTANCE]
+        self.cluster.adopt(self.placement.machine)
+        self.download_objects: dict[str, Any] = {}
+
+    # -- state <-> cluster -----------------------------------------------------------------
+
+    def initial(self) -> _State:
+        return _State(self.placement.machine.snapshot(), (), (), (), 0.0, 0.0, 0)
+
+    def load(self, state: _State) -> None:
+        c = self.cluster
+        self.placement.machine.reload(state.instance)
+        live = dict(state.runners)
+        for rid in list(c.runners):
+            if rid not in live:
+                c.pool.setdefault(rid, c.runners[rid][0])
+                del c.runners[rid]
+        for rid, snap in live.items():
+            machine = c.runners[rid][0] if rid in c.runners else c.pool.get(rid)
+            if machine is None:
+                machine = c.adopt(self.config.runner_cls.from_snapshot(snap))
+            else:
+                machine.reload(snap)
+            c.pool[rid] = machine
+            c.runners[rid] = (machine, INSTANCE, self.slots[snap.rank].node_id)
+        c.downloads.clear()
+        for node, snap in state.downloads:
+            machine = self.download_objects.get(node)
+            if machine is None:
+                machine = self.download_objects[node] = c.adopt(self.config.download_cls.from_snapshot(snap))
+            else:
+                machine.reload(snap)
+            c.downloads[(node, MODEL)] = machine
+        c.log.clear()
+
+    def capture(self, pending: list[Pending], now: float, streak_delay: float, starts: int) -> _State:
+        c = self.cluster
+        for (node, _), machine in c.downloads.items():
+            self.download_objects.setdefault(node, machine)
+        return _State(
+            self.placement.machine.snapshot(),
+            tuple(sorted((rid, m.snapshot()) for rid, (m, _, _) in c.runners.items())),
+            tuple(sorted((node, m.snapshot()) for (node, _), m in c.downloads.items())),
+            tuple(sorted(p for p in pending if applies(c, p))),
+            now,
+            streak_delay,
+            starts,
+        )
+
+    # -- events ------------------------------------------------------------------------
+
+    def successors(self, state: _State) -> Iterator[tuple[str, _State, str]]:
+        """(event, successor, label) for every event enabled in ``state``; raises _Fail on a violation."""
+        planned = None
+        for event in self.events(state, quiescent=None):
+            successor, label = self.apply(state, event)
+            if event == "plan":
+                planned = successor
+            yield event, successor, label
+        if self.config.coarse and not state.pending and planned == state and self._next_time(state) is not None:
+            successor, label = self.apply(state, "tick")  # time passes only when nothing else can happen
+            yield "tick", successor, label
+
+    def events(self, state: _State, quiescent: bool | None = None) -> Iterator[str]:
+        """Every event enabled in ``state`` (progress events first); coarse ticks are `successors`' to add."""
+        downloads = [i for i, op in enumerate(state.pending) if op.kind == "download"]
+        if self.config.coarse:
+            yield "plan"
+            if state.pending:
+                yield "complete"
+            if downloads and self._may_fail_download(state):
+                yield "fail downloads"
+            if quiescent and self._next_time(state) is not None:
+                yield "tick"
+        else:
+            for node in self.config.nodes:
+                yield f"plan {node}"
+            for i in range(len(state.pending)):
+                yield f"complete {i}"
+            if self._may_fail_download(state):
+                yield from (f"fail {i}" for i in downloads)
+            if self._next_time(state) is not None:
+                yield "tick"
+        if state.instance.leaf == InstanceState.DELETED.value:
+            return  # the adversary rests: all that is left to prove is the teardown
+        for rid, snap in state.runners:  # faults hit healthy runners (a failing one is already being torn down)
+            if snap.leaf != RunnerPhase.STOPPED.value and snap.failure is None and not snap.stop_requested:
+                for kind in self.config.faults:
+                    yield f"{kind} {rid}"
+        if self.config.deletes:
+            yield "delete"
+
+    def _may_fail_download(self, state: _State) -> bool:
+        return sum(snap.attempts for _, snap in state.downloads) < self.config.download_failures
+
+    @staticmethod
+    def progress(event: str) -> bool:
+        return event.startswith(("plan", "complete", "tick"))
+
+    def _next_time(self, state: _State) -> float | None:
+        self.load(state)
+        now = state.now
+        times = [t for n in self.config.nodes if (t := next_deadline(self.cluster.view(), n, now)) is not None]
+        m = self.placement.machine
+        if m.leaf == "ready" and m.attempts and m.ready_since is not None:
+            reset = m.ready_since + m.policy.reset_after
+            if reset > now:
+                times.append(reset)
+        return min(times, default=None)
+
+    def apply(self, state: _State, event: str) -> tuple[_State, str]:
+        """The successor of ``state`` under ``event``, and a readable label; raises _Fail on a violation."""
+        try:
+            return self._apply(state, event)
+        except _Fail as exc:
+            exc.event = event
+            raise
+
+    def _apply(self, state: _State, event: str) -> tuple[_State, str]:
+        self.load(state)
+        c, now = self.cluster, state.now
+        pending = list(state.pending)
+        streak_delay, starts = state.streak_delay, state.streak_starts
+        before = state.instance
+        verb, _, arg = event.partition(" ")
+        label = event
+        if verb == "plan":
+            for node in [arg] if arg else self.config.nodes:
+                for action in self.config.plan(c.view(), node, now):
+                    self._check_action(action, now)
+                    if isinstance(action, act.StartGeneration):
+                        starts += 1
+                    try:
+                        c.execute(action, now)
+                    except Exception as exc:
+                        raise _Fail("actions apply", f"{action} could not be applied: {exc}") from exc
+                    if (op := pending_for(action)) is not None:
+                        pending.append(op)
+        elif event == "complete":
+            label = "complete " + ", ".join(str(op) for op in pending)
+            for op in pending:
+                complete(c, op, now)
+            pending = []
+        elif event == "fail downloads":
+            for op in [op for op in pending if op.kind == "download"]:
+                complete(c, op, now, ok=False)
+                pending.remove(op)
+        elif verb in ("complete", "fail"):
+            op = pending.pop(int(arg))
+            label = f"{verb} {op}"
+            complete(c, op, now, ok=verb == "complete")
+        elif verb == "tick":
+            now = self._next_time(state)  # reloads the same state
+            self.load(state)
+            c.instance_event(inst.Tick(INSTANCE, now))
+            label = f"tick to t={now:g}"
+        elif verb in FAULTS:
+            machine = c.runners[arg][0]
+            if verb == "crash":
+                c.runner_event(rn.Exited(arg, machine.incarnation, exit_code=-9), now)
+            elif machine.runner_state is not RunnerState.FAILED:
+                failure = Failure.exception("RuntimeError", "boom", retryable=verb == "error")
+                c.runner_event(rn.Fail(arg, machine.incarnation, failure=failure), now)
+            label = f"{verb} {arg}#{machine.incarnation}"
+        elif verb == "delete":
+            c.delete(INSTANCE, now)
+        after = self.placement.machine
+        if after.attempts < before.attempts:
+            streak_delay, starts = 0.0, 0
+        streak_delay = self._check_transition(state, before, after, now, streak_delay)
+        if starts > self.config.policy.max_retries + 1:
+            raise _Fail("4 creations per streak", f"{starts} generations started in one failure streak")
+        return self.capture(pending, now, streak_delay, starts), label
+
+    # -- invariants --------------------------------------------------------------------------
+
+    def _check_action(self, action: act.Action, now: float) -> None:
+        m = self.placement.machine
+        if isinstance(action, act.CreateRunner) and m.is_deleted:
+            raise _Fail("1 absorbing Deleted", f"{action} for a Deleted instance")
+        if isinstance(action, act.StartGeneration) and m.deadline is not None and now < m.deadline:
+            raise _Fail("5 no start before its deadline", f"generation started at t={now:g} < deadline {m.deadline:g}")
+
+    def _check_transition(self, pre: _State, before: Any, after: InstanceRetry, now: float, streak: float) -> float:
+        c, policy = self.cluster, self.config.policy
+        if before.leaf == "deleted" and not after.is_deleted:
+            raise _Fail("1 absorbing Deleted", f"instance left Deleted for {after.leaf}")
+        for entry in c.log:
+            if entry.machine == "runner" and entry.source == "failed" and entry.target != "stopped":
+                raise _Fail("2 Failed left only to Shutdown", f"runner {entry.key}: failed → {entry.target}")
+            if entry.machine == "runner" and entry.source == "stopped":
+                raise _Fail("1 absorbing Shutdown", f"runner {entry.key}: stopped → {entry.target}")
+            if entry.machine == "instance" and entry.target == "backing_off":
+                delay = after.deadline - now  # type: ignore[operator]
+                low = 0.0 if policy.backoff.jitter else min(policy.backoff.initial, policy.backoff.cap)
+                if not low <= delay <= policy.backoff.cap:
+                    raise _Fail("3 backoff bounds", f"delay {delay:g} outside [{low:g}, {policy.backoff.cap:g}]")
+                if not policy.backoff.jitter and delay < streak:
+                    raise _Fail("3 backoff never decreases", f"delay {delay:g} after {streak:g} in one streak")
+                streak = delay
+        for rid, snap in pre.runners:
+            m = c.runners.get(rid, (None,))[0]
+            if snap.leaf == "stopped" and (m is None or (m.incarnation == snap.incarnation and m.alive)):
+                raise _Fail("1 absorbing Shutdown", f"runner {rid} left Shutdown")
+        alive = [m for m, _, _ in c.runners.values() if m.alive]
+        if len({m.incarnation for m in alive}) > 1:
+            raise _Fail("6 one generation at a time", f"alive incarnations {sorted({m.incarnation for m in alive})}")
+        if len(alive) > self.config.ranks:
+            raise _Fail("6 at most N live runners", f"{len(alive)} live runners for {self.config.ranks} ranks")
+        if after.attempts < before.attempts:
+            ready_for = None if before.ready_since is None else now - before.ready_since
+            if before.leaf != "ready" or ready_for is None or ready_for < policy.reset_after:
+                raise _Fail("8 reset iff Ready long enough", f"budget reset after {ready_for} s in {before.leaf}")
+        ready_for = None if after.ready_since is None else now - after.ready_since
+        if after.leaf == "ready" and ready_for is not None and ready_for >= policy.reset_after and after.attempts:
+            raise _Fail("8 reset iff Ready long enough", f"Ready for {now - after.ready_since:g} s, no reset")
+        return streak
+
+    def check_state(self, state: _State) -> None:
+        """Invariant 7: an event of an older incarnation changes nothing."""
+        for rid, snap in state.runners:
+            if snap.incarnation > 0:
+                self.load(state)
+                out = self.cluster.runner_event(rn.Stop(rid, snap.incarnation - 1), state.now)
+                if out.accepted or self.cluster.runners[rid][0].snapshot() != snap:
+                    raise _Fail("7 stale events are no-ops", f"a stale stop moved runner {rid}")
+                return
+
+    def settled(self, state: _State) -> bool:
+        m = state.instance
+        runners = [s for _, s in state.runners]
+        if m.leaf == "deleted":
+            return all(s.leaf == "stopped" for s in runners)
+        return (
+            m.leaf == "ready"
+            and len(runners) == self.config.ranks
+            and all(s.leaf in ("available", "busy") for s in runners)
+        )
+
+
+def check(config: CheckConfig | None = None) -> CheckResult:
+    """Explore breadth-first up to ``config.depth``; the first violation found has a shortest trace."""
+    config = config or CheckConfig()
+    system = _System(config, _TransitionTable() if config.transition_table else None)
+    start = time.perf_counter()
+    root = system.initial()
+    parents: dict[_State, tuple[_State | None, str]] = {root: (None, "")}
+    frontier = deque([(root, 0)])
+    transitions, deepest, truncated = 0, 0, False
+    samples: list[tuple[_State, str, _State]] = []
+    rng = random.Random(0)
+
+    def trace(state: _State, last: str | None = None) -> tuple[str, ...]:
+        labels = [] if last is None else [last]
+        while parents[state][0] is not None:
+            parent, label = parents[state]
+            labels.append(label)
+            state = parent  # type: ignore[assignment]
+        return tuple(reversed(labels))
+
+    def failed(state: _State, exc: _Fail, last: str | None = None) -> CheckResult:
+        violation = Violation(exc.invariant, str(exc), trace(state, last))
+        return CheckResult(len(parents), transitions, deepest, False, time.perf_counter() - start, violation)
+
+    while frontier:
+        state, depth = frontier.popleft()
+        deepest = max(deepest, depth)
+        try:
+            system.check_state(state)
+        except _Fail as exc:
+            return failed(state, exc)
+        moved = False
+        results = system.successors(state)
+        while True:
+            try:
+                event, successor, label = next(results)
+            except StopIteration:
+                break
+            except _Fail as exc:
+                return failed(state, exc, getattr(exc, "event", None))
+            transitions += 1
+            if successor != state and system.progress(event):
+                moved = True
+            if len(samples) < config.determinism_samples and rng.random() < 0.05:
+                samples.append((state, event, successor))
+            if successor in parents:
+                continue
+            if depth + 1 > config.depth or len(parents) >= config.max_states:
+                truncated = True
+                continue
+            parents[successor] = (state, label)
+            frontier.append((successor, depth + 1))
+        if not moved and not system.settled(state):
+            m = state.instance
+            return failed(state, _Fail("10 no deadlock", f"stuck: instance {m.leaf}, runners {_leaves(state)}"))
+    for state, event, successor in samples:  # 9: the same state and event give the same successor
+        again, _ = system.apply(state, event)
+        if again != successor:
+            return failed(state, _Fail("9 determinism", f"{event} gave two different successors"), event)
+    return CheckResult(len(parents), transitions, deepest, not truncated, time.perf_counter() - start)
+
+
+def _leaves(state: _State) -> str:
+    return ", ".join(f"{rid}#{s.incarnation}:{s.leaf}" for rid, s in state.runners) or "none"
