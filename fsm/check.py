@@ -80,6 +80,18 @@ class CheckConfig:
     download_cls: type[DownloadLifecycle] = DownloadLifecycle
     determinism_samples: int = 200
     transition_table: bool = True  # memoize each machine's transitions (see _TransitionTable)
+    # The clock stops here: time is unbounded (a budget that resets can fail and recover forever), so the
+    # space is finite only up to a horizon. None: one budget reset plus a whole give-up fit before it.
+    horizon: float | None = None
+
+    @property
+    def time_horizon(self) -> float:
+        if self.horizon is not None:
+            return self.horizon
+        backoff = self.policy.backoff
+        give_up = sum(backoff.ceiling(n) for n in range(1, self.policy.max_retries + 1))
+        return self.policy.reset_after + give_up + 1.0
+
     # True: all pending completions arrive in one event, each node plans once per "plan" event, and
     # time only passes when nothing else can happen (a discrete clock with maximal progress). This keeps
     # the space small enough to be exhaustive; False explores each completion and each node on its own.
@@ -107,9 +119,11 @@ class CheckResult:
     states: int
     transitions: int
     depth: int  # the deepest level explored
-    exhaustive: bool  # every reachable state was explored (within depth and max_states)
+    exhaustive: bool  # every reachable state before the time horizon was explored (no depth or state limit hit)
     seconds: float
     violation: Violation | None = None
+    horizon: float | None = None  # states past this time were not explored
+    reached: frozenset[str] = frozenset()  # instance outcomes seen: "ready", "deleted:retries_exhausted", …
 
     @property
     def ok(self) -> bool:
@@ -117,6 +131,8 @@ class CheckResult:
 
     def report(self) -> str:
         scope = "exhaustive" if self.exhaustive else "bounded (depth or state limit reached)"
+        if self.horizon is not None:
+            scope += f" up to t={self.horizon:g} s"
         head = (
             f"{self.states} states, {self.transitions} transitions, depth {self.depth}, {scope}, "
             f"{self.seconds:.1f} s ({self.states / max(self.seconds, 1e-9):,.0f} states/s)"
@@ -275,6 +291,9 @@ class _System:
         if self.config.coarse and not state.pending and planned == state and self._next_time(state) is not None:
             successor, label = self.apply(state, "tick")  # time passes only when nothing else can happen
             yield "tick", successor, label
+
+    def beyond_horizon(self, state: _State) -> bool:
+        return state.now > self.config.time_horizon
 
     def events(self, state: _State, quiescent: bool | None = None) -> Iterator[str]:
         """Every event enabled in ``state`` (progress events first); coarse ticks are `successors`' to add."""
@@ -461,7 +480,7 @@ def check(config: CheckConfig | None = None) -> CheckResult:
     root = system.initial()
     parents: dict[_State, tuple[_State | None, str]] = {root: (None, "")}
     frontier = deque([(root, 0)])
-    transitions, deepest, truncated = 0, 0, False
+    transitions, deepest, truncated, truncated_by_time = 0, 0, False, False
     samples: list[tuple[_State, str, _State]] = []
     rng = random.Random(0)
 
@@ -500,6 +519,9 @@ def check(config: CheckConfig | None = None) -> CheckResult:
                 samples.append((state, event, successor))
             if successor in parents:
                 continue
+            if system.beyond_horizon(successor):
+                truncated_by_time = True
+                continue
             if depth + 1 > config.depth or len(parents) >= config.max_states:
                 truncated = True
                 continue
@@ -512,8 +534,16 @@ def check(config: CheckConfig | None = None) -> CheckResult:
         again, _ = system.apply(state, event)
         if again != successor:
             return failed(state, _Fail("9 determinism", f"{event} gave two different successors"), event)
-    return CheckResult(len(parents), transitions, deepest, not truncated, time.perf_counter() - start)
+    horizon = config.time_horizon if truncated_by_time else None
+    reached = frozenset(_outcome(s) for s in parents)
+    seconds = time.perf_counter() - start
+    return CheckResult(len(parents), transitions, deepest, not truncated, seconds, None, horizon, reached)
 
 
 def _leaves(state: _State) -> str:
     return ", ".join(f"{rid}#{s.incarnation}:{s.leaf}" for rid, s in state.runners) or "none"
+
+
+def _outcome(state: _State) -> str:
+    m = state.instance
+    return f"deleted:{m.delete_reason.value}" if m.delete_reason is not None else m.leaf

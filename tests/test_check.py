@@ -1,0 +1,132 @@
+"""fsm.check: the model checker proves the real machines, and finds each seed's original bug when planted."""
+
+from __future__ import annotations
+
+import attrs
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fsm
+from fsm import runner as rn
+from fsm._machine import Outcome, Step
+from fsm.check import CheckConfig, check
+
+
+def test_the_real_system_is_exhaustively_correct_for_two_ranks_and_five_retries():
+    result = check(CheckConfig(ranks=2, policy=fsm.RetryPolicy(max_retries=5)))
+    assert result.ok, result.report()
+    assert result.exhaustive and result.horizon is not None
+    # the space covers every ending, a full give-up included
+    assert {"ready", "deleted:retries_exhausted", "deleted:non_retryable", "deleted:requested"} <= result.reached
+    assert result.states > 10_000
+
+
+def test_the_transition_table_changes_nothing_but_speed():
+    config = CheckConfig(policy=fsm.RetryPolicy(max_retries=2))
+    fast, slow = check(config), check(attrs.evolve(config, transition_table=False))
+    assert (fast.states, fast.transitions, fast.reached) == (slow.states, slow.transitions, slow.reached)
+    assert fast.ok and slow.ok
+
+
+# -- the seeds' bugs, planted in copies ------------------------------------------------------
+
+
+class RevivingRunner(rn.RunnerLifecycle):
+    """exo before 000: `connect` accepted from Failed, reviving the runner."""
+
+    def apply(self, event: rn.RunnerEvent) -> Outcome:
+        if isinstance(event, rn.Connect) and self.leaf == "failed":
+            self.reload(attrs.evolve(self.snapshot(), leaf="joining"))
+            return Outcome(True, (Step("connect", "failed", "joining"),))
+        return super().apply(event)
+
+
+def reviving_plan(view, node_id, now):
+    """…and a planner that, like exo's, connects runners that are Idle *or Failed*."""
+    actions = fsm.plan(view, node_id, now)
+    for runner in view.runners.values():
+        if runner.node_id == node_id and runner.state is fsm.RunnerState.FAILED:
+            actions.append(fsm.ConnectRunner(runner.runner_id, runner.incarnation))
+    return actions
+
+
+def no_sibling_stop_plan(view, node_id, now):
+    """exo before 000: a runner is not stopped when its sibling failed (no one_for_all)."""
+    dropped = (fsm.StopReason.SIBLING_FAILED, fsm.StopReason.RECOVERING)
+    return [a for a in fsm.plan(view, node_id, now) if not (isinstance(a, fsm.StopRunner) and a.reason in dropped)]
+
+
+def waits_for_siblings_plan(view, node_id, now):
+    """000 without its exception: nobody is created while a sibling failed, even if we failed too."""
+
+    def blocked(action):
+        if not isinstance(action, fsm.CreateRunner):
+            return False
+        siblings = [s for s in view.instances[action.instance_id].slots if s.runner_id != action.runner_id]
+        return any((r := view.runners.get(s.runner_id)) is not None and r.failed for s in siblings)
+
+    return [a for a in fsm.plan(view, node_id, now) if not blocked(a)]
+
+
+def found(config: CheckConfig, invariant: str) -> tuple[str, ...]:
+    result = check(config)
+    assert not result.ok, f"the planted bug was not found: {result.report()}"
+    assert result.violation.invariant.startswith(invariant), result.report()
+    assert result.violation.trace and "shortest trace" in result.report()
+    return result.violation.trace
+
+
+def test_connect_from_failed_is_found():
+    trace = found(CheckConfig(runner_cls=RevivingRunner, plan=reviving_plan), "2 Failed left only to Shutdown")
+    assert any(e.startswith(("error", "crash")) for e in trace)
+
+
+def test_missing_sibling_failed_rule_is_found_as_a_deadlock():
+    trace = found(CheckConfig(plan=no_sibling_stop_plan), "10 no deadlock")
+    assert any(e.startswith(("error", "crash", "fatal")) for e in trace)
+
+
+def test_both_failed_without_the_failed_before_exception_is_found_as_a_deadlock():
+    trace = found(CheckConfig(plan=waits_for_siblings_plan, deletes=False), "10 no deadlock")
+    assert sum(e.startswith(("error", "crash")) for e in trace) >= 2  # both ranks had to fail
+
+
+# -- reload, the checker's shortcut, is from_snapshot ------------------------------------------
+
+EVENTS = st.sampled_from(
+    [
+        lambda i: rn.Connect("r", i),
+        lambda i: rn.Connected("r", i),
+        lambda i: rn.Load("r", i),
+        lambda i: rn.Progress("r", i, layers_loaded=1, layers_total=2),
+        lambda i: rn.WeightsLoaded("r", i),
+        lambda i: rn.WarmUp("r", i),
+        lambda i: rn.Warmed("r", i),
+        lambda i: rn.RequestStarted("r", i),
+        lambda i: rn.RequestFinished("r", i),
+        lambda i: rn.Fail("r", i, failure=fsm.Failure.signalled(9)),
+        lambda i: rn.Stop("r", i),
+        lambda i: rn.Exited("r", i, exit_code=0),
+    ]
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(EVENTS, max_size=15), st.integers(1, 3))
+def test_reload_agrees_with_from_snapshot_on_every_reachable_state(events, world_size):
+    reference = rn.RunnerLifecycle("r", world_size=world_size, incarnation=1)
+    pooled = rn.RunnerLifecycle("r", world_size=world_size, incarnation=1)
+    pooled.apply(rn.Fail("r", 1, failure=fsm.Failure.signalled(15)))  # somewhere else entirely
+    pooled.apply(rn.Exited("r", 1, exit_code=0))
+    for make in events:
+        pooled.reload(reference.snapshot())
+        fresh = rn.RunnerLifecycle.from_snapshot(reference.snapshot())
+        assert (pooled.to_dict(), pooled.path) == (fresh.to_dict(), fresh.path)
+        outcomes = []
+        for machine in (pooled, fresh, reference):
+            try:
+                outcomes.append(machine.apply(make(1)))
+            except fsm.IllegalTransition as exc:
+                outcomes.append(type(exc))
+        assert outcomes[0] == outcomes[1] == outcomes[2]
+        assert pooled.to_dict() == fresh.to_dict() == reference.to_dict()
