@@ -455,3 +455,103 @@ def specs(check: bool, directory: Path) -> None:
         return
     for path in write_specs(directory):
         click.echo(f"wrote {path}")
+
+
+@main.command()
+@click.option("--ranks", type=click.IntRange(1, 4), default=2, show_default=True)
+@click.option("--max-retries", type=click.IntRange(1, 10), default=5, show_default=True)
+@click.option("--depth", type=click.IntRange(1), default=200, show_default=True, help="Events per path at most.")
+@click.option("--max-states", type=click.IntRange(1), default=400_000, show_default=True)
+@click.option("--no-deletes", is_flag=True, help="Leave user deletes out of the adversary.")
+@click.option("--fine", is_flag=True, help="Each completion and each node's planner as its own event (slower).")
+def check(ranks: int, max_retries: int, depth: int, max_states: int, no_deletes: bool, fine: bool) -> None:
+    """Model-check the composed system; a violated invariant prints its shortest trace and exits 1."""
+    import fsm
+    from fsm.check import CheckConfig
+    from fsm.check import check as run_check
+
+    config = CheckConfig(
+        ranks=ranks,
+        policy=fsm.RetryPolicy(max_retries=max_retries),
+        depth=depth,
+        max_states=max_states,
+        deletes=not no_deletes,
+        coarse=not fine,
+    )
+    result = run_check(config)
+    click.echo(result.report())
+    if not result.ok:
+        raise SystemExit(1)
+
+
+@main.command()
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Replay the log of this daemon's state dir (default: the user's data dir).",
+)
+@click.option(
+    "--jsonl",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="Replay an exported log: one JSON object per line (time, machine, id, event, from, to, cause).",
+)
+@click.option(
+    "--export",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the log as JSONL to this file.",
+)
+def replay(state_dir, jsonl, export) -> None:
+    """Replay a transition log against the machines: first divergence, and coverage. Exits 1 on divergence."""
+    import json
+
+    from fsm.conformance import replay as run_replay
+
+    if jsonl is not None:
+        try:
+            entries = [_entry_from_json(line) for line in jsonl.read_text().splitlines() if line.strip()]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise click.ClickException(f"{jsonl} is not a transition log (JSON lines): {exc}") from exc
+    else:
+        from exod.store import Store, StoreError
+
+        db = _state_dir(state_dir) / "state.db"
+        if not db.exists():
+            raise click.ClickException(f"no state database at {db}; pass --state-dir or --jsonl")
+        try:
+            store = Store.open(db)
+        except StoreError as exc:
+            raise click.ClickException(str(exc)) from exc
+        try:
+            entries = [entry for _, entry in store.transitions()]
+        finally:
+            store.close()
+    if export is not None:
+        export.write_text("".join(json.dumps(_entry_to_json(e)) + "\n" for e in entries))
+    report = run_replay(entries)
+    click.echo(report.text())
+    if not report.ok:
+        raise SystemExit(1)
+
+
+def _entry_to_json(e) -> dict:
+    return {
+        "time": e.time,
+        "machine": e.machine,
+        "id": e.key,
+        "event": e.event,
+        "from": e.source,
+        "to": e.target,
+        "cause": e.cause,
+    }
+
+
+def _entry_from_json(line: str):
+    import json
+
+    from fsm.cluster import LogEntry
+
+    d = json.loads(line)
+    return LogEntry(float(d["time"]), d["machine"], d["id"], d["event"], d["from"], d["to"], d.get("cause", ""))

@@ -133,3 +133,17 @@ def wait_instance(url: str, predicate, timeout: float = 60.0) -> dict:
             return last[0]
         time.sleep(0.05)
     raise AssertionError(f"timed out; last status: {last}")
+
+
+def assert_log_conforms(db_path: Path) -> None:
+    """The daemon's transition log replays through the machines without a divergence."""
+    from exod.store import Store
+    from fsm.conformance import replay
+
+    store = Store.open(db_path)
+    try:
+        report = replay(entry for _, entry in store.transitions())
+    finally:
+        store.close()
+    assert report.ok, report.text()
+    assert report.entries > 0

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 import fsm
-from daemon_harness import FAST_TIMEOUTS, config, instance, runner_pids, wait_for, with_controller
+from daemon_harness import FAST_TIMEOUTS, assert_log_conforms, config, instance, runner_pids, wait_for, with_controller
 from exod.controller import RequestFailed
 from exod.tiny_model import make_tiny_model
 
@@ -116,6 +116,7 @@ def test_sigkill_while_ready_recovers_with_backoff_after_reaping_the_generation(
     store = Store.open(cfg.db_path)
     log = [e for _, e in store.transitions()]
     store.close()
+    assert_log_conforms(cfg.db_path)
     moves = [(e.machine, e.key, e.source, e.target) for e in log]
     assert ("runner", f"{iid}/1", "failed", "stopped") in moves
     recovering = moves.index(("instance", iid, "ready", "recovering"))
@@ -163,7 +164,9 @@ def test_corrupt_model_is_deleted_as_non_retryable_with_zero_retries(tmp_path):
         await wait_for(controller, lambda s: all(r["state"] == "shutdown" for r in instance(s, iid)["runners"]))
         return instance(status, iid)
 
-    inst = with_controller(config(tmp_path, home), body)
+    cfg = config(tmp_path, home)
+    inst = with_controller(cfg, body)
+    assert_log_conforms(cfg.db_path)
     assert inst["delete_reason"] == "non_retryable"
     assert inst["attempts"] == 0 and inst["generation"] == 1
     assert "safetensors" in inst["last_failure"].lower() or "corrupt" in inst["last_failure"].lower()
@@ -193,7 +196,9 @@ def test_retries_exhausted_after_exactly_max_retries_failed_generations(tmp_path
         await trio.sleep(0.5)  # nothing is created afterwards
         return instance(controller.status(), iid), status
 
-    inst, _ = with_controller(config(tmp_path, hf_home, timeouts=stalling, policy=policy), body)
+    cfg = config(tmp_path, hf_home, timeouts=stalling, policy=policy)
+    inst, _ = with_controller(cfg, body)
+    assert_log_conforms(cfg.db_path)
     assert inst["delete_reason"] == "retries_exhausted"
     assert inst["attempts"] == 3 and inst["generation"] == 3
     assert "no progress in phase warming_up" in inst["last_failure"]

@@ -57,3 +57,18 @@ def test_custom_retry_policy_prints_a_seeded_schedule_and_its_diagram(tmp_path):
     out = _run("custom_retry_policy.py", str(target))
     assert f"diagram written to {target}" in out and "stateDiagram-v2" not in out
     assert target.read_text() == fsm.diagram.mermaid(fsm.InstanceRetry, highlight="deleted")
+
+
+def test_model_check_example_proves_the_real_planner_and_breaks_the_variant():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, str(root / "examples" / "model_check.py")], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    real, variant = out.stdout.split("== a planner without one_for_all ==")
+    assert "all invariants hold" in real and "exhaustive" in real
+    assert "invariant violated: 10 no deadlock" in variant and "shortest trace" in variant

@@ -8,7 +8,7 @@ import signal
 import httpx
 import pytest
 
-from daemon_harness import exod, runner_pids, start_daemon, wait_instance
+from daemon_harness import assert_log_conforms, exod, runner_pids, start_daemon, wait_instance
 from exod.tiny_model import make_tiny_model
 
 CONFIG = """
@@ -78,6 +78,7 @@ def test_daemon_sigkill_and_restart_restores_state_and_reaps_orphans(tmp_path, e
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(timeout=30) == 0
     assert runner_pids() == []
+    assert_log_conforms(tmp_path / "state" / "state.db")  # two daemons, one crash: the log still replays
 
 
 def test_a_second_daemon_on_the_same_state_dir_is_refused(tmp_path, env):

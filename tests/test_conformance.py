@@ -1,0 +1,83 @@
+"""fsm.conformance: a log that follows the machines conforms; the first step that does not is named."""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+from click.testing import CliRunner
+
+import fsm
+from exod.cli import main
+from fake_world import FakeWorld
+from fsm import runner as rn
+from fsm.cluster import Cluster, LogEntry
+from fsm.conformance import replay
+
+
+def recorded_log() -> list[LogEntry]:
+    cluster = Cluster()
+    cluster.place("i", "m/x", [fsm.Slot(0, "a", "i/0"), fsm.Slot(1, "b", "i/1")])
+    cluster.log.append(LogEntry(0.0, "instance", "i", "place", "", "pending"))
+    world = FakeWorld(cluster, ["a", "b"])
+    world.settle()
+    cluster.runner_event(rn.Fail("i/1", 1, failure=fsm.Failure.stalled("busy", 9)), world.now)
+    world.settle()
+    cluster.delete("i", world.now)
+    world.settle()
+    return list(cluster.log)
+
+
+def test_a_real_log_conforms_with_coverage():
+    log = recorded_log()
+    report = replay(log)
+    assert report.ok, report.text()
+    assert report.entries == len(log)
+    runner = report.coverage["runner"]
+    assert {"failed", "stopped", "stopping", "available", "warming_up"} <= runner.states_seen
+    assert len(runner.transitions_seen) >= 10 and runner.transitions_all >= runner.transitions_seen
+    assert "deleted" in report.coverage["instance"].states_seen
+    assert "conform" in report.text()
+
+
+def test_a_step_that_is_not_a_transition_is_the_first_divergence():
+    log = recorded_log()
+    index = next(i for i, e in enumerate(log) if e.machine == "runner" and e.target == "failed")
+    forged = [*log[:index], attrs.evolve(log[index], target="joining", event="connect"), *log[index + 1 :]]
+    report = replay(forged)
+    assert not report.ok and report.divergence.index == index
+    assert "not a transition" in report.divergence.text()
+
+
+def test_a_step_from_the_wrong_state_is_named():
+    log = recorded_log()
+    index = next(i for i, e in enumerate(log) if e.machine == "instance" and e.target == "recovering")
+    forged = [*log[:index], attrs.evolve(log[index], source="pending"), *log[index + 1 :]]
+    report = replay(forged)
+    assert report.divergence.index == index and "elsewhere" in report.divergence.reason
+
+
+def test_unknown_machine_and_state():
+    assert "unknown machine" in replay([LogEntry(0, "toaster", "t", "pop", "a", "b")]).divergence.reason
+    assert "no such state" in replay([LogEntry(0, "runner", "r", "x", "idle", "nowhere")]).divergence.reason
+
+
+def test_cli_replay_jsonl_and_check(tmp_path):
+    path = tmp_path / "log.jsonl"
+    rows = [
+        {"time": e.time, "machine": e.machine, "id": e.key, "event": e.event, "from": e.source, "to": e.target}
+        for e in recorded_log()
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ok = CliRunner().invoke(main, ["replay", "--jsonl", str(path)])
+    assert ok.exit_code == 0 and "conform" in ok.output
+    index = next(i for i, r in enumerate(rows) if r["machine"] == "runner" and r["event"] == "connect")
+    rows[index]["to"] = "stopped"  # connect never stops a runner
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bad = CliRunner().invoke(main, ["replay", "--jsonl", str(path)])
+    assert bad.exit_code == 1 and f"first divergence: entry {index}" in bad.output
+    (tmp_path / "junk.jsonl").write_text("not json\n")
+    junk = CliRunner().invoke(main, ["replay", "--jsonl", str(tmp_path / "junk.jsonl")])
+    assert junk.exit_code == 1 and "not a transition log" in junk.output
+    checked = CliRunner().invoke(main, ["check", "--max-retries", "1"])
+    assert checked.exit_code == 0 and "all invariants hold" in checked.output and "exhaustive" in checked.output
