@@ -98,9 +98,9 @@ class TimedController(Controller):
         self.reports.append((time.monotonic(), spec.runner_id, report))
         super().on_report(spec, report)
 
-    def on_exit(self, spec: RunnerSpec, exit_code: int, stderr_tail: str) -> None:
+    def on_exit(self, spec: RunnerSpec, exit_code: int, stderr_tail: str, stopped: bool) -> None:
         self.exit_reported.setdefault((spec.runner_id, spec.incarnation), time.monotonic())
-        super().on_exit(spec, exit_code, stderr_tail)
+        super().on_exit(spec, exit_code, stderr_tail, stopped)
 
     def _kick(self) -> None:
         self.tick.set()

@@ -12,6 +12,7 @@ import platformdirs
 
 import fsm
 from exod.controller import DaemonConfig
+from exod.faults import Fault, FaultSpec
 from exod.models import validate_model_id
 from exod.supervisor import Timeouts
 
@@ -65,6 +66,7 @@ _SECTIONS = {
     "retry": {"initial", "factor", "cap", "max_retries", "reset_after"},
     "timeouts": {f.name for f in attrs.fields(Timeouts)},  # connect, load_progress, warm_up, generate, …
     "place": {"model", "path", "ranks"},
+    "fault": {"rank", "generation", "phase", "kind"},  # fault injection, for tests: never set by default
     "limits": {"max_requests_per_instance", "queue_timeout", "max_tokens", "max_body_bytes"},
 }
 
@@ -104,6 +106,10 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
         )
         timeouts = Timeouts(**{k: float(v) for k, v in data.get("timeouts", {}).items()})
         placements = tuple(_placement(p) for p in data.get("place", []))
+        faults = tuple(
+            FaultSpec(Fault.parse(f"{f['phase']}:{f['kind']}"), rank=f.get("rank"), generation=f.get("generation", 1))
+            for f in data.get("fault", [])
+        )
     except (ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"{where}: {exc}") from exc
     port = d.get("port", 8420)
@@ -121,6 +127,7 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
         policy=policy,
         max_requests_per_instance=int(limits.get("max_requests_per_instance", 16)),
         queue_timeout=float(limits.get("queue_timeout", 30.0)),
+        faults=faults,
     )
     return ServeConfig(
         daemon=daemon,

@@ -31,6 +31,7 @@ import trio
 
 import fsm
 from exod import protocol as p
+from exod.faults import FaultSpec
 from exod.models import ModelNotFound, resolve_local_dir, resolve_model, validate_model_id
 from exod.orphans import reap_orphans, start_ticks
 from exod.store import ProcessRecord, Store
@@ -82,6 +83,7 @@ class DaemonConfig:
     download_timeout: float = 30.0  # seconds without a byte before a download is given up (and retried)
     max_requests_per_instance: int = 16  # in flight + queued; beyond it: Overloaded (HTTP 429)
     queue_timeout: float = 30.0  # a request no Ready runner took by then fails instead of waiting on
+    faults: tuple[FaultSpec, ...] = ()  # injected faults, for tests (exod.faults); empty in production
 
     @property
     def db_path(self) -> Path:
@@ -392,6 +394,7 @@ class Controller:
                     world_size=world_size,
                     hostfile=self._hostfile(instance_id, incarnation, world_size),
                     log_path=self.config.state_dir / "logs" / instance_id / f"rank{rank}-gen{incarnation}.log",
+                    fault=next((str(f.fault) for f in self.config.faults if f.applies(rank, incarnation)), None),
                 )
                 supervisor = Supervisor(spec, self, self.config.timeouts)
                 self._supervisors[(runner_id, incarnation)] = supervisor
@@ -565,8 +568,18 @@ class Controller:
         failure = fsm.Failure.stalled(phase, seconds)
         self._runner_event(rn.Fail(spec.runner_id, spec.incarnation, failure=failure))
 
-    def on_exit(self, spec: RunnerSpec, exit_code: int, stderr_tail: str) -> None:
+    def on_exit(self, spec: RunnerSpec, exit_code: int, stderr_tail: str, stopped: bool) -> None:
         self.store.forget_process(spec.runner_id, spec.incarnation)
+        machine = self.cluster.runners.get(spec.runner_id, (None,))[0]
+        ended_on_its_own = (
+            not stopped
+            and machine is not None
+            and machine.incarnation == spec.incarnation
+            and machine.leaf == "stopping"
+        )
+        if ended_on_its_own:  # it died before our stop reached it: that is its real last status, a failure
+            failure = fsm.Failure.exited(exit_code, stderr_tail)
+            self._runner_event(rn.Fail(spec.runner_id, spec.incarnation, failure=failure))
         self._runner_event(rn.Exited(spec.runner_id, spec.incarnation, exit_code=exit_code, detail=stderr_tail))
 
 

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from exod import protocol as p
+from exod.faults import Fault, FaultPhase, Injector
 
 log = logging.getLogger("exod.runner")
 
@@ -63,7 +64,8 @@ class UnsupportedModel(Exception):
 class Channel:
     """The runner's end of the control socket: thread-safe sends, a reader thread for commands."""
 
-    def __init__(self, fd: int, runner_id: str, incarnation: int) -> None:
+    def __init__(self, fd: int, runner_id: str, incarnation: int, injector: Injector | None = None) -> None:
+        self.injector = injector or Injector(None, fail=lambda exc: None, exit_now=exit_now)
         self._sock = socket.socket(fileno=fd)
         self._lock = threading.Lock()
         self.runner_id = runner_id
@@ -107,6 +109,9 @@ class Channel:
                     if not isinstance(command, p.Command):
                         raise p.ProtocolError(f"runner received a {command.type} report")
                     if isinstance(command, p.Shutdown):
+                        self.injector.at(FaultPhase.STOPPING, main_thread=False)
+                        if self.injector.hung.is_set():
+                            continue  # a hung runner does not answer: the supervisor escalates
                         log.info("shutdown requested: exiting")
                         exit_now(0)
                     self.commands.put(command)
@@ -207,6 +212,7 @@ class Runner:
 
     def __init__(self, channel: Channel, *, rank: int, world_size: int) -> None:
         self.channel = channel
+        self.faults = channel.injector
         self.rank = rank
         self.world_size = world_size
         self.group: Any = None
@@ -218,7 +224,10 @@ class Runner:
     def serve(self) -> NoReturn:
         try:
             while True:
-                self.handle(self.channel.commands.get())
+                command = self.channel.commands.get()
+                if self.faults.hung.is_set():  # a fault made this runner stop answering
+                    threading.Event().wait()
+                self.handle(command)
         except BaseException as exc:
             log.exception("runner failed")
             self.channel.send(p.Failed, **_failure_fields(exc, loading=self.loading))
@@ -245,6 +254,7 @@ class Runner:
         if self.group is not None:
             raise RunnerProtocolError("connect received twice")
         self.channel.send(p.Status, phase=p.Phase.JOINING)
+        self.faults.at(FaultPhase.CONNECTING)
         if self.world_size > 1:
             self.group = mx.distributed.init(backend="ring", strict=True)
             if (self.group.rank(), self.group.size()) != (self.rank, self.world_size):
@@ -271,6 +281,7 @@ class Runner:
         for index, layer in enumerate(layers, start=1):
             mx.eval(layer.parameters())
             self.channel.send(p.Progress, layers_loaded=index, layers_total=len(layers))
+            self.faults.at(FaultPhase.LOADING)
         mx.eval(model.parameters())  # embeddings, final norm, head
         if not layers:
             self.channel.send(p.Progress, layers_loaded=1, layers_total=1)
@@ -300,11 +311,13 @@ class Runner:
         if self.model is None:
             raise RunnerProtocolError("warm_up before load")
         self.channel.send(p.Status, phase=p.Phase.WARMING_UP)
+        self.faults.at(FaultPhase.WARMING_UP)
         prompt = self.tokenizer.encode("warm up", add_special_tokens=False) or [0]
         for _ in self._stream(prompt, max_tokens=WARM_UP_TOKENS, temperature=0.0, top_p=1.0, seed=0):
             pass
         self.ready = True
         self.channel.send(p.Status, phase=p.Phase.READY)
+        self.faults.at_ready_soon()
 
     def generate(self, request: p.Generate) -> None:
         if not self.ready:
@@ -320,7 +333,9 @@ class Runner:
         completion_tokens = 0
         finish = p.FinishReason.LENGTH
         pending = ""  # decoded text not sent yet: held back while it could be the start of a stop string
-        for response in stream:
+        for count, response in enumerate(stream):
+            if count == 1:
+                self.faults.at(FaultPhase.BUSY)
             is_eos = response.finish_reason == "stop"
             token_id = None if is_eos else response.token
             completion_tokens += 0 if is_eos else 1
@@ -398,6 +413,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--control-fd", type=int, required=True, help="inherited end of a Unix socketpair")
     parser.add_argument("--hostfile", type=Path, help="ring hostfile; sets MLX_HOSTFILE (default: from the env)")
+    parser.add_argument("--fault", type=Fault.parse, help="PHASE:KIND fault to inject (tests only; see exod.faults)")
     args = parser.parse_args(argv)
     if not 0 <= args.rank < args.world_size:
         parser.error(f"rank {args.rank} out of range for world size {args.world_size}")
@@ -414,6 +430,14 @@ def main(argv: list[str] | None = None) -> NoReturn:
     os.environ["MLX_RANK"] = str(args.rank)
     start_hangup_watchdog(args.control_fd)
     channel = Channel(args.control_fd, args.runner_id, args.incarnation)
+
+    def fail(exc: BaseException) -> None:  # a fault on a thread that is not the main one
+        channel.send(p.Failed, **_failure_fields(exc))
+        exit_now(EXIT_FAILED)
+
+    channel.injector = Injector(args.fault, fail=fail, exit_now=exit_now)
+    if args.fault is not None:
+        log.warning("fault injection armed: %s", args.fault)
     channel.start_reader()  # before importing mlx: EOF must end the process even during a slow import
     Runner(channel, rank=args.rank, world_size=args.world_size).serve()
 

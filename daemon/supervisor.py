@@ -48,13 +48,15 @@ class RunnerSpec:
     world_size: int
     hostfile: Path | None
     log_path: Path
+    fault: str | None = None  # "PHASE:KIND", for tests (exod.faults); None in production
 
 
 class Listener(Protocol):
     def on_spawned(self, spec: RunnerSpec, pid: int) -> None: ...
     def on_report(self, spec: RunnerSpec, report: p.Report) -> None: ...
     def on_stall(self, spec: RunnerSpec, phase: str, seconds: float) -> None: ...
-    def on_exit(self, spec: RunnerSpec, exit_code: int, stderr_tail: str) -> None: ...
+    def on_exit(self, spec: RunnerSpec, exit_code: int, stderr_tail: str, stopped: bool) -> None:
+        """``stopped``: the process was told to stop (Shutdown delivered, or a signal from us) before it ended."""
 
 
 TAIL_LINES = 20
@@ -84,6 +86,7 @@ class Supervisor:
         self.exit_code: int | None = None
         self._drained = trio.Event()
         self._outstanding = 0  # Generate commands without their Done yet
+        self.stop_delivered = False  # whether an exit can be the answer to our stop
 
     # -- commands ------------------------------------------------------------------
 
@@ -99,6 +102,8 @@ class Supervisor:
                 await self._stream.send_all(command.to_line())
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return  # the process is ending; `run` reports the exit
+            if isinstance(command, p.Shutdown):
+                self.stop_delivered = True
 
     def stop(self) -> None:
         """Ask the process to stop; escalation and reaping happen in `run`."""
@@ -166,6 +171,8 @@ class Supervisor:
         argv += ["--rank", str(s.rank), "--world-size", str(s.world_size), "--control-fd", str(control_fd)]
         if s.hostfile is not None:
             argv += ["--hostfile", str(s.hostfile)]
+        if s.fault is not None:
+            argv += ["--fault", s.fault]
         return argv
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -203,7 +210,7 @@ class Supervisor:
                     await self._kill_and_reap(process)
                     if self._stream is not None:
                         await self._stream.aclose()
-        self.listener.on_exit(self.spec, self.exit_code, _tail(self.spec.log_path))
+        self.listener.on_exit(self.spec, self.exit_code, _tail(self.spec.log_path), self.stop_delivered)
 
     async def _read_reports(self) -> None:
         try:
@@ -240,6 +247,7 @@ class Supervisor:
         with trio.move_on_after(self.timeouts.stop_grace):
             await process.wait()
             return
+        self.stop_delivered = True
         process.send_signal(signal.SIGTERM)
         with trio.move_on_after(self.timeouts.term_grace):
             await process.wait()

@@ -48,8 +48,8 @@ class StandIn(Supervisor):
     def on_stall(self, spec, phase, seconds):
         self.events.append(("stall", phase))
 
-    def on_exit(self, spec, exit_code, stderr_tail):
-        self.events.append(("exit", exit_code, stderr_tail))
+    def on_exit(self, spec, exit_code, stderr_tail, stopped):
+        self.events.append(("exit", exit_code, stderr_tail, stopped))
 
 
 FAST = Timeouts(connect=0.3, load_progress=0.3, warm_up=0.3, stop_grace=0.3, term_grace=0.3)
@@ -79,6 +79,7 @@ def test_a_process_ignoring_shutdown_and_sigterm_is_killed(tmp_path):
     assert s.events[0][0] == "spawned"
     assert s.events[-1][:2] == ("exit", -signal.SIGKILL)
     assert "ignoring" in s.events[-1][2]  # the log tail travels with the exit
+    assert s.events[-1][3] is True  # we stopped it
 
 
 def test_sigterm_is_enough_for_a_process_that_honours_it(tmp_path):
