@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint specs clean
+.PHONY: run test lint specs clean reliability
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,3 +31,7 @@ specs: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+
+## reliability: run the fault-injection matrix and write what it observed to specs/reliability.md
+reliability: $(STAMP)
+	EXOD_WRITE_RELIABILITY=1 $(BIN)/python -m pytest -q tests/test_fault_matrix.py

@@ -190,10 +190,20 @@ class Controller:
             while True:
                 self._act()
                 now = self.clock()
-                deadline = fsm.next_deadline(self.cluster.view(), NODE, now)
+                deadline = self._next_wake(now)
                 with trio.move_on_after(math.inf if deadline is None else max(0.0, deadline - now)):
                     await self._wake.wait()
                 self._wake = trio.Event()
+
+    def _next_wake(self, now: float) -> float | None:
+        """The planner's next deadline, or a budget reset coming due (so `status` shows it when it happens)."""
+        times = [fsm.next_deadline(self.cluster.view(), NODE, now)]
+        for placement in self.cluster.instances.values():
+            m = placement.machine
+            if m.instance_state is fsm.InstanceState.READY and m.attempts and m.ready_since is not None:
+                times.append(m.ready_since + m.policy.reset_after)
+        future = [t for t in times if t is not None and t > now]
+        return min(future, default=None)
 
     async def shutdown(self) -> None:
         """Stop every runner the graceful way (ask → grace → SIGTERM → SIGKILL) and wait for them all.

@@ -60,6 +60,10 @@ class Listener(Protocol):
 
 
 TAIL_LINES = 20
+# A runner gets a local snapshot path from the daemon and must never reach for a hub itself (a missing
+# file would otherwise become a network wait, not an error).
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+RUNNER_ENV = {"TOKENIZERS_PARALLELISM": "false"}
 DRAIN_S = 1.0  # after an exit, how long to read what the process wrote before it died
 
 
@@ -188,6 +192,7 @@ class Supervisor:
                     stderr=subprocess.STDOUT,
                     pass_fds=[child.fileno()],
                     start_new_session=True,  # a Ctrl-C to the daemon is the daemon's to handle, not the runners'
+                    env=RUNNER_ENV | dict(os.environ) | OFFLINE,
                 )
             finally:
                 child.close()
