@@ -147,3 +147,12 @@ def assert_log_conforms(db_path: Path) -> None:
         store.close()
     assert report.ok, report.text()
     assert report.entries > 0
+
+
+def runner_pid(rank: int) -> int:
+    """The live runner process of ``rank`` (this session's; one instance at a time)."""
+    for pid in runner_pids():
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if args[args.index(b"--rank") + 1] == str(rank).encode():
+            return pid
+    raise AssertionError(f"no live runner of rank {rank}")

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from daemon_harness import assert_log_conforms, runner_pids, start_daemon, wait_instance
+from daemon_harness import assert_log_conforms, runner_pid, runner_pids, start_daemon, wait_instance
 from exod.store import Store
 from exod.tiny_model import make_tiny_model
 
@@ -68,7 +68,7 @@ def test_sigkill_in_each_state_restores_everything_and_converges(tmp_path, env, 
         else:
             inst = wait_instance(url, lambda i: i["state"] == "ready")
         if state in ("backing_off", "recovering"):
-            os.kill(runner_pids()[0], signal.SIGKILL)
+            os.kill(runner_pid(0), signal.SIGKILL)  # rank 1 then hangs in its stop (recovering)
             inst = wait_instance(url, lambda i: i["state"] == state, timeout=10)
         orphans = runner_pids()
     finally:
@@ -128,7 +128,7 @@ def test_fifty_requests_while_a_runner_dies_all_end_and_resources_return(tmp_pat
         for t in threads:
             t.start()
         time.sleep(1.0)
-        os.kill(runner_pids()[1], signal.SIGKILL)
+        os.kill(runner_pid(1), signal.SIGKILL)
         deadline = time.monotonic() + 120
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
