@@ -207,16 +207,7 @@ def create_app(
                 batch = list(controller.store.transitions(after=seen, limit=500))
                 for seq, e in batch:
                     seen = seq
-                    doc = {
-                        "seq": seq,
-                        "time": e.time,
-                        "machine": e.machine,
-                        "id": e.key,
-                        "event": e.event,
-                        "from": e.source,
-                        "to": e.target,
-                        "cause": e.cause,
-                    }
+                    doc = {"seq": seq, **e.as_record()}
                     yield f"id: {seq}\nevent: transition\ndata: {json.dumps(doc)}\n\n"
                 if len(batch) == 500:
                     continue  # more are waiting

@@ -507,11 +507,13 @@ def replay(state_dir, jsonl, export) -> None:
     """Replay a transition log against the machines: first divergence, and coverage. Exits 1 on divergence."""
     import json
 
+    from fsm.cluster import LogEntry
     from fsm.conformance import replay as run_replay
 
     if jsonl is not None:
         try:
-            entries = [_entry_from_json(line) for line in jsonl.read_text().splitlines() if line.strip()]
+            lines = jsonl.read_text().splitlines()
+            entries = [LogEntry.from_record(json.loads(line)) for line in lines if line.strip()]
         except (ValueError, KeyError, TypeError) as exc:
             raise click.ClickException(f"{jsonl} is not a transition log (JSON lines): {exc}") from exc
     else:
@@ -529,29 +531,8 @@ def replay(state_dir, jsonl, export) -> None:
         finally:
             store.close()
     if export is not None:
-        export.write_text("".join(json.dumps(_entry_to_json(e)) + "\n" for e in entries))
+        export.write_text("".join(json.dumps(e.as_record()) + "\n" for e in entries))
     report = run_replay(entries)
     click.echo(report.text())
     if not report.ok:
         raise SystemExit(1)
-
-
-def _entry_to_json(e) -> dict:
-    return {
-        "time": e.time,
-        "machine": e.machine,
-        "id": e.key,
-        "event": e.event,
-        "from": e.source,
-        "to": e.target,
-        "cause": e.cause,
-    }
-
-
-def _entry_from_json(line: str):
-    import json
-
-    from fsm.cluster import LogEntry
-
-    d = json.loads(line)
-    return LogEntry(float(d["time"]), d["machine"], d["id"], d["event"], d["from"], d["to"], d.get("cause", ""))

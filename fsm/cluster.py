@@ -48,6 +48,30 @@ class LogEntry:
     target: str
     cause: str = ""
 
+    def as_record(self) -> dict[str, Any]:
+        """The public shape (event stream, JSONL export): ``id``, ``from``, ``to`` for key, source, target."""
+        return {
+            "time": self.time,
+            "machine": self.machine,
+            "id": self.key,
+            "event": self.event,
+            "from": self.source,
+            "to": self.target,
+            "cause": self.cause,
+        }
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> LogEntry:
+        return cls(
+            float(record["time"]),
+            record["machine"],
+            record["id"],
+            record["event"],
+            record["from"],
+            record["to"],
+            record.get("cause", ""),
+        )
+
 
 @attrs.define
 class _Placement:

@@ -26,7 +26,7 @@ from exod.tiny_model import make_tiny_model
 MODEL = "exod/tiny-qwen2"
 MESSAGES = [{"role": "user", "content": "hello"}]
 TIMEOUTS = attrs.evolve(
-    FAST_TIMEOUTS, connect=2.5, load_progress=2.0, warm_up=2.5, generate=2.0, stop_grace=0.5, term_grace=0.5
+    FAST_TIMEOUTS, connect=5.0, load_progress=4.0, warm_up=5.0, generate=4.0, stop_grace=0.5, term_grace=0.5
 )
 POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(0.2, 2.0, 1.0), max_retries=5)
 

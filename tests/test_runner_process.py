@@ -21,6 +21,7 @@ import attrs
 import pytest
 
 from exod import protocol as p
+from exod.controller import free_ports
 from exod.tiny_model import make_tiny_model
 
 MESSAGES = [{"role": "user", "content": "hello there, how are you?"}]
@@ -74,17 +75,6 @@ class RunnerProc:
 
 def phases(messages: list[p.Message]) -> list[p.Phase]:
     return [m.phase for m in messages if isinstance(m, p.Status)]
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @pytest.fixture
