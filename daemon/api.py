@@ -73,16 +73,24 @@ class _Guard:
         self.app, self.api_key, self.max_body = app, api_key, max_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] == "lifespan":
             await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":  # no websocket routes: nothing else gets through unchecked
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
             return
         headers = dict(scope.get("headers") or [])
         if self.api_key and scope["path"] != "/health":
             given = headers.get(b"authorization", b"").decode("latin-1")
             if not secrets.compare_digest(given, f"Bearer {self.api_key}"):
-                await ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'").response()(
-                    scope, receive, send
+                denied = ApiError(
+                    401,
+                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
                 )
+                await denied.response()(scope, receive, send)
                 return
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body):

@@ -13,7 +13,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from exod import protocol as p
-from exod.controller import Controller, InstanceNotFound, InvalidRequest, ModelNotReady, Overloaded, RequestFailed
+from exod.controller import (
+    Controller,
+    InstanceNotFound,
+    InvalidRequest,
+    ModelNotReady,
+    Overloaded,
+    QueueTimeout,
+    RequestFailed,
+)
 from exod.errors import ApiError
 
 MAX_MESSAGES = 256
@@ -74,8 +82,13 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
     @api.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatRequest, request: Request) -> JSONResponse | StreamingResponse:
         max_tokens = body.max_completion_tokens or body.max_tokens or min(256, max_tokens_ceiling)
+
+        def rejected(error: ApiError) -> ApiError:
+            metrics.requests.labels(body.model, f"rejected_{error.status}").inc()
+            return error
+
         if max_tokens > max_tokens_ceiling:
-            raise ApiError(400, f"max_tokens must be at most {max_tokens_ceiling}", param="max_tokens")
+            raise rejected(ApiError(400, f"max_tokens must be at most {max_tokens_ceiling}", param="max_tokens"))
         try:
             instance_id = controller.pick_instance(body.model)
             stream = controller.submit(
@@ -88,18 +101,32 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                 stop=body.stop,  # type: ignore[arg-type]  # normalised to a list by the validator
             )
         except InstanceNotFound as exc:
-            raise ApiError(404, str(exc), param="model", code="model_not_found") from exc
+            raise rejected(ApiError(404, str(exc), param="model", code="model_not_found")) from exc
         except ModelNotReady as exc:
-            raise ApiError(503, str(exc), headers={"Retry-After": str(exc.retry_after)}) from exc
+            raise rejected(ApiError(503, str(exc), headers={"Retry-After": str(exc.retry_after)})) from exc
         except InvalidRequest as exc:
-            raise ApiError(400, str(exc), param="messages") from exc
+            raise rejected(ApiError(400, str(exc), param="messages")) from exc
         except Overloaded as exc:
-            raise ApiError(429, str(exc), headers={"Retry-After": "1"}, code="rate_limit_exceeded") from exc
+            raise rejected(ApiError(429, str(exc), headers={"Retry-After": "1"}, code="rate_limit_exceeded")) from exc
+        try:  # errors before the first token are still real HTTP errors, streaming or not
+            await stream.wait_forwarded()
+        except QueueTimeout as exc:
+            stream.close()
+            raise rejected(ApiError(503, str(exc), headers={"Retry-After": "1"})) from exc
+        except BaseException:
+            stream.close()
+            raise
         started = time.monotonic()
         completion_id = f"chatcmpl-{secrets.token_hex(12)}"
         created = int(time.time())
 
+        recorded = False
+
         def done(outcome: str, completion_tokens: int = 0) -> None:
+            nonlocal recorded
+            if recorded:
+                return
+            recorded = True
             metrics.requests.labels(body.model, outcome).inc()
             metrics.latency.labels(body.model).observe(time.monotonic() - started)
             metrics.tokens.labels(body.model).inc(completion_tokens)
@@ -112,13 +139,14 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                         text.append(item.text)
                     else:
                         final = item
+                assert final is not None
+                done("ok", final.completion_tokens)
             except RequestFailed as exc:
                 done("error")
                 raise ApiError(502, str(exc), error_type="server_error") from exc
             finally:
+                done("cancelled")  # no-op when an outcome was recorded
                 stream.close()
-            assert final is not None
-            done("ok", final.completion_tokens)
             return JSONResponse(
                 {
                     "id": completion_id,
@@ -173,6 +201,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                 error = {"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}}
                 yield f"data: {json.dumps(error)}\n\n"
             finally:
+                done("cancelled")  # the client went away mid-stream (no-op when an outcome was recorded)
                 stream.close()
             yield "data: [DONE]\n\n"
 

@@ -59,6 +59,10 @@ class InvalidRequest(ValueError):
     """A request the runner could not decode (caught before it is sent)."""
 
 
+class QueueTimeout(RequestFailed):
+    """No Ready runner took the request in time (HTTP 503)."""
+
+
 class Overloaded(Exception):
     """The instance's request queue is full."""
 
@@ -98,6 +102,7 @@ class _Request:
     leader: str = ""  # runner id of rank 0 once forwarded
     incarnation: int = -1
     forwarded: trio.Event = attrs.Factory(trio.Event)
+    abandoned: bool = False  # the caller went away; still counted until the runners are done with it
 
 
 class RequestStream:
@@ -109,6 +114,7 @@ class RequestStream:
         self._request = request
         self._receive = receive
         self._done = False
+        self._last: Any = None
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -116,14 +122,9 @@ class RequestStream:
     async def __anext__(self) -> p.Token | p.Done:
         if self._done:
             raise StopAsyncIteration
-        if not self._request.forwarded.is_set():
-            limit = self.controller.config.queue_timeout
-            with trio.move_on_after(limit):
-                await self._request.forwarded.wait()
-            if not self._request.forwarded.is_set():
-                self._done = True
-                raise RequestFailed(f"no Ready runner took the request within {limit:g} s")
+        await self.wait_forwarded()
         item = await self._receive.receive()
+        self._last = item
         if isinstance(item, Exception):
             self._done = True
             raise item
@@ -132,8 +133,25 @@ class RequestStream:
         return item
 
     def close(self) -> None:
+        """The caller is done. A request the runners are still working on stays counted until they finish:
+        ranks generate in lockstep and cannot drop it one-sidedly, and the queue bound must hold."""
+        finished = self._done and not isinstance(self._last, Exception)
         self._done = True
-        self.controller._forget_request(self.request_id)
+        if self._request.forwarded.is_set() and not finished and self._request.leader:
+            self._request.abandoned = True
+        else:
+            self.controller._forget_request(self.request_id)
+
+    async def wait_forwarded(self) -> None:
+        """Until a Ready runner took the request; `QueueTimeout` after the configured wait."""
+        if self._request.forwarded.is_set():
+            return
+        limit = self.controller.config.queue_timeout
+        with trio.move_on_after(limit):
+            await self._request.forwarded.wait()
+        if not self._request.forwarded.is_set():
+            self._done = True
+            raise QueueTimeout(f"no Ready runner took the request within {limit:g} s; retry later")
 
 
 def free_ports(count: int) -> list[int]:
@@ -504,7 +522,11 @@ class Controller:
 
     def _fail_request(self, request_id: str, reason: str) -> None:
         request = self._requests.get(request_id)
-        if request is not None:
+        if request is None:
+            return
+        if request.abandoned:
+            self._forget_request(request_id)
+        else:
             request.channel.send_nowait(RequestFailed(reason))
 
     def _fail_orphaned_requests(self) -> None:
@@ -567,7 +589,10 @@ class Controller:
             case p.Token(request_id=request_id) | p.Done(request_id=request_id):
                 request = self._requests.get(request_id)
                 if request is not None and request.leader == rid:  # rank 0 speaks for the request
-                    request.channel.send_nowait(report)
+                    if request.abandoned and isinstance(report, p.Done):
+                        self._forget_request(request_id)
+                    elif not request.abandoned:
+                        request.channel.send_nowait(report)
                 if isinstance(report, p.Done):
                     self._runner_event(rn.RequestFinished(rid, inc))
             case p.RequestError(request_id=request_id, message=message):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -9,10 +10,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+# OpenAI's own names: everything a client got wrong is an invalid_request_error.
 _TYPES = {
     400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
@@ -49,6 +51,11 @@ def install(app: FastAPI) -> None:
     async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
         return ApiError(exc.status_code, message, headers=dict(exc.headers or {})).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        logging.getLogger("exod.api").exception("unhandled error")
+        return ApiError(500, f"internal error ({type(exc).__name__}); see the daemon's log").response()
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:

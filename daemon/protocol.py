@@ -164,6 +164,15 @@ class Token(Report):
 
 
 @attrs.frozen
+class Heartbeat(Report):
+    """Generation goes on (ranks > 0, which send no tokens, say so every few tokens: their watchdog's food)."""
+
+    type = "heartbeat"
+    request_id: str
+    tokens: int
+
+
+@attrs.frozen
 class Done(Report):
     """A request finished (every rank sends it: each runner's busy → available)."""
 
@@ -195,7 +204,7 @@ class Failed(Report):
 
 
 COMMANDS: tuple[type[Command], ...] = (Connect, Load, WarmUp, Generate, Shutdown)
-REPORTS: tuple[type[Report], ...] = (Status, Progress, Token, Done, RequestError, Failed)
+REPORTS: tuple[type[Report], ...] = (Status, Progress, Token, Heartbeat, Done, RequestError, Failed)
 _BY_TAG: dict[str, type[Message]] = {cls.type: cls for cls in (*COMMANDS, *REPORTS)}
 
 _converter = cattrs.Converter(forbid_extra_keys=True)

@@ -124,6 +124,7 @@ class Channel:
         exit_now(0)
 
 
+HEARTBEAT_TOKENS = 16  # ranks > 0 report that generation goes on every this many tokens
 HANGUP_GRACE_S = 1.0  # time the reader thread gets to end the process cleanly before the watchdog kills it
 _watchdog_pid: int | None = None
 
@@ -336,6 +337,8 @@ class Runner:
         for count, response in enumerate(stream):
             if count == 1:
                 self.faults.at(FaultPhase.BUSY)
+            if self.rank > 0 and count and count % HEARTBEAT_TOKENS == 0:
+                self.channel.send(p.Heartbeat, request_id=request.request_id, tokens=count)
             is_eos = response.finish_reason == "stop"
             token_id = None if is_eos else response.token
             completion_tokens += 0 if is_eos else 1

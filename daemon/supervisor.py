@@ -138,7 +138,8 @@ class Supervisor:
     def _rearm_on(self, report: p.Report) -> None:
         if isinstance(report, (p.Done, p.RequestError)):
             self._outstanding = max(0, self._outstanding - 1)
-        if isinstance(report, (p.Token, p.Done, p.RequestError)) and self._watch and self._watch[0] == "generating":
+        feeds = (p.Token, p.Heartbeat, p.Done, p.RequestError)
+        if isinstance(report, feeds) and self._watch and self._watch[0] == "generating":
             if self._outstanding:
                 self._arm("generating", self.timeouts.generate)
             else:

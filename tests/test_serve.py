@@ -115,7 +115,8 @@ def test_api_key_guards_every_endpoint_but_health(tmp_path, env):
         assert httpx.get(f"{url}/health").status_code == 200
         for path in ("/instances", "/v1/models", "/metrics", "/openapi.json"):
             denied = httpx.get(f"{url}{path}")
-            assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
+            assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+            assert denied.headers["www-authenticate"] == "Bearer"
             assert httpx.get(f"{url}{path}", headers={"Authorization": "Bearer wrong"}).status_code == 401
             assert httpx.get(f"{url}{path}", headers={"Authorization": "Bearer s3cret"}).status_code == 200
         status = exod("status", "--url", url, env={**env, "EXOD_API_KEY": "s3cret"})
