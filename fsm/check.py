@@ -232,6 +232,7 @@ class _System:
         self.placement = self.cluster.instances[INSTANCE]
         self.cluster.adopt(self.placement.machine)
         self.download_objects: dict[str, Any] = {}
+        self._stale_proven: set[Any] = set()
 
     # -- state <-> cluster -----------------------------------------------------------------
 
@@ -422,6 +423,9 @@ class _System:
         for entry in c.log:
             if entry.machine == "runner" and entry.source == "failed" and entry.target != "stopped":
                 raise _Fail("2 Failed left only to Shutdown", f"runner {entry.key}: failed → {entry.target}")
+            shutdown = ("stopping", "stopped")  # Shutdown's leaves; an error while stopping may still fail it
+            if entry.machine == "runner" and entry.source in shutdown and entry.target not in (*shutdown, "failed"):
+                raise _Fail("1 absorbing Shutdown", f"runner {entry.key}: {entry.source} → {entry.target}")
             if entry.machine == "runner" and entry.source == "stopped":
                 raise _Fail("1 absorbing Shutdown", f"runner {entry.key}: stopped → {entry.target}")
             if entry.machine == "instance" and entry.target == "backing_off":
@@ -451,14 +455,31 @@ class _System:
         return streak
 
     def check_state(self, state: _State) -> None:
-        """Invariant 7: an event of an older incarnation changes nothing."""
+        """Invariant 7: an event of an older incarnation (or generation) changes nothing, whatever it says."""
+        stale_failure = Failure.exception("RuntimeError", "late news", retryable=False)
         for rid, snap in state.runners:
-            if snap.incarnation > 0:
+            old = snap.incarnation - 1
+            if old < 0 or (rid, snap) in self._stale_proven:
+                continue  # a stale event is refused by the runner's machine alone: one probe per runner state
+            self._stale_proven.add((rid, snap))
+            for event in (
+                rn.Stop(rid, old),
+                rn.Exited(rid, old, exit_code=-9),
+                rn.Fail(rid, old, failure=stale_failure),
+            ):
                 self.load(state)
-                out = self.cluster.runner_event(rn.Stop(rid, snap.incarnation - 1), state.now)
-                if out.accepted or self.cluster.runners[rid][0].snapshot() != snap:
-                    raise _Fail("7 stale events are no-ops", f"a stale stop moved runner {rid}")
-                return
+                out = self.cluster.runner_event(event, state.now)
+                if out.accepted or self.capture(list(state.pending), state.now, 0.0, 0) != attrs.evolve(
+                    state, streak_delay=0.0, streak_starts=0
+                ):
+                    raise _Fail("7 stale events are no-ops", f"a stale {event.name} moved runner {rid}")
+        generation = state.instance.generation
+        if generation >= 2 and state.instance.leaf != "deleted" and state.instance not in self._stale_proven:
+            self._stale_proven.add(state.instance)
+            self.load(state)
+            stale = inst.RankFailed(INSTANCE, state.now, generation - 1, 0, failure=stale_failure)
+            if self.cluster.instance_event(stale).accepted or self.placement.machine.snapshot() != state.instance:
+                raise _Fail("7 stale events are no-ops", "a stale generation's failure moved the instance")
 
     def settled(self, state: _State) -> bool:
         m = state.instance
@@ -481,6 +502,8 @@ def check(config: CheckConfig | None = None) -> CheckResult:
     parents: dict[_State, tuple[_State | None, str]] = {root: (None, "")}
     frontier = deque([(root, 0)])
     transitions, deepest, truncated, truncated_by_time = 0, 0, False, False
+    progress_from: dict[_State, list[_State]] = {}  # reverse progress edges, for the liveness check
+    open_states: set[_State] = set()  # settled, or with a future past the horizon or the bounds
     samples: list[tuple[_State, str, _State]] = []
     rng = random.Random(0)
 
@@ -515,21 +538,39 @@ def check(config: CheckConfig | None = None) -> CheckResult:
             transitions += 1
             if successor != state and system.progress(event):
                 moved = True
+                progress_from.setdefault(successor, []).append(state)
             if len(samples) < config.determinism_samples and rng.random() < 0.05:
                 samples.append((state, event, successor))
             if successor in parents:
                 continue
             if system.beyond_horizon(successor):
                 truncated_by_time = True
+                open_states.add(state)  # its future lies past the horizon: assumed live
                 continue
             if depth + 1 > config.depth or len(parents) >= config.max_states:
                 truncated = True
+                open_states.add(state)
                 continue
             parents[successor] = (state, label)
             frontier.append((successor, depth + 1))
         if not moved and not system.settled(state):
             m = state.instance
             return failed(state, _Fail("10 no deadlock", f"stuck: instance {m.leaf}, runners {_leaves(state)}"))
+        if system.settled(state):
+            open_states.add(state)
+    # 10, globally: every state reaches a settled one by progress events alone (no livelock in a cycle).
+    live = set(open_states)
+    work = deque(live)
+    while work:
+        for predecessor in progress_from.get(work.popleft(), ()):
+            if predecessor not in live:
+                live.add(predecessor)
+                work.append(predecessor)
+    for state in parents:
+        if state not in live:
+            m = state.instance
+            why = f"livelock: instance {m.leaf} never settles without help; runners {_leaves(state)}"
+            return failed(state, _Fail("10 no deadlock", why))
     for state, event, successor in samples:  # 9: the same state and event give the same successor
         again, _ = system.apply(state, event)
         if again != successor:

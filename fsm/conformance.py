@@ -111,6 +111,7 @@ def replay(entries: Iterable[LogEntry], machines: Mapping[str, type[StateMachine
 
     models = {name: _Model(cls) for name, cls in (machines or MACHINES).items()}
     current: dict[tuple[str, str], str] = {}
+    forgotten: set[tuple[str, str]] = set()
     seen_states: dict[str, set[str]] = {name: set() for name in models}
     seen_rows: dict[str, set[Transition]] = {name: set() for name in models}
     divergence = None
@@ -123,12 +124,21 @@ def replay(entries: Iterable[LogEntry], machines: Mapping[str, type[StateMachine
             break
         key = (entry.machine, entry.key)
         if entry.event in MARKERS:
+            problem = _marker_problem(entry, model, current.get(key), key in forgotten)
+            if problem:
+                divergence = Divergence(index, entry, problem[0], problem[1])
+                break
             if entry.event == "forget":
                 current.pop(key, None)
+                forgotten.add(key)
             else:
                 current[key] = entry.target
+                forgotten.discard(key)
                 seen_states[entry.machine].add(entry.target)
             continue
+        if key in forgotten:
+            divergence = Divergence(index, entry, "nothing: it was forgotten", "a step of a forgotten machine")
+            break
         if entry.source not in model.leaves or entry.target not in model.leaves:
             divergence = Divergence(index, entry, f"states of {entry.machine}", "no such state")
             break
@@ -150,3 +160,16 @@ def replay(entries: Iterable[LogEntry], machines: Mapping[str, type[StateMachine
         for name, model in models.items()
     }
     return ConformanceReport(count, divergence, coverage)
+
+
+def _marker_problem(entry: LogEntry, model: _Model, now: str | None, forgotten: bool) -> tuple[str, str] | None:
+    """(expected, reason) if a create/place/forget marker cannot be what the log says."""
+    if entry.event == "forget":
+        if now is not None and not model.cls.states_map[now].final:
+            return "a final state before forget", f"forgot a machine still in {now!r}"
+        return None
+    if entry.target != model.initial:
+        return f"a start in {model.initial!r}", "a machine started elsewhere than its initial state"
+    if now is not None and not model.cls.states_map[now].final:
+        return f"a stopped predecessor, not {now!r}", "a new incarnation while the previous one was alive"
+    return None

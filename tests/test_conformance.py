@@ -81,3 +81,25 @@ def test_cli_replay_jsonl_and_check(tmp_path):
     assert junk.exit_code == 1 and "not a transition log" in junk.output
     checked = CliRunner().invoke(main, ["check", "--max-retries", "1"])
     assert checked.exit_code == 0 and "all invariants hold" in checked.output and "exhaustive" in checked.output
+
+
+def test_markers_are_checked_too():
+    alive_again = [
+        LogEntry(0, "runner", "r", "create", "", "idle"),
+        LogEntry(1, "runner", "r", "create", "", "idle"),  # a second process while the first lives
+    ]
+    assert "while the previous one was alive" in replay(alive_again).divergence.reason
+    assert "initial state" in replay([LogEntry(0, "runner", "r", "create", "", "available")]).divergence.reason
+    after_forget = [
+        LogEntry(0, "instance", "i", "place", "", "pending"),
+        LogEntry(1, "instance", "i", "delete", "pending", "deleted"),
+        LogEntry(2, "instance", "i", "forget", "deleted", ""),
+        LogEntry(3, "instance", "i", "start", "pending", "starting"),
+    ]
+    report = replay(after_forget)
+    assert report.divergence.index == 3 and "forgotten" in report.divergence.reason
+    early_forget = [
+        LogEntry(0, "instance", "i", "place", "", "pending"),
+        LogEntry(1, "instance", "i", "forget", "", ""),
+    ]
+    assert "still in 'pending'" in replay(early_forget).divergence.reason
