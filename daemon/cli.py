@@ -478,7 +478,9 @@ def check(ranks: int, max_retries: int, depth: int, max_states: int, no_deletes:
         deletes=not no_deletes,
         coarse=not fine,
     )
-    result = run_check(config)
+    import time
+
+    result = run_check(config, timer=time.perf_counter)
     click.echo(result.report())
     if not result.ok:
         raise SystemExit(1)

@@ -40,7 +40,6 @@ machine with a bug planted — plug in through `CheckConfig`.
 from __future__ import annotations
 
 import random
-import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -120,7 +119,7 @@ class CheckResult:
     transitions: int
     depth: int  # the deepest level explored
     exhaustive: bool  # every reachable state before the time horizon was explored (no depth or state limit hit)
-    seconds: float
+    seconds: float  # 0.0 unless the caller passed a timer (fsm reads no clock)
     violation: Violation | None = None
     horizon: float | None = None  # states past this time were not explored
     reached: frozenset[str] = frozenset()  # instance outcomes seen: "ready", "deleted:retries_exhausted", …
@@ -133,9 +132,8 @@ class CheckResult:
         scope = "exhaustive" if self.exhaustive else "bounded (depth or state limit reached)"
         if self.horizon is not None:
             scope += f" up to t={self.horizon:g} s"
-        head = (
-            f"{self.states} states, {self.transitions} transitions, depth {self.depth}, {scope}, "
-            f"{self.seconds:.1f} s ({self.states / max(self.seconds, 1e-9):,.0f} states/s)"
+        head = f"{self.states} states, {self.transitions} transitions, depth {self.depth}, {scope}" + (
+            f", {self.seconds:.1f} s ({self.states / self.seconds:,.0f} states/s)" if self.seconds else ""
         )
         return head + ("\nall invariants hold" if self.ok else "\n" + self.violation.report())  # type: ignore[union-attr]
 
@@ -493,11 +491,15 @@ class _System:
         )
 
 
-def check(config: CheckConfig | None = None) -> CheckResult:
-    """Explore breadth-first up to ``config.depth``; the first violation found has a shortest trace."""
+def check(config: CheckConfig | None = None, *, timer: Callable[[], float] | None = None) -> CheckResult:
+    """Explore breadth-first up to ``config.depth``; the first violation found has a shortest trace.
+
+    ``timer`` (e.g. ``time.perf_counter``) times the run for the report; fsm itself reads no clock.
+    """
     config = config or CheckConfig()
     system = _System(config, _TransitionTable() if config.transition_table else None)
-    start = time.perf_counter()
+    timer = timer or (lambda: 0.0)
+    start = timer()
     root = system.initial()
     parents: dict[_State, tuple[_State | None, str]] = {root: (None, "")}
     frontier = deque([(root, 0)])
@@ -517,7 +519,7 @@ def check(config: CheckConfig | None = None) -> CheckResult:
 
     def failed(state: _State, exc: _Fail, last: str | None = None) -> CheckResult:
         violation = Violation(exc.invariant, str(exc), trace(state, last))
-        return CheckResult(len(parents), transitions, deepest, False, time.perf_counter() - start, violation)
+        return CheckResult(len(parents), transitions, deepest, False, timer() - start, violation)
 
     while frontier:
         state, depth = frontier.popleft()
@@ -577,7 +579,7 @@ def check(config: CheckConfig | None = None) -> CheckResult:
             return failed(state, _Fail("9 determinism", f"{event} gave two different successors"), event)
     horizon = config.time_horizon if truncated_by_time else None
     reached = frozenset(_outcome(s) for s in parents)
-    seconds = time.perf_counter() - start
+    seconds = timer() - start
     return CheckResult(len(parents), transitions, deepest, not truncated, seconds, None, horizon, reached)
 
 
