@@ -11,3 +11,6 @@ from hypothesis import settings
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+# Modules that start runner processes opt in with `pytestmark = pytest.mark.usefixtures("no_runner_left_behind")`.
+from daemon_harness import no_runner_left_behind  # noqa: E402, F401

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
 import fsm
@@ -156,3 +157,10 @@ def runner_pid(rank: int) -> int:
         if args[args.index(b"--rank") + 1] == str(rank).encode():
             return pid
     raise AssertionError(f"no live runner of rank {rank}")
+
+
+@pytest.fixture
+def no_runner_left_behind():
+    """Modules that start runners use it: after each test, none of this session's runners is alive."""
+    yield
+    assert runner_pids() == [], "a runner process outlived its test"

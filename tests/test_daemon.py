@@ -10,9 +10,19 @@ import pytest
 import trio
 
 import fsm
-from daemon_harness import FAST_TIMEOUTS, assert_log_conforms, config, instance, runner_pids, wait_for, with_controller
+from daemon_harness import (
+    FAST_TIMEOUTS,
+    assert_log_conforms,
+    config,
+    instance,
+    wait_for,
+    with_controller,
+)
 from exod.controller import RequestFailed
 from exod.tiny_model import make_tiny_model
+
+pytestmark = pytest.mark.usefixtures("no_runner_left_behind")
+
 
 MESSAGES = [{"role": "user", "content": "Hello! What is a state machine?"}]
 SAMPLED = {"temperature": 1.0, "seed": 7}
@@ -24,12 +34,6 @@ def hf_home(tmp_path_factory):
     home = tmp_path_factory.mktemp("hf")
     make_tiny_model("exod/tiny-qwen2", arch="qwen2", layers=4, hf_home=home)
     return home
-
-
-@pytest.fixture(autouse=True)
-def no_runner_left_behind():
-    yield
-    assert runner_pids() == [], "a runner process outlived its test"
 
 
 def reference_text(snapshot, **sampling) -> str:

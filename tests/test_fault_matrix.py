@@ -17,11 +17,21 @@ import pytest
 import trio
 
 import fsm
-from daemon_harness import FAST_TIMEOUTS, assert_log_conforms, config, instance, runner_pids, wait_for, with_controller
+from daemon_harness import (
+    FAST_TIMEOUTS,
+    assert_log_conforms,
+    config,
+    instance,
+    wait_for,
+    with_controller,
+)
 from exod.controller import RequestFailed
 from exod.faults import Fault, FaultKind, FaultPhase, FaultSpec
 from exod.store import Store
 from exod.tiny_model import make_tiny_model
+
+pytestmark = pytest.mark.usefixtures("no_runner_left_behind")
+
 
 MODEL = "exod/tiny-qwen2"
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -52,12 +62,6 @@ def hf_home(tmp_path_factory):
     home = tmp_path_factory.mktemp("hf")
     make_tiny_model(MODEL, layers=4, hf_home=home)
     return home
-
-
-@pytest.fixture(autouse=True)
-def no_runner_left_behind():
-    yield
-    assert runner_pids() == [], "a runner process outlived its test"
 
 
 def gen1_failure(log, key: str) -> str | None:
