@@ -371,14 +371,14 @@ def test_abandoned_streams_stay_counted_until_the_runners_finish_them(daemon):
     """A client that hangs up does not free its slot early: the runners still work through its tokens."""
     url = f"{daemon['url']}/v1/chat/completions"
     wait_instance(daemon["url"], lambda i: i["state"] == "ready")
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 600, "stream": True, "temperature": 1.0, "seed": 9}
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2000, "stream": True, "temperature": 1.0, "seed": 9}
     for _ in range(3):  # the queue bound of this daemon
         with httpx.stream("POST", url, json=body, timeout=30) as response:
             assert response.status_code == 200
             next(response.iter_lines())  # one chunk, then hang up
     refused = httpx.post(url, json={**body, "stream": False}, timeout=30)
     assert refused.status_code == 429
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 90
     while time.monotonic() < deadline:  # once the runners are through, the slots are free again
         done = httpx.post(url, json={**body, "stream": False, "max_tokens": 4}, timeout=60)
         if done.status_code == 200:
