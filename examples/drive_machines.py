@@ -1,7 +1,7 @@
 """Drive a 2-rank instance through the library alone: start, a SIGKILL, recovery.
 
-A toy "world" stands in for processes: every action the planner returns
-succeeds at once. At t=5 rank 1 is killed; the planner stops rank 0
+A toy world stands in for processes: every action the planner returns
+succeeds at once (`fsm.world`). At t=5 rank 1 is killed; the planner stops rank 0
 (one_for_all), the instance backs off 2 s, and a new generation comes up.
 Every transition is printed as it is logged. Run: ``python examples/drive_machines.py``.
 """
@@ -9,26 +9,11 @@ Every transition is printed as it is logged. Run: ``python examples/drive_machin
 from __future__ import annotations
 
 import fsm
-from fsm import download, runner
+from fsm import runner
 from fsm.cluster import Cluster
+from fsm.world import complete, pending_for
 
 NODES = ("node-a", "node-b")
-
-
-def world_reacts(cluster: Cluster, action: fsm.Action, now: float) -> None:
-    """What real processes and downloads would report after each action."""
-    match action:
-        case fsm.StartDownload(node_id, model_id):
-            cluster.download_event(node_id, download.Complete(model_id, now))
-        case fsm.ConnectRunner(rid, inc):
-            cluster.runner_event(runner.Connected(rid, inc), now)
-        case fsm.LoadModel(rid, inc, _):
-            cluster.runner_event(runner.Progress(rid, inc, layers_loaded=4, layers_total=4), now)
-            cluster.runner_event(runner.WeightsLoaded(rid, inc), now)
-        case fsm.WarmUp(rid, inc):
-            cluster.runner_event(runner.Warmed(rid, inc), now)
-        case fsm.StopRunner(rid, inc, _):
-            cluster.runner_event(runner.Exited(rid, inc, exit_code=0), now)
 
 
 def settle(cluster: Cluster, now: float) -> None:
@@ -39,7 +24,8 @@ def settle(cluster: Cluster, now: float) -> None:
             return
         for _node, action in todo:
             cluster.execute(action, now)
-            world_reacts(cluster, action, now)
+            if (op := pending_for(action)) is not None:  # the toy world answers at once
+                complete(cluster, op, now)
 
 
 def main() -> None:
