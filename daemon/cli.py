@@ -464,7 +464,10 @@ def specs(check: bool, directory: Path) -> None:
 @click.option("--max-states", type=click.IntRange(1), default=400_000, show_default=True)
 @click.option("--no-deletes", is_flag=True, help="Leave user deletes out of the adversary.")
 @click.option("--fine", is_flag=True, help="Each completion and each node's planner as its own event (slower).")
-def check(ranks: int, max_retries: int, depth: int, max_states: int, no_deletes: bool, fine: bool) -> None:
+@click.option("--requests", type=click.IntRange(0, 3), default=0, show_default=True, help="Chat requests to send.")
+def check(
+    ranks: int, max_retries: int, depth: int, max_states: int, no_deletes: bool, fine: bool, requests: int
+) -> None:
     """Model-check the composed system; a violated invariant prints its shortest trace and exits 1."""
     import fsm
     from fsm.check import CheckConfig
@@ -477,6 +480,7 @@ def check(ranks: int, max_retries: int, depth: int, max_states: int, no_deletes:
         max_states=max_states,
         deletes=not no_deletes,
         coarse=not fine,
+        requests=requests,
     )
     import time
 

@@ -12,7 +12,9 @@ checker takes every event there is:
 * ``crash R`` / ``error R`` / ``fatal R`` — runner R exits, reports a retryable error, or a
   non-retryable one (the adversary; which kinds is configurable);
 * ``tick`` — the clock jumps to the next deadline (backoff, download retry, budget reset);
-* ``delete`` — the user deletes the instance.
+* ``delete`` — the user deletes the instance;
+* ``submit`` — a chat request arrives (up to ``requests`` of them): it must be forwarded to Ready
+  runners of the current generation, or cancelled with a Deleted instance, and never left waiting.
 
 It explores breadth-first, so the first violation found has a shortest trace,
 and checks the invariants of DESIGN §3.5 on every transition and state:
@@ -78,6 +80,7 @@ class CheckConfig:
     instance_cls: type[InstanceRetry] = InstanceRetry
     download_cls: type[DownloadLifecycle] = DownloadLifecycle
     determinism_samples: int = 200
+    requests: int = 0  # chat requests the adversary may send (each is forwarded, finished or cancelled)
     transition_table: bool = True  # memoize each machine's transitions (see _TransitionTable)
     # The clock stops here: time is unbounded (a budget that resets can fail and recover forever), so the
     # space is finite only up to a horizon. None: one budget reset plus a whole give-up fit before it.
@@ -149,6 +152,8 @@ class _State:
     now: float
     streak_delay: float  # the last backoff delay of the current streak (invariant 3)
     streak_starts: int  # generations started in the current streak (invariant 4)
+    requests: tuple[str, ...] = ()  # chat requests waiting in the cluster (not yet forwarded or cancelled)
+    submitted: int = 0  # requests the adversary has sent so far
 
 
 class _Fail(Exception):
@@ -261,9 +266,14 @@ class _System:
             else:
                 machine.reload(snap)
             c.downloads[(node, MODEL)] = machine
+        c.requests.clear()
+        for request_id in state.requests:
+            c.add_request(request_id, INSTANCE)
         c.log.clear()
 
-    def capture(self, pending: list[Pending], now: float, streak_delay: float, starts: int) -> _State:
+    def capture(
+        self, pending: list[Pending], now: float, streak_delay: float, starts: int, submitted: int = 0
+    ) -> _State:
         c = self.cluster
         for (node, _), machine in c.downloads.items():
             self.download_objects.setdefault(node, machine)
@@ -275,6 +285,8 @@ class _System:
             now,
             streak_delay,
             starts,
+            tuple(sorted(c.requests)),
+            submitted,
         )
 
     # -- events ------------------------------------------------------------------------
@@ -314,6 +326,8 @@ class _System:
                 yield from (f"fail {i}" for i in downloads)
             if self._next_time(state) is not None:
                 yield "tick"
+        if state.submitted < self.config.requests:
+            yield "submit"
         if state.instance.leaf == InstanceState.DELETED.value:
             return  # the adversary rests: all that is left to prove is the teardown
         for rid, snap in state.runners:  # faults hit healthy runners (a failing one is already being torn down)
@@ -357,7 +371,11 @@ class _System:
         before = state.instance
         verb, _, arg = event.partition(" ")
         label = event
-        if verb == "plan":
+        submitted = state.submitted
+        if verb == "submit":
+            c.add_request(f"req{submitted}", INSTANCE)
+            submitted += 1
+        elif verb == "plan":
             for node in [arg] if arg else self.config.nodes:
                 for action in self.config.plan(c.view(), node, now):
                     self._check_action(action, now)
@@ -403,7 +421,7 @@ class _System:
         streak_delay = self._check_transition(state, before, after, now, streak_delay)
         if starts > self.config.policy.max_retries + 1:
             raise _Fail("4 creations per streak", f"{starts} generations started in one failure streak")
-        return self.capture(pending, now, streak_delay, starts), label
+        return self.capture(pending, now, streak_delay, starts, submitted), label
 
     # -- invariants --------------------------------------------------------------------------
 
@@ -411,6 +429,12 @@ class _System:
         m = self.placement.machine
         if isinstance(action, act.CreateRunner) and m.is_deleted:
             raise _Fail("1 absorbing Deleted", f"{action} for a Deleted instance")
+        if isinstance(action, act.ForwardRequest):
+            runner = self.cluster.runners[action.runner_id][0]
+            if runner.runner_state is not RunnerState.READY or runner.incarnation != m.generation:
+                raise _Fail("requests go to Ready runners", f"{action} while the runner is {runner.path}")
+        if isinstance(action, act.CancelRequest) and not m.is_deleted:
+            raise _Fail("requests are cancelled only with their instance", f"{action} while {m.leaf}")
         if isinstance(action, act.StartGeneration) and m.deadline is not None and now < m.deadline:
             raise _Fail("5 no start before its deadline", f"generation started at t={now:g} < deadline {m.deadline:g}")
 
@@ -467,9 +491,10 @@ class _System:
             ):
                 self.load(state)
                 out = self.cluster.runner_event(event, state.now)
-                if out.accepted or self.capture(list(state.pending), state.now, 0.0, 0) != attrs.evolve(
-                    state, streak_delay=0.0, streak_starts=0
-                ):
+                after = self.capture(
+                    list(state.pending), state.now, state.streak_delay, state.streak_starts, state.submitted
+                )
+                if out.accepted or after != state:
                     raise _Fail("7 stale events are no-ops", f"a stale {event.name} moved runner {rid}")
         generation = state.instance.generation
         if generation >= 2 and state.instance.leaf != "deleted" and state.instance not in self._stale_proven:
@@ -480,6 +505,8 @@ class _System:
                 raise _Fail("7 stale events are no-ops", "a stale generation's failure moved the instance")
 
     def settled(self, state: _State) -> bool:
+        if state.requests or state.pending:
+            return False  # every request forwarded or cancelled, every completion in
         m = state.instance
         runners = [s for _, s in state.runners]
         if m.leaf == "deleted":

@@ -130,3 +130,26 @@ def test_reload_agrees_with_from_snapshot_on_every_reachable_state(events, world
                 outcomes.append(type(exc))
         assert outcomes[0] == outcomes[1] == outcomes[2]
         assert pooled.to_dict() == fresh.to_dict() == reference.to_dict()
+
+
+def test_requests_are_forwarded_finished_or_cancelled_and_only_to_ready_runners():
+    result = check(CheckConfig(requests=1, policy=fsm.RetryPolicy(max_retries=2)))
+    assert result.ok and result.exhaustive, result.report()
+
+
+def eager_plan(view, node_id, now):
+    """A planner that forwards requests without waiting for every rank to be Ready."""
+    actions = fsm.plan(view, node_id, now)
+    for request in view.requests:
+        for runner in view.runners.values():
+            if (
+                runner.node_id == node_id
+                and runner.alive
+                and not any(isinstance(a, fsm.ForwardRequest) and a.runner_id == runner.runner_id for a in actions)
+            ):
+                actions.append(fsm.ForwardRequest(request.request_id, runner.runner_id, runner.incarnation))
+    return actions
+
+
+def test_forwarding_to_a_runner_that_is_not_ready_is_found():
+    found(CheckConfig(requests=1, policy=fsm.RetryPolicy(max_retries=2), plan=eager_plan), "requests go to Ready")
