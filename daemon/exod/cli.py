@@ -122,7 +122,7 @@ def _state_dir(state_dir: Path | None) -> Path:
     "config_path",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="A TOML file like daemon/default.toml (default: the embedded one).",
+    help="A TOML file like daemon/exod/default.toml (default: the embedded one).",
 )
 @click.option("--host", default=None, help="Address to bind (default 127.0.0.1).")
 @click.option("--port", type=click.IntRange(0, 65535), default=None, help="Port (default 8420; 0 picks a free one).")
