@@ -1,3 +1,3 @@
-from exod.cli import main
+from exod import main
 
 main()
