@@ -58,7 +58,7 @@ async def measure_exod(controller: TimedController, repeat: int) -> list[dict]:
     samples = []
     for _ in range(repeat):
         await controller.until(lambda: controller.instance_state(iid) == "ready")
-        machine = controller.cluster.runners[runner_id][0]
+        machine = controller.cluster.runner(runner_id)
         incarnation = machine.incarnation
         key = (runner_id, incarnation)
         pid = controller._supervisors[key].pid

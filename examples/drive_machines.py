@@ -11,34 +11,25 @@ from __future__ import annotations
 import fsm
 from fsm import runner
 from fsm.cluster import Cluster
-from fsm.world import complete, pending_for
+from fsm.world import World
 
 NODES = ("node-a", "node-b")
-
-
-def settle(cluster: Cluster, now: float) -> None:
-    """Plan and execute on every node until nothing is left to do at ``now``."""
-    while True:
-        todo = [(node, a) for node in NODES for a in fsm.plan(cluster.view(), node, now)]
-        if not todo:
-            return
-        for _node, action in todo:
-            cluster.execute(action, now)
-            if (op := pending_for(action)) is not None:  # the toy world answers at once
-                complete(cluster, op, now)
 
 
 def main() -> None:
     cluster = Cluster()
     slots = [fsm.Slot(rank, node, f"demo/{rank}") for rank, node in enumerate(NODES)]
     cluster.place("demo", "exod/tiny-qwen2", slots)
+    world = World(cluster, NODES)
     printed = 0
     now = 0.0
     while now <= 12.0:
+        world.advance(now)
         if now == 5.0:
             inc = cluster.runner("demo/1").incarnation
-            cluster.runner_event(runner.Exited("demo/1", inc, exit_code=-9), now)
-        settle(cluster, now)
+            cluster.runner_event(runner.Exited("demo/1", inc, exit_code=-9, stop_delivered=False), now)
+        while any([world.step(node) for node in NODES]) or world.deliver_all():
+            pass  # the toy world answers at once: plan and deliver until nothing is left at this instant
         for entry in cluster.log[printed:]:
             cause = f"  ({entry.cause})" if entry.cause else ""
             move = f"{entry.source or '·':>11} → {entry.target:<11}"

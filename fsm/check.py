@@ -41,6 +41,7 @@ machine with a bug planted — plug in through `CheckConfig`.
 
 from __future__ import annotations
 
+import enum
 import random
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -51,19 +52,106 @@ import attrs
 from fsm import actions as act
 from fsm import instance as inst
 from fsm import runner as rn
-from fsm.cluster import Cluster
+from fsm.cluster import Cluster, RunnerEntry
 from fsm.download import DownloadLifecycle
 from fsm.failure import Failure
 from fsm.instance import InstanceRetry, InstanceState, RetryPolicy
-from fsm.plan import next_deadline
 from fsm.plan import plan as default_plan
 from fsm.runner import RunnerLifecycle, RunnerPhase, RunnerState
 from fsm.view import Slot
-from fsm.world import Pending, applies, complete, pending_for
+from fsm.world import Completion, InvariantViolated, Pending, World, applies, check_runners, complete
 
 INSTANCE = "i"
 MODEL = "org/model"
-FAULTS = ("crash", "error", "fatal")
+
+
+class Fault(enum.Enum):
+    """What the adversary does to a healthy runner."""
+
+    CRASH = "crash"  # the process exits (SIGKILL)
+    ERROR = "error"  # it reports a retryable error
+    FATAL = "fatal"  # it reports a non-retryable one
+
+
+FAULTS = tuple(Fault)
+
+
+# -- the events of the composed system; str() is the label in a trace ---------------------------
+
+
+@attrs.frozen
+class Plan:
+    """One node (or, coarse, every node once) runs `fsm.plan` and executes every action."""
+
+    node: str | None = None
+
+    def __str__(self) -> str:
+        return "plan" if self.node is None else f"plan {self.node}"
+
+
+@attrs.frozen
+class CompleteAll:
+    """Every pending completion arrives (coarse)."""
+
+    def __str__(self) -> str:
+        return "complete"
+
+
+@attrs.frozen
+class FailDownloads:
+    """Every pending download fails (coarse)."""
+
+    def __str__(self) -> str:
+        return "fail downloads"
+
+
+@attrs.frozen
+class Deliver:
+    """One pending completion arrives, or (``ok`` False, downloads only) fails."""
+
+    index: int
+    ok: bool = True
+
+    def __str__(self) -> str:
+        return f"{'complete' if self.ok else 'fail'} {self.index}"
+
+
+@attrs.frozen
+class Tick:
+    """The clock jumps to the next deadline."""
+
+    def __str__(self) -> str:
+        return "tick"
+
+
+@attrs.frozen
+class Inject:
+    """The adversary hits a runner."""
+
+    fault: Fault
+    runner_id: str
+
+    def __str__(self) -> str:
+        return f"{self.fault.value} {self.runner_id}"
+
+
+@attrs.frozen
+class Delete:
+    def __str__(self) -> str:
+        return "delete"
+
+
+@attrs.frozen
+class Submit:
+    def __str__(self) -> str:
+        return "submit"
+
+
+Event = Plan | CompleteAll | FailDownloads | Deliver | Tick | Inject | Delete | Submit
+
+
+def _faults(values: Any) -> tuple[Fault, ...]:
+    return tuple(Fault(v) for v in values)
 
 
 @attrs.frozen
@@ -72,7 +160,7 @@ class CheckConfig:
     policy: RetryPolicy = attrs.field(factory=RetryPolicy)
     depth: int = 200
     max_states: int = 400_000
-    faults: tuple[str, ...] = FAULTS
+    faults: tuple[Fault, ...] = attrs.field(default=FAULTS, converter=_faults)
     deletes: bool = True
     download_failures: int = 1  # failed downloads the adversary may cause (each retry is a new state)
     plan: Callable[..., list[act.Action]] = default_plan
@@ -248,16 +336,16 @@ class _System:
         live = dict(state.runners)
         for rid in list(c.runners):
             if rid not in live:
-                c.pool.setdefault(rid, c.runners[rid][0])
+                c.pool.setdefault(rid, c.runners[rid].machine)
                 del c.runners[rid]
         for rid, snap in live.items():
-            machine = c.runners[rid][0] if rid in c.runners else c.pool.get(rid)
+            machine = c.runners[rid].machine if rid in c.runners else c.pool.get(rid)
             if machine is None:
                 machine = c.adopt(self.config.runner_cls.from_snapshot(snap))
             else:
                 machine.reload(snap)
             c.pool[rid] = machine
-            c.runners[rid] = (machine, INSTANCE, self.slots[snap.rank].node_id)
+            c.runners[rid] = RunnerEntry(machine, INSTANCE, self.slots[snap.rank].node_id)
         c.downloads.clear()
         for node, snap in state.downloads:
             machine = self.download_objects.get(node)
@@ -279,7 +367,7 @@ class _System:
             self.download_objects.setdefault(node, machine)
         return _State(
             self.placement.machine.snapshot(),
-            tuple(sorted((rid, m.snapshot()) for rid, (m, _, _) in c.runners.items())),
+            tuple(sorted((rid, e.machine.snapshot()) for rid, e in c.runners.items())),
             tuple(sorted((node, m.snapshot()) for (node, _), m in c.downloads.items())),
             tuple(sorted(p for p in pending if applies(c, p))),
             now,
@@ -291,166 +379,154 @@ class _System:
 
     # -- events ------------------------------------------------------------------------
 
-    def successors(self, state: _State) -> Iterator[tuple[str, _State, str]]:
+    def successors(self, state: _State) -> Iterator[tuple[Event, _State, str]]:
         """(event, successor, label) for every event enabled in ``state``; raises _Fail on a violation."""
         planned = None
-        for event in self.events(state, quiescent=None):
+        for event in self.events(state):
             successor, label = self.apply(state, event)
-            if event == "plan":
+            if isinstance(event, Plan):
                 planned = successor
             yield event, successor, label
         if self.config.coarse and not state.pending and planned == state and self._next_time(state) is not None:
-            successor, label = self.apply(state, "tick")  # time passes only when nothing else can happen
-            yield "tick", successor, label
+            successor, label = self.apply(state, Tick())  # time passes only when nothing else can happen
+            yield Tick(), successor, label
 
     def beyond_horizon(self, state: _State) -> bool:
         return state.now > self.config.time_horizon
 
-    def events(self, state: _State, quiescent: bool | None = None) -> Iterator[str]:
+    def events(self, state: _State) -> Iterator[Event]:
         """Every event enabled in ``state`` (progress events first); coarse ticks are `successors`' to add."""
-        downloads = [i for i, op in enumerate(state.pending) if op.kind == "download"]
+        downloads = [i for i, op in enumerate(state.pending) if op.kind is Completion.DOWNLOAD]
         if self.config.coarse:
-            yield "plan"
+            yield Plan()
             if state.pending:
-                yield "complete"
+                yield CompleteAll()
             if downloads and self._may_fail_download(state):
-                yield "fail downloads"
-            if quiescent and self._next_time(state) is not None:
-                yield "tick"
+                yield FailDownloads()
         else:
             for node in self.config.nodes:
-                yield f"plan {node}"
+                yield Plan(node)
             for i in range(len(state.pending)):
-                yield f"complete {i}"
+                yield Deliver(i)
             if self._may_fail_download(state):
-                yield from (f"fail {i}" for i in downloads)
+                yield from (Deliver(i, ok=False) for i in downloads)
             if self._next_time(state) is not None:
-                yield "tick"
+                yield Tick()
         if state.submitted < self.config.requests:
-            yield "submit"
+            yield Submit()
         if state.instance.leaf == InstanceState.DELETED.value:
             return  # the adversary rests: all that is left to prove is the teardown
         for rid, snap in state.runners:  # faults hit healthy runners (a failing one is already being torn down)
             if snap.leaf != RunnerPhase.STOPPED.value and snap.failure is None and not snap.stop_requested:
-                for kind in self.config.faults:
-                    yield f"{kind} {rid}"
+                for fault in self.config.faults:
+                    yield Inject(fault, rid)
         if self.config.deletes:
-            yield "delete"
+            yield Delete()
 
     def _may_fail_download(self, state: _State) -> bool:
         return sum(snap.attempts for _, snap in state.downloads) < self.config.download_failures
 
     @staticmethod
-    def progress(event: str) -> bool:
-        return event.startswith(("plan", "complete", "tick"))
+    def progress(event: Event) -> bool:
+        """Events that need no adversary: the system moving on by itself."""
+        return isinstance(event, (Plan, CompleteAll, Tick)) or (isinstance(event, Deliver) and event.ok)
+
+    def _world(self, state: _State) -> World:
+        self.load(state)
+        world = World(self.cluster, self.config.nodes, state.now, plan=self.config.plan)
+        world.pending = list(state.pending)
+        return world
 
     def _next_time(self, state: _State) -> float | None:
-        self.load(state)
-        now = state.now
-        times = [t for n in self.config.nodes if (t := next_deadline(self.cluster.view(), n, now)) is not None]
-        m = self.placement.machine
-        if m.leaf == "ready" and m.attempts and m.ready_since is not None:
-            reset = m.ready_since + m.policy.reset_after
-            if reset > now:
-                times.append(reset)
-        return min(times, default=None)
+        return self._world(state).next_time()
 
-    def apply(self, state: _State, event: str) -> tuple[_State, str]:
+    def apply(self, state: _State, event: Event) -> tuple[_State, str]:
         """The successor of ``state`` under ``event``, and a readable label; raises _Fail on a violation."""
         try:
             return self._apply(state, event)
+        except InvariantViolated as exc:
+            failure = _Fail(exc.invariant, exc.message)
+            failure.event = str(event)
+            raise failure from exc
         except _Fail as exc:
-            exc.event = event
+            exc.event = str(event)
             raise
 
-    def _apply(self, state: _State, event: str) -> tuple[_State, str]:
-        self.load(state)
-        c, now = self.cluster, state.now
-        pending = list(state.pending)
-        streak_delay, starts = state.streak_delay, state.streak_starts
+    def _apply(self, state: _State, event: Event) -> tuple[_State, str]:
+        world = self._world(state)
+        c = self.cluster
+        streak_delay, starts, submitted = state.streak_delay, state.streak_starts, state.submitted
         before = state.instance
-        verb, _, arg = event.partition(" ")
-        label = event
-        submitted = state.submitted
-        if verb == "submit":
-            c.add_request(f"req{submitted}", INSTANCE)
-            submitted += 1
-        elif verb == "plan":
-            for node in [arg] if arg else self.config.nodes:
-                for action in self.config.plan(c.view(), node, now):
-                    self._check_action(action, now)
-                    if isinstance(action, act.StartGeneration):
-                        starts += 1
-                    try:
-                        c.execute(action, now)
-                    except Exception as exc:
-                        raise _Fail("actions apply", f"{action} could not be applied: {exc}") from exc
-                    if (op := pending_for(action)) is not None:
-                        pending.append(op)
-        elif event == "complete":
-            label = "complete " + ", ".join(str(op) for op in pending)
-            for op in pending:
-                complete(c, op, now)
-            pending = []
-        elif event == "fail downloads":
-            for op in [op for op in pending if op.kind == "download"]:
-                complete(c, op, now, ok=False)
-                pending.remove(op)
-        elif verb in ("complete", "fail"):
-            op = pending.pop(int(arg))
-            label = f"{verb} {op}"
-            complete(c, op, now, ok=verb == "complete")
-        elif verb == "tick":
-            now = self._next_time(state)  # reloads the same state
-            self.load(state)
-            c.instance_event(inst.Tick(INSTANCE, now))
-            label = f"tick to t={now:g}"
-        elif verb in FAULTS:
-            machine = c.runners[arg][0]
-            if verb == "crash":
-                c.runner_event(rn.Exited(arg, machine.incarnation, exit_code=-9), now)
-            elif machine.runner_state is not RunnerState.FAILED:
-                failure = Failure.exception("RuntimeError", "boom", retryable=verb == "error")
-                c.runner_event(rn.Fail(arg, machine.incarnation, failure=failure), now)
-            label = f"{verb} {arg}#{machine.incarnation}"
-        elif verb == "delete":
-            c.delete(INSTANCE, now)
+        label = str(event)
+        match event:
+            case Submit():
+                c.add_request(f"req{submitted}", INSTANCE)
+                submitted += 1
+            case Plan(node):
+                for each in [node] if node else self.config.nodes:
+                    starts += self._plan(world, each)
+            case CompleteAll():
+                label = "complete " + ", ".join(str(op) for op in world.pending)
+                world.deliver_all()
+            case FailDownloads():
+                for op in [op for op in world.pending if op.kind is Completion.DOWNLOAD]:
+                    world.pending.remove(op)
+                    complete(c, op, world.now, ok=False)
+            case Deliver(index, ok):
+                label = f"{'complete' if ok else 'fail'} {world.pending[index]}"
+                world.deliver(index, ok=ok)
+            case Tick():
+                future = world.next_time()
+                assert future is not None, "a tick is enabled only with a deadline ahead"
+                world.advance(future)
+                label = f"tick to t={future:g}"
+            case Inject(fault, rid):
+                machine = c.runner(rid)
+                if fault is Fault.CRASH:
+                    c.runner_event(rn.Exited(rid, machine.incarnation, exit_code=-9, stop_delivered=False), world.now)
+                elif machine.runner_state is not RunnerState.FAILED:
+                    failure = Failure.exception("RuntimeError", "boom", retryable=fault is Fault.ERROR)
+                    c.runner_event(rn.Fail(rid, machine.incarnation, failure=failure), world.now)
+                label = f"{fault.value} {rid}#{machine.incarnation}"
+            case Delete():
+                c.delete(INSTANCE, world.now)
         after = self.placement.machine
         if after.attempts < before.attempts:
             streak_delay, starts = 0.0, 0
-        streak_delay = self._check_transition(state, before, after, now, streak_delay)
+        streak_delay = self._check_transition(state, before, after, world.now, streak_delay)
         if starts > self.config.policy.max_retries + 1:
             raise _Fail("4 creations per streak", f"{starts} generations started in one failure streak")
-        return self.capture(pending, now, streak_delay, starts, submitted), label
+        return self.capture(world.pending, world.now, streak_delay, starts, submitted), label
+
+    @staticmethod
+    def _plan(world: World, node: str) -> int:
+        """Plan and execute on ``node`` (`World.step` checks 1, 5 and 6 per action); returns generations started."""
+        try:
+            actions = world.step(node)
+        except InvariantViolated:
+            raise
+        except Exception as exc:
+            action = world.executed[-1][1] if world.executed else None
+            raise _Fail("actions apply", f"an action could not be applied after {action}: {exc}") from exc
+        return sum(isinstance(a, act.StartGeneration) for a in actions)
 
     # -- invariants --------------------------------------------------------------------------
 
-    def _check_action(self, action: act.Action, now: float) -> None:
-        m = self.placement.machine
-        if isinstance(action, act.CreateRunner) and m.is_deleted:
-            raise _Fail("1 absorbing Deleted", f"{action} for a Deleted instance")
-        if isinstance(action, act.ForwardRequest):
-            runner = self.cluster.runners[action.runner_id][0]
-            if runner.runner_state is not RunnerState.READY or runner.incarnation != m.generation:
-                raise _Fail("requests go to Ready runners", f"{action} while the runner is {runner.path}")
-        if isinstance(action, act.CancelRequest) and not m.is_deleted:
-            raise _Fail("requests are cancelled only with their instance", f"{action} while {m.leaf}")
-        if isinstance(action, act.StartGeneration) and m.deadline is not None and now < m.deadline:
-            raise _Fail("5 no start before its deadline", f"generation started at t={now:g} < deadline {m.deadline:g}")
-
     def _check_transition(self, pre: _State, before: Any, after: InstanceRetry, now: float, streak: float) -> float:
         c, policy = self.cluster, self.config.policy
-        if before.leaf == "deleted" and not after.is_deleted:
+        failed, stopping, stopped = RunnerState.FAILED.value, RunnerPhase.STOPPING.value, RunnerPhase.STOPPED.value
+        if before.leaf == InstanceState.DELETED.value and not after.is_deleted:
             raise _Fail("1 absorbing Deleted", f"instance left Deleted for {after.leaf}")
         for entry in c.log:
-            if entry.machine == "runner" and entry.source == "failed" and entry.target != "stopped":
+            if entry.machine == "runner" and entry.source == failed and entry.target != stopped:
                 raise _Fail("2 Failed left only to Shutdown", f"runner {entry.key}: failed → {entry.target}")
-            shutdown = ("stopping", "stopped")  # Shutdown's leaves; an error while stopping may still fail it
-            if entry.machine == "runner" and entry.source in shutdown and entry.target not in (*shutdown, "failed"):
+            # Shutdown's leaves; an error (or an exit that beat our stop) while stopping may still fail it
+            shutdown = (stopping, stopped)
+            if entry.machine == "runner" and entry.source in shutdown and entry.target not in (*shutdown, failed):
                 raise _Fail("1 absorbing Shutdown", f"runner {entry.key}: {entry.source} → {entry.target}")
-            if entry.machine == "runner" and entry.source == "stopped":
+            if entry.machine == "runner" and entry.source == stopped:
                 raise _Fail("1 absorbing Shutdown", f"runner {entry.key}: stopped → {entry.target}")
-            if entry.machine == "instance" and entry.target == "backing_off":
+            if entry.machine == "instance" and entry.target == InstanceState.BACKING_OFF.value:
                 delay = after.deadline - now  # type: ignore[operator]
                 low = 0.0 if policy.backoff.jitter else min(policy.backoff.initial, policy.backoff.cap)
                 if not low <= delay <= policy.backoff.cap:
@@ -459,20 +535,18 @@ class _System:
                     raise _Fail("3 backoff never decreases", f"delay {delay:g} after {streak:g} in one streak")
                 streak = delay
         for rid, snap in pre.runners:
-            m = c.runners.get(rid, (None,))[0]
-            if snap.leaf == "stopped" and (m is None or (m.incarnation == snap.incarnation and m.alive)):
+            entry = c.runners.get(rid)
+            m = None if entry is None else entry.machine
+            if snap.leaf == stopped and (m is None or (m.incarnation == snap.incarnation and m.alive)):
                 raise _Fail("1 absorbing Shutdown", f"runner {rid} left Shutdown")
-        alive = [m for m, _, _ in c.runners.values() if m.alive]
-        if len({m.incarnation for m in alive}) > 1:
-            raise _Fail("6 one generation at a time", f"alive incarnations {sorted({m.incarnation for m in alive})}")
-        if len(alive) > self.config.ranks:
-            raise _Fail("6 at most N live runners", f"{len(alive)} live runners for {self.config.ranks} ranks")
+        check_runners(c)
+        ready = InstanceState.READY.value
         if after.attempts < before.attempts:
             ready_for = None if before.ready_since is None else now - before.ready_since
-            if before.leaf != "ready" or ready_for is None or ready_for < policy.reset_after:
+            if before.leaf != ready or ready_for is None or ready_for < policy.reset_after:
                 raise _Fail("8 reset iff Ready long enough", f"budget reset after {ready_for} s in {before.leaf}")
         ready_for = None if after.ready_since is None else now - after.ready_since
-        if after.leaf == "ready" and ready_for is not None and ready_for >= policy.reset_after and after.attempts:
+        if after.leaf == ready and ready_for is not None and ready_for >= policy.reset_after and after.attempts:
             raise _Fail("8 reset iff Ready long enough", f"Ready for {now - after.ready_since:g} s, no reset")
         return streak
 
@@ -497,7 +571,8 @@ class _System:
                 if out.accepted or after != state:
                     raise _Fail("7 stale events are no-ops", f"a stale {event.name} moved runner {rid}")
         generation = state.instance.generation
-        if generation >= 2 and state.instance.leaf != "deleted" and state.instance not in self._stale_proven:
+        deleted = state.instance.leaf == InstanceState.DELETED.value
+        if generation >= 2 and not deleted and state.instance not in self._stale_proven:
             self._stale_proven.add(state.instance)
             self.load(state)
             stale = inst.RankFailed(INSTANCE, state.now, generation - 1, 0, failure=stale_failure)
@@ -509,12 +584,13 @@ class _System:
             return False  # every request forwarded or cancelled, every completion in
         m = state.instance
         runners = [s for _, s in state.runners]
-        if m.leaf == "deleted":
-            return all(s.leaf == "stopped" for s in runners)
+        if m.leaf == InstanceState.DELETED.value:
+            return all(s.leaf == RunnerPhase.STOPPED.value for s in runners)
+        serving = (RunnerPhase.AVAILABLE.value, RunnerPhase.BUSY.value)
         return (
-            m.leaf == "ready"
+            m.leaf == InstanceState.READY.value
             and len(runners) == self.config.ranks
-            and all(s.leaf in ("available", "busy") for s in runners)
+            and all(s.leaf in serving for s in runners)
         )
 
 
@@ -533,7 +609,7 @@ def check(config: CheckConfig | None = None, *, timer: Callable[[], float] | Non
     transitions, deepest, truncated, truncated_by_time = 0, 0, False, False
     progress_from: dict[_State, list[_State]] = {}  # reverse progress edges, for the liveness check
     open_states: set[_State] = set()  # settled, or with a future past the horizon or the bounds
-    samples: list[tuple[_State, str, _State]] = []
+    samples: list[tuple[_State, Event, _State]] = []
     rng = random.Random(0)
 
     def trace(state: _State, last: str | None = None) -> tuple[str, ...]:

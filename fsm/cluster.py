@@ -73,6 +73,15 @@ class LogEntry:
         )
 
 
+@attrs.frozen
+class RunnerEntry:
+    """The latest incarnation of a runner slot, and where it belongs."""
+
+    machine: rn.RunnerLifecycle
+    instance_id: str
+    node_id: str
+
+
 @attrs.define
 class _Placement:
     model_id: str
@@ -93,7 +102,7 @@ class Cluster:
     ) -> None:
         self.runner_cls, self.instance_cls, self.download_cls = runner_cls, instance_cls, download_cls
         self.instances: dict[str, _Placement] = {}
-        self.runners: dict[str, tuple[rn.RunnerLifecycle, str, str]] = {}  # id -> (machine, instance, node)
+        self.runners: dict[str, RunnerEntry] = {}
         self.downloads: dict[tuple[str, str], dl.DownloadLifecycle] = {}
         self.requests: dict[str, PendingRequest] = {}
         self.download_policy = download_policy or dl.DEFAULT_DOWNLOAD_BACKOFF
@@ -127,7 +136,7 @@ class Cluster:
         placement = self.instances[instance_id]
         if not placement.machine.is_deleted:
             raise InvalidConfig(f"instance {instance_id!r} is not deleted")
-        if any(self.runners[s.runner_id][0].alive for s in placement.slots if s.runner_id in self.runners):
+        if self.has_live_runners(instance_id):
             raise InvalidConfig(f"instance {instance_id!r} still has live runners")
         for slot in placement.slots:
             self.runners.pop(slot.runner_id, None)
@@ -145,9 +154,11 @@ class Cluster:
         """Apply a runner event and forward what it means to the runner's instance."""
         if event.runner_id not in self.runners:
             raise InvalidEvent(f"no runner {event.runner_id!r}")
-        machine, instance_id, _node = self.runners[event.runner_id]
+        entry = self.runners[event.runner_id]
+        machine, instance_id = entry.machine, entry.instance_id
         was_ready = machine.runner_state is rn.RunnerState.READY
         was_failed = machine.failure is not None
+        was_stopping = machine.runner_state is rn.RunnerState.SHUTDOWN
         outcome = machine.apply(event)
         cause = machine.failure.message if machine.failure and not was_failed else ""
         self._record("runner", event.runner_id, now, outcome, cause)
@@ -159,7 +170,8 @@ class Cluster:
         gen, rank = machine.incarnation, machine.rank
         if not was_ready and machine.runner_state is rn.RunnerState.READY:
             self.instance_event(inst.RankReady(instance_id, now, gen, rank))
-        if not was_failed and machine.failure is not None:
+        if not was_failed and machine.failure is not None and not was_stopping:
+            # A failure while stopping on our request costs nothing: the stop was ours, the rank is only gone.
             self.instance_event(inst.RankFailed(instance_id, now, gen, rank, failure=machine.failure))
         if not machine.alive and any(s.target == rn.RunnerPhase.STOPPED.value for s in outcome.steps):
             self.instance_event(inst.RankStopped(instance_id, now, gen, rank))
@@ -183,10 +195,10 @@ class Cluster:
         for instance_id, placement in self.instances.items():
             if placement.machine.instance_state in (inst.InstanceState.STARTING, inst.InstanceState.READY):
                 self.instance_event(inst.Resume(instance_id, now))
-        for machine, _instance_id, _node in list(self.runners.values()):
+        for machine in [entry.machine for entry in self.runners.values()]:
             if not machine.alive:
                 continue
-            if machine.runner_state is not rn.RunnerState.FAILED and machine.leaf != "stopping":
+            if machine.runner_state not in (rn.RunnerState.FAILED, rn.RunnerState.SHUTDOWN):
                 self.runner_event(rn.Stop(machine.runner_id, machine.incarnation), now)
             self.runner_event(rn.Exited(machine.runner_id, machine.incarnation, exit_code=-9), now)
         self.requests.clear()  # their callers were connected to the previous daemon
@@ -212,9 +224,7 @@ class Cluster:
             case act.ConnectRunner(runner_id, incarnation):
                 return self.runner_event(rn.Connect(runner_id, incarnation), now)
             case act.LoadModel(runner_id, incarnation, model_id):
-                node_id = self.runners[runner_id][2]
-                self.download_event(node_id, dl.LoadStarted(model_id, now))
-                return self.runner_event(rn.Load(runner_id, incarnation), now)
+                return self._load_model(action, now)
             case act.WarmUp(runner_id, incarnation):
                 return self.runner_event(rn.WarmUp(runner_id, incarnation), now)
             case act.ForwardRequest(request_id, runner_id, incarnation):
@@ -226,16 +236,37 @@ class Cluster:
         raise InvalidEvent(f"unknown action {action!r}")
 
     def _create_runner(self, action: act.CreateRunner, now: float) -> Outcome:
-        self._placement(action.instance_id)  # refuses an unknown instance before anything changes
-        previous = self.runners.get(action.runner_id)
-        if previous is not None and (previous[0].alive or previous[0].incarnation >= action.incarnation):
+        """Refuse first, change nothing: a runner is registered only if its instance takes the rank."""
+        instance = self._placement(action.instance_id).machine
+        if action.incarnation > instance.generation:
             raise InvalidEvent(
-                f"runner {action.runner_id!r} incarnation {previous[0].incarnation} is still alive or newer"
+                f"cannot create {action.runner_id!r} for generation {action.incarnation}: instance "
+                f"{action.instance_id!r} is {instance.leaf} at generation {instance.generation}"
+            )
+        if instance.instance_state is not inst.InstanceState.STARTING or action.incarnation < instance.generation:
+            return Outcome.ignored(
+                f"instance {action.instance_id!r} moved on: {instance.leaf}, gen {instance.generation}"
+            )
+        previous = self.runners.get(action.runner_id)
+        if previous is not None and (previous.machine.alive or previous.machine.incarnation >= action.incarnation):
+            raise InvalidEvent(
+                f"runner {action.runner_id!r} incarnation {previous.machine.incarnation} is still alive or newer"
             )
         machine = self._new_runner(action)
-        self.runners[action.runner_id] = (machine, action.instance_id, action.node_id)
+        self.runners[action.runner_id] = RunnerEntry(machine, action.instance_id, action.node_id)
         self.log.append(LogEntry(now, "runner", action.runner_id, "create", "", machine.leaf))
         return self.instance_event(inst.RankCreated(action.instance_id, now, action.incarnation, action.rank))
+
+    def _load_model(self, action: act.LoadModel, now: float) -> Outcome:
+        """The download's backoff resets only when the runner really starts loading (the files proved good)."""
+        node_id = self.runners[action.runner_id].node_id if action.runner_id in self.runners else ""
+        download = self.downloads.get((node_id, action.model_id))
+        if download is None or download.download_state is not dl.DownloadState.COMPLETED:
+            raise InvalidEvent(f"cannot load {action.model_id!r} on {node_id!r}: its download is not complete")
+        outcome = self.runner_event(rn.Load(action.runner_id, action.incarnation), now)
+        if outcome.accepted:
+            self.download_event(node_id, dl.LoadStarted(action.model_id, now))
+        return outcome
 
     def _new_runner(self, action: act.CreateRunner) -> rn.RunnerLifecycle:
         return self.runner_cls(
@@ -249,7 +280,9 @@ class Cluster:
             instances=[
                 InstanceView(iid, p.model_id, p.slots, RetryStatus.of(p.machine)) for iid, p in self.instances.items()
             ],
-            runners=[RunnerStatus.of(m, instance_id=i, node_id=n) for m, i, n in self.runners.values()],
+            runners=[
+                RunnerStatus.of(e.machine, instance_id=e.instance_id, node_id=e.node_id) for e in self.runners.values()
+            ],
             downloads=[DownloadStatus.of(m, node_id=node) for (node, _), m in self.downloads.items()],
             requests=list(self.requests.values()),
         )
@@ -258,7 +291,12 @@ class Cluster:
         return self._placement(instance_id).machine
 
     def runner(self, runner_id: str) -> rn.RunnerLifecycle:
-        return self.runners[runner_id][0]
+        return self.runners[runner_id].machine
+
+    def has_live_runners(self, instance_id: str) -> bool:
+        """Whether any process of the instance is not yet reaped."""
+        slots = self._placement(instance_id).slots
+        return any(self.runners[s.runner_id].machine.alive for s in slots if s.runner_id in self.runners)
 
     # -- persistence ----------------------------------------------------------------------
 
@@ -273,7 +311,8 @@ class Cluster:
                 for iid, p in self.instances.items()
             },
             "runners": {
-                rid: {"instance_id": i, "node_id": n, "machine": m.to_dict()} for rid, (m, i, n) in self.runners.items()
+                rid: {"instance_id": e.instance_id, "node_id": e.node_id, "machine": e.machine.to_dict()}
+                for rid, e in self.runners.items()
             },
             "downloads": [{"node_id": node, "machine": m.to_dict()} for (node, _), m in self.downloads.items()],
             "requests": [attrs.asdict(r) for r in self.requests.values()],
@@ -286,7 +325,9 @@ class Cluster:
             slots = tuple(Slot(**s) for s in p["slots"])
             cluster.instances[iid] = _Placement(p["model_id"], slots, inst.InstanceRetry.from_dict(p["machine"]))
         for rid, r in data["runners"].items():
-            cluster.runners[rid] = (rn.RunnerLifecycle.from_dict(r["machine"]), r["instance_id"], r["node_id"])
+            cluster.runners[rid] = RunnerEntry(
+                rn.RunnerLifecycle.from_dict(r["machine"]), r["instance_id"], r["node_id"]
+            )
         for d in data["downloads"]:
             machine = dl.DownloadLifecycle.from_dict(d["machine"])
             cluster.downloads[(d["node_id"], machine.model_id)] = machine

@@ -194,10 +194,6 @@ def _rows_by_scope(cls: type[StateMachine]) -> dict[str | None, list[Transition]
     return scopes
 
 
-def _initial_child(state: State) -> State | None:
-    return next((child for child in state.states if child.initial), None)
-
-
 # -- Mermaid -------------------------------------------------------------------------
 
 

@@ -49,14 +49,13 @@ from fsm.instance import DeleteReason, InstanceState, budget_exhausted
 from fsm.runner import RunnerPhase, RunnerState
 from fsm.view import ClusterView, InstanceView, RunnerStatus
 
-_LIVE_INSTANCE = (InstanceState.PENDING, InstanceState.STARTING, InstanceState.READY)
 _TEARDOWN = (InstanceState.RECOVERING, InstanceState.BACKING_OFF)
 
 
 def plan(view: ClusterView, node_id: str, now: float) -> list[Action]:
     """Every action ``node_id`` should take at ``now``, highest priority first."""
     return [
-        *_cancel_requests(view),
+        *_cancel_requests(view, node_id),
         *_stop_runners(view, node_id),
         *_give_up_at_cap(view, node_id),
         *_start_generations(view, node_id, now),
@@ -70,12 +69,14 @@ def plan(view: ClusterView, node_id: str, now: float) -> list[Action]:
 
 
 def next_deadline(view: ClusterView, node_id: str, now: float) -> float | None:
-    """The earliest time after ``now`` at which time alone can change ``plan``'s answer."""
+    """The earliest time after ``now`` at which time alone changes something: ``plan``'s answer, or a budget
+    reset coming due (so that it is observed, and shown, when it happens rather than at the next event)."""
     times = [
         inst.retry.deadline
         for inst in view.instances.values()
         if inst.retry.state in (InstanceState.BACKING_OFF, InstanceState.STARTING) and node_id in inst.nodes
     ]
+    times += [inst.retry.reset_due for inst in view.instances.values() if node_id in inst.nodes]
     times += [
         d.retry_at for (node, _), d in view.downloads.items() if node == node_id and d.state is DownloadState.FAILED
     ]
@@ -105,13 +106,14 @@ def _our_current_runners(view: ClusterView, inst: InstanceView, node_id: str) ->
 # -- rules, in priority order ---------------------------------------------------------
 
 
-def _cancel_requests(view: ClusterView) -> Iterator[Action]:
-    """Requests for an instance that is gone end with an error, never a hang."""
+def _cancel_requests(view: ClusterView, node_id: str) -> Iterator[Action]:
+    """Requests for an instance that is gone end with an error, never a hang: the nodes hosting it end them
+    (a request for an instance no node hosts any more is ended by whichever node plans first)."""
     for req in view.requests:
         inst = view.instances.get(req.instance_id)
         if inst is None:
             yield CancelRequest(req.request_id, req.instance_id, "instance does not exist")
-        elif inst.retry.state is InstanceState.DELETED:
+        elif inst.retry.state is InstanceState.DELETED and node_id in inst.nodes:
             reason = inst.retry.delete_reason.value if inst.retry.delete_reason else "deleted"
             yield CancelRequest(req.request_id, req.instance_id, f"instance was deleted ({reason})")
 
@@ -120,6 +122,8 @@ def _stop_reason(view: ClusterView, runner: RunnerStatus) -> StopReason | None:
     inst = view.instances.get(runner.instance_id)
     if inst is None or inst.retry.state is InstanceState.DELETED:
         return StopReason.INSTANCE_GONE
+    if all(slot.runner_id != runner.runner_id for slot in inst.slots):
+        return StopReason.INSTANCE_GONE  # in no slot of its instance: nothing would ever stop it otherwise
     if runner.state is RunnerState.FAILED:
         return StopReason.RUNNER_FAILED
     if runner.incarnation < inst.retry.generation:

@@ -16,6 +16,9 @@ Six top-level states, with sub-phases as compound states::
 * A process that exits while not stopping is Failed, even with exit code 0:
   ``exited`` from a running state passes through Failed (recording the cause)
   and, the process being gone, on to Shutdown.stopped in the same event.
+  So is one that exits while stopping before our stop reached it
+  (``stop_delivered=False``): its real last status was a failure.
+* Failed always carries its cause: ``fail`` is refused without one.
 * The failure stays recorded after Shutdown, so "this runner failed" is still
   true of its last status (the rule exo's supervisor broke by overwriting it).
 * Every event names ``(runner_id, incarnation)``; an event from an older
@@ -172,9 +175,12 @@ class Exited(RunnerEvent):
     name = "exited"
     exit_code: int = attrs.field(validator=attrs.validators.instance_of(int))
     detail: str = ""  # last stderr lines
+    # Whether our stop (the ask, or a signal) reached the process before it ended. An exit that beat
+    # the stop is the process's own doing: a failure, recorded as such even though we were stopping it.
+    stop_delivered: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
 
     def payload(self) -> dict[str, Any]:
-        return {"exit_code": self.exit_code, "detail": self.detail}
+        return {"exit_code": self.exit_code, "detail": self.detail, "stop_delivered": self.stop_delivered}
 
 
 # -- snapshot ---------------------------------------------------------------------
@@ -238,7 +244,11 @@ class RunnerLifecycle(Lifecycle):
         internal=True, unless="last_request", on="_request_out"
     )
     fail = (
-        idle.to(failed) | connecting.to(failed) | loading.to(failed) | ready.to(failed) | shutdown.stopping.to(failed)
+        idle.to(failed, cond="has_cause")
+        | connecting.to(failed, cond="has_cause")
+        | loading.to(failed, cond="has_cause")
+        | ready.to(failed, cond="has_cause")
+        | shutdown.stopping.to(failed, cond="has_cause")
     )
     stop = (
         idle.to(shutdown)
@@ -248,7 +258,8 @@ class RunnerLifecycle(Lifecycle):
         | failed.to.itself(internal=True, on="_record_stop_request")
     )
     exited = (
-        shutdown.stopping.to(shutdown.stopped)
+        shutdown.stopping.to(shutdown.stopped, cond="stop_reached_it")
+        | shutdown.stopping.to(failed, on="_exit_while_running")
         | failed.to(shutdown.stopped)
         | idle.to(failed, on="_exit_while_running")
         | connecting.to(failed, on="_exit_while_running")
@@ -305,6 +316,16 @@ class RunnerLifecycle(Lifecycle):
     def last_request(self) -> bool:
         return self.in_flight == 1
 
+    @staticmethod
+    def has_cause(failure: Failure | None = None) -> bool:
+        """Failed always says why: a bare ``send("fail")`` is refused."""
+        return isinstance(failure, Failure)
+
+    @staticmethod
+    def stop_reached_it(stop_delivered: bool = True) -> bool:
+        """An exit while stopping is clean only if our stop reached the process first."""
+        return stop_delivered
+
     # -- actions ------------------------------------------------------------
 
     def _record_progress(self, layers_loaded: int, layers_total: int) -> None:
@@ -340,6 +361,8 @@ class RunnerLifecycle(Lifecycle):
             return "connect needs world_size > 1; a single rank goes straight to load"
         if event == "load" and self.leaf == "idle":
             return "a multi-rank runner must connect (join its group) before it loads"
+        if event == "fail" and self.leaf != "failed":
+            return "a failure needs its cause: apply(Fail(runner_id, incarnation, failure=Failure(...)))"
         if self.leaf == "failed":
             return "a Failed runner is never revived: stop it, reap it, start a new incarnation"
         return ""

@@ -80,6 +80,15 @@ class RetryStatus:
     max_retries: int = 5
     deadline: float | None = None
     delete_reason: DeleteReason | None = None
+    ready_since: float | None = None
+    reset_after: float = 600.0
+
+    @property
+    def reset_due(self) -> float | None:
+        """When a Ready instance's spent budget returns to 0, if it stays Ready until then."""
+        if self.state is not InstanceState.READY or not self.attempts or self.ready_since is None:
+            return None
+        return self.ready_since + self.reset_after
 
     @classmethod
     def of(cls, machine: InstanceRetry) -> RetryStatus:
@@ -90,6 +99,8 @@ class RetryStatus:
             max_retries=machine.policy.max_retries,
             deadline=machine.deadline,
             delete_reason=machine.delete_reason,
+            ready_since=machine.ready_since,
+            reset_after=machine.policy.reset_after,
         )
 
 
@@ -112,11 +123,6 @@ class InstanceView:
     @property
     def world_size(self) -> int:
         return len(self.slots)
-
-    @property
-    def node_to_runner(self) -> Mapping[str, str]:
-        """exo's shape of the assignment (a node may host several ranks: the last wins here)."""
-        return {s.node_id: s.runner_id for s in self.slots}
 
     @property
     def nodes(self) -> frozenset[str]:

@@ -1,84 +1,240 @@
-"""A simulated world around `fsm.cluster.Cluster`: what processes and downloads would answer.
+"""A simulated world around `fsm.cluster.Cluster`: the plan → execute → settle loop, once.
 
 An action that starts real work (connect, load, warm-up, stop, a download, a
 request) leaves a `Pending` completion; whoever drives the simulation decides
-when it completes — at once (a demo), in a random order (Hypothesis), or in
-every order (the model checker). Pure, like the rest of `fsm`.
+when it completes — at once (a demo, `World.settle`), in a random order
+(Hypothesis), or in every order (the model checker). All three use `World`.
+
+The invariants that must hold *at the moment an action is taken* (DESIGN §3.5:
+1, 5 and 6) are checked here, in `check_action`, for every driver alike. Pure,
+like the rest of `fsm`.
 """
 
 from __future__ import annotations
+
+import enum
+from collections.abc import Callable
 
 import attrs
 
 from fsm import actions as act
 from fsm import download as dl
+from fsm import instance as inst
 from fsm import runner as rn
 from fsm.cluster import Cluster
 from fsm.download import DownloadState
+from fsm.plan import next_deadline
+from fsm.plan import plan as default_plan
+from fsm.runner import RunnerPhase, RunnerState
+
+
+class Completion(enum.Enum):
+    """What the world owes after an action: the report that ends the work it started."""
+
+    CONNECTED = "connected"
+    LOADED = "loaded"
+    WARMED = "warmed"
+    EXITED = "exited"
+    FINISHED = "finished"
+    DOWNLOAD = "download"
 
 
 @attrs.frozen(order=True)
 class Pending:
-    kind: str  # connected | loaded | warmed | exited | finished | download
+    kind: Completion = attrs.field(order=lambda kind: kind.value)
     key: str  # runner id, or node id for downloads
     incarnation: int = 0
     model_id: str = ""
 
     def __str__(self) -> str:
-        what = f"{self.key}#{self.incarnation}" if self.kind != "download" else f"{self.model_id}@{self.key}"
-        return f"{self.kind} {what}"
+        what = f"{self.model_id}@{self.key}" if self.kind is Completion.DOWNLOAD else f"{self.key}#{self.incarnation}"
+        return f"{self.kind.value} {what}"
 
 
-_EXPECTED_LEAF = {"connected": "joining", "loaded": "weights", "warmed": "warming_up", "finished": "busy"}
+# The phase a runner must still be in for its completion to mean something.
+_EXPECTED_PHASE = {
+    Completion.CONNECTED: RunnerPhase.JOINING,
+    Completion.LOADED: RunnerPhase.WEIGHTS,
+    Completion.WARMED: RunnerPhase.WARMING_UP,
+    Completion.FINISHED: RunnerPhase.BUSY,
+}
 
 
 def pending_for(action: act.Action) -> Pending | None:
     """The completion the world owes after ``action`` was executed."""
     match action:
         case act.ConnectRunner(rid, inc):
-            return Pending("connected", rid, inc)
+            return Pending(Completion.CONNECTED, rid, inc)
         case act.LoadModel(rid, inc, _):
-            return Pending("loaded", rid, inc)
+            return Pending(Completion.LOADED, rid, inc)
         case act.WarmUp(rid, inc):
-            return Pending("warmed", rid, inc)
+            return Pending(Completion.WARMED, rid, inc)
         case act.StopRunner(rid, inc, _):
-            return Pending("exited", rid, inc)
+            return Pending(Completion.EXITED, rid, inc)
         case act.ForwardRequest(_, rid, inc):
-            return Pending("finished", rid, inc)
+            return Pending(Completion.FINISHED, rid, inc)
         case act.StartDownload(node, model):
-            return Pending("download", node, model_id=model)
+            return Pending(Completion.DOWNLOAD, node, model_id=model)
     return None
 
 
 def applies(cluster: Cluster, op: Pending) -> bool:
     """Whether ``op`` still means something (its runner may have moved on or died meanwhile)."""
-    if op.kind == "download":
+    if op.kind is Completion.DOWNLOAD:
         machine = cluster.downloads.get((op.key, op.model_id))
         return machine is not None and machine.download_state is DownloadState.ONGOING
     entry = cluster.runners.get(op.key)
-    if entry is None or entry[0].incarnation != op.incarnation or not entry[0].alive:
+    if entry is None or entry.machine.incarnation != op.incarnation or not entry.machine.alive:
         return False
-    return op.kind == "exited" or entry[0].leaf == _EXPECTED_LEAF[op.kind]
+    return op.kind is Completion.EXITED or entry.machine.phase is _EXPECTED_PHASE[op.kind]
 
 
 def complete(cluster: Cluster, op: Pending, now: float, *, ok: bool = True) -> bool:
     """Deliver ``op`` (a download may fail with ``ok=False``); False if it no longer applies."""
     if not applies(cluster, op):
         return False
-    if op.kind == "download":
+    if op.kind is Completion.DOWNLOAD:
         event = dl.Complete(op.model_id, now) if ok else dl.DownloadFailed(op.model_id, now, "offline")
         cluster.download_event(op.key, event)
         return True
     rid, inc = op.key, op.incarnation
-    if op.kind == "exited":
-        cluster.runner_event(rn.Exited(rid, inc, exit_code=0), now)
-    elif op.kind == "connected":
-        cluster.runner_event(rn.Connected(rid, inc), now)
-    elif op.kind == "loaded":
-        cluster.runner_event(rn.Progress(rid, inc, layers_loaded=2, layers_total=4), now)
-        cluster.runner_event(rn.WeightsLoaded(rid, inc), now)
-    elif op.kind == "warmed":
-        cluster.runner_event(rn.Warmed(rid, inc), now)
-    elif op.kind == "finished":
-        cluster.runner_event(rn.RequestFinished(rid, inc), now)
+    match op.kind:
+        case Completion.EXITED:
+            cluster.runner_event(rn.Exited(rid, inc, exit_code=0), now)
+        case Completion.CONNECTED:
+            cluster.runner_event(rn.Connected(rid, inc), now)
+        case Completion.LOADED:
+            cluster.runner_event(rn.Progress(rid, inc, layers_loaded=2, layers_total=4), now)
+            cluster.runner_event(rn.WeightsLoaded(rid, inc), now)
+        case Completion.WARMED:
+            cluster.runner_event(rn.Warmed(rid, inc), now)
+        case Completion.FINISHED:
+            cluster.runner_event(rn.RequestFinished(rid, inc), now)
     return True
+
+
+# -- invariants at the moment an action is taken --------------------------------------------
+
+
+class InvariantViolated(AssertionError):
+    """An invariant of DESIGN §3.5 does not hold; ``invariant`` names it as the specs do."""
+
+    def __init__(self, invariant: str, message: str) -> None:
+        super().__init__(f"{invariant}: {message}")
+        self.invariant = invariant
+        self.message = message
+
+
+def check_action(cluster: Cluster, action: act.Action, now: float) -> None:
+    """Invariants 1, 5 and 6, and the request rules, checked just before ``action`` is executed."""
+    match action:
+        case act.StartGeneration(instance_id, _):
+            deadline = cluster.instance(instance_id).deadline
+            if deadline is not None and now < deadline:
+                raise InvariantViolated(
+                    "5 no start before its deadline", f"generation started at t={now:g} < deadline {deadline:g}"
+                )
+        case act.CreateRunner(instance_id, _, _, _, _, incarnation, _):
+            machine = cluster.instance(instance_id)
+            if machine.is_deleted:
+                raise InvariantViolated("1 absorbing Deleted", f"{action} for a Deleted instance")
+            older = [
+                e.machine
+                for e in cluster.runners.values()
+                if e.instance_id == instance_id and e.machine.alive and e.machine.incarnation != incarnation
+            ]
+            if older:
+                raise InvariantViolated("6 one generation at a time", f"{action} while {older[0].runner_id} is alive")
+        case act.ForwardRequest(_, runner_id, incarnation):
+            runner = cluster.runner(runner_id)
+            instance = cluster.instance(cluster.runners[runner_id].instance_id)
+            if runner.runner_state is not RunnerState.READY or incarnation != instance.generation:
+                raise InvariantViolated("requests go to Ready runners", f"{action} while the runner is {runner.path}")
+        case act.CancelRequest(_, instance_id, _) if instance_id in cluster.instances:
+            machine = cluster.instance(instance_id)
+            if not machine.is_deleted:
+                raise InvariantViolated(
+                    "requests are cancelled only with their instance", f"{action} while {machine.leaf}"
+                )
+
+
+def check_runners(cluster: Cluster) -> None:
+    """Invariant 6 on a state: one generation alive per instance, never more live runners than ranks."""
+    for instance_id, placement in cluster.instances.items():
+        alive = [e.machine for e in cluster.runners.values() if e.instance_id == instance_id and e.machine.alive]
+        if len({m.incarnation for m in alive}) > 1:
+            raise InvariantViolated(
+                "6 one generation at a time", f"alive incarnations {sorted({m.incarnation for m in alive})}"
+            )
+        if len(alive) > len(placement.slots):
+            raise InvariantViolated(
+                "6 at most N live runners", f"{len(alive)} live runners for {len(placement.slots)} ranks"
+            )
+
+
+# -- the loop -------------------------------------------------------------------------------
+
+
+Planner = Callable[..., list[act.Action]]
+
+
+class World:
+    """Plan on a node, execute, and keep what the world owes; deliver it when the driver says so."""
+
+    def __init__(
+        self, cluster: Cluster, nodes: list[str] | tuple[str, ...], now: float = 0.0, *, plan: Planner = default_plan
+    ) -> None:
+        self.cluster = cluster
+        self.nodes = list(nodes)
+        self.now = now
+        self.plan = plan
+        self.pending: list[Pending] = []
+        self.executed: list[tuple[float, act.Action]] = []
+
+    def step(self, node_id: str) -> list[act.Action]:
+        """Plan on ``node_id`` and execute every action; their completions become pending."""
+        actions = self.plan(self.cluster.view(), node_id, self.now)
+        for action in actions:
+            check_action(self.cluster, action, self.now)
+            self.cluster.execute(action, self.now)
+            self.executed.append((self.now, action))
+            if (op := pending_for(action)) is not None:
+                self.pending.append(op)
+        return actions
+
+    def deliver(self, index: int, *, ok: bool = True) -> bool:
+        return complete(self.cluster, self.pending.pop(index), self.now, ok=ok)
+
+    def deliver_all(self) -> bool:
+        """Deliver every pending completion in order; True if any still applied."""
+        delivered = False
+        while self.pending:
+            delivered = self.deliver(0) or delivered
+        return delivered
+
+    def next_time(self) -> float | None:
+        """The earliest deadline of any node after ``now`` (backoff, download retry, budget reset)."""
+        times = [t for n in self.nodes if (t := next_deadline(self.cluster.view(), n, self.now)) is not None]
+        return min(times, default=None)
+
+    def advance(self, now: float) -> None:
+        """Time passes: every instance observes it (a budget reset comes due only when observed)."""
+        self.now = now
+        for instance_id, placement in self.cluster.instances.items():
+            if not placement.machine.is_deleted:
+                self.cluster.instance_event(inst.Tick(instance_id, now))
+
+    def settle(self, max_rounds: int = 400) -> int:
+        """Plan, execute and complete everything, advancing time to deadlines, until nothing is left.
+
+        Returns the rounds used; raises `InvariantViolated` if the system is still busy after ``max_rounds``.
+        """
+        for rounds in range(max_rounds):
+            acted = any([self.step(node) for node in self.nodes])
+            if self.deliver_all() or acted:
+                continue
+            future = self.next_time()
+            if future is None:
+                return rounds
+            self.advance(future)
+        raise InvariantViolated("10 no deadlock", f"no quiescence after {max_rounds} rounds: {self.cluster.view()}")

@@ -7,6 +7,7 @@ import pytest
 import fsm
 from fsm import runner as rn
 from fsm.cluster import Cluster
+from fsm.world import World
 
 SLOTS = [fsm.Slot(0, "a", "i/0"), fsm.Slot(1, "b", "i/1")]
 
@@ -50,9 +51,96 @@ def test_place_refuses_duplicates_and_shared_runner_ids():
 
 def test_create_refuses_a_second_live_incarnation():
     cluster = two_rank_cluster()
+    cluster.instance_event(fsm.instance.Resume("i", 1.0))  # generation 2 starts while generation 1 lives
     with pytest.raises(fsm.InvalidEvent, match="alive"):
         cluster.execute(fsm.CreateRunner("i", "i/0", "a", 0, 2, 2, "org/m"), 1.0)
     assert cluster.runner("i/0").incarnation == 1
+
+
+def test_create_against_a_pending_instance_refuses_first_and_changes_nothing():
+    cluster = Cluster()
+    cluster.place("i", "org/m", SLOTS)
+    before = cluster.to_dict()
+    with pytest.raises(fsm.InvalidEvent, match="pending"):
+        cluster.execute(fsm.CreateRunner("i", "i/0", "a", 0, 2, 1, "org/m"), 0.0)
+    assert cluster.to_dict() == before and cluster.log == []
+
+
+def test_a_late_create_after_the_generation_ended_is_not_accepted_and_leaves_no_phantom():
+    cluster = two_rank_cluster()
+    cluster.delete("i", 1.0)
+    del cluster.log[:]
+    before = cluster.to_dict()
+    outcome = cluster.execute(fsm.CreateRunner("i", "i/0", "a", 0, 2, 1, "org/m"), 2.0)
+    assert not outcome.accepted
+    assert cluster.to_dict() == before and cluster.log == []
+
+    torn_down = Cluster()
+    torn_down.place("j", "org/m", [fsm.Slot(0, "a", "j/0"), fsm.Slot(1, "a", "j/1")])
+    torn_down.execute(fsm.StartGeneration("j", 1), 0.0)
+    torn_down.execute(fsm.CreateRunner("j", "j/0", "a", 0, 2, 1, "org/m"), 0.0)
+    torn_down.runner_event(rn.Exited("j/0", 1, exit_code=-9), 1.0)  # gen 1 fails and is reaped: backing off
+    late = torn_down.execute(fsm.CreateRunner("j", "j/1", "a", 1, 2, 1, "org/m"), 1.5)
+    assert not late.accepted and "j/1" not in torn_down.runners  # no phantom Idle runner
+    assert torn_down.instance("j").instance_state is fsm.InstanceState.BACKING_OFF
+    world = World(torn_down, ["a"], 1.5)
+    world.settle()
+    assert torn_down.instance("j").instance_state is fsm.InstanceState.READY  # and it starts again
+
+
+def _completed_download(cluster: Cluster, node: str, failures: int) -> None:
+    for n in range(failures):
+        cluster.execute(fsm.StartDownload(node, "org/m"), float(n * 100))
+        cluster.download_event(node, fsm.download.DownloadFailed("org/m", float(n * 100), "offline"))
+    cluster.execute(fsm.StartDownload(node, "org/m"), 1000.0)
+    cluster.download_event(node, fsm.download.Complete("org/m", 1000.0))
+
+
+def test_a_load_the_runner_refuses_does_not_reset_the_download_backoff():
+    cluster = two_rank_cluster()  # runners Idle, multi-rank: `load` is refused before they join
+    _completed_download(cluster, "a", failures=2)
+    with pytest.raises(fsm.IllegalTransition):
+        cluster.execute(fsm.LoadModel("i/0", 1, "org/m"), 1001.0)
+    assert cluster.downloads[("a", "org/m")].attempts == 2  # the files never proved good
+
+    cluster.runner_event(rn.Connect("i/0", 1), 1001.0)
+    cluster.runner_event(rn.Connected("i/0", 1), 1001.0)
+    cluster.execute(fsm.LoadModel("i/0", 1, "org/m"), 1002.0)
+    assert cluster.downloads[("a", "org/m")].attempts == 0  # a real load start resets it
+
+
+def test_a_load_before_the_download_completed_is_refused_and_changes_nothing():
+    cluster = two_rank_cluster()
+    cluster.runner_event(rn.Connect("i/0", 1), 1.0)
+    cluster.runner_event(rn.Connected("i/0", 1), 1.0)
+    before = cluster.to_dict()
+    with pytest.raises(fsm.InvalidEvent, match="download"):
+        cluster.execute(fsm.LoadModel("i/0", 1, "org/m"), 2.0)
+    assert cluster.to_dict() == before
+
+
+def test_a_failure_while_stopping_on_request_costs_the_instance_nothing():
+    cluster = two_rank_cluster()
+    cluster.runner_event(rn.Exited("i/1", 1, exit_code=-9), 1.0)  # one retry charged for this generation
+    cluster.execute(fsm.StopRunner("i/0", 1, fsm.StopReason.SIBLING_FAILED), 1.0)
+    fatal = fsm.Failure.exception("FileNotFoundError", "model.safetensors", retryable=False)
+    cluster.runner_event(rn.Fail("i/0", 1, failure=fatal), 1.5)
+    assert cluster.runner("i/0").runner_state is fsm.RunnerState.FAILED  # recorded on the runner
+    cluster.runner_event(rn.Exited("i/0", 1, exit_code=1), 2.0)
+    machine = cluster.instance("i")
+    assert (machine.instance_state, machine.attempts) == (fsm.InstanceState.BACKING_OFF, 1)
+    assert machine.delete_reason is None
+
+
+def test_an_exit_that_beat_our_stop_is_the_runners_failure_but_charges_nothing_more():
+    cluster = two_rank_cluster()
+    cluster.runner_event(rn.Exited("i/1", 1, exit_code=-9), 1.0)
+    cluster.execute(fsm.StopRunner("i/0", 1, fsm.StopReason.SIBLING_FAILED), 1.0)
+    cluster.runner_event(rn.Exited("i/0", 1, exit_code=3, detail="boom", stop_delivered=False), 1.2)
+    runner = cluster.runner("i/0")
+    assert not runner.alive and runner.failure == fsm.Failure.exited(3, "boom")
+    machine = cluster.instance("i")
+    assert (machine.instance_state, machine.attempts) == (fsm.InstanceState.BACKING_OFF, 1)
 
 
 def test_forget_only_a_deleted_instance_without_live_runners():

@@ -9,17 +9,17 @@ from click.testing import CliRunner
 
 import fsm
 from exod.cli import main
-from fake_world import FakeWorld
 from fsm import runner as rn
 from fsm.cluster import Cluster, LogEntry
 from fsm.conformance import replay
+from fsm.world import World
 
 
 def recorded_log() -> list[LogEntry]:
     cluster = Cluster()
     cluster.place("i", "m/x", [fsm.Slot(0, "a", "i/0"), fsm.Slot(1, "b", "i/1")])
     cluster.log.append(LogEntry(0.0, "instance", "i", "place", "", "pending"))
-    world = FakeWorld(cluster, ["a", "b"])
+    world = World(cluster, ["a", "b"])
     world.settle()
     cluster.runner_event(rn.Fail("i/1", 1, failure=fsm.Failure.stalled("busy", 9)), world.now)
     world.settle()

@@ -34,7 +34,7 @@ EXPECTED_COUNTS = {
         "request_finished": 2,
         "fail": 5,
         "stop": 5,
-        "exited": 6,
+        "exited": 7,
     },
     "instance": {
         "start": 2,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import attrs
 import pytest
 
 import fsm
@@ -731,3 +732,49 @@ def test_warm_up_not_blocked_by_a_rank_already_ready():
     )
     assert plan(v, "a", NOW) == []  # rank 0 waits for rank 2: right
     assert plan(v, "c", NOW) == [WarmUp("i-r2", 1)]
+
+
+# -- rules that once leaked or were missing ---------------------------------------------------
+
+
+def test_cancel_is_planned_only_on_nodes_hosting_the_deleted_instance():
+    v = view([inst(state=InstanceState.DELETED, reason=DeleteReason.REQUESTED)], requests=[PendingRequest("q1", "i")])
+    assert [a for a in plan(v, "c", NOW) if isinstance(a, CancelRequest)] == []  # rank r lives on NODES[r]: not c
+    assert plan(v, "a", NOW) == plan(v, "b", NOW) == [CancelRequest("q1", "i", "instance was deleted (requested)")]
+
+
+def test_a_runner_in_no_slot_of_its_instance_is_stopped():
+    stray = attrs.evolve(run("i", 0, AVAILABLE), runner_id="i-stray")
+    runners = [run("i", 0, AVAILABLE), run("i", 1, AVAILABLE), stray]
+    v = view([inst(state=InstanceState.READY)], runners=runners, downloads=done("a", "b"))
+    assert plan(v, "a", NOW) == [StopRunner("i-stray", 1, StopReason.INSTANCE_GONE)]
+
+
+def test_next_deadline_includes_a_budget_reset_coming_due():
+    ready = attrs.evolve(
+        inst(state=InstanceState.READY, attempts=2),
+        retry=RetryStatus(InstanceState.READY, 3, 2, 5, None, None, ready_since=40.0, reset_after=600.0),
+    )
+    assert next_deadline(view([ready]), "a", NOW) == 640.0
+    assert next_deadline(view([ready]), "a", 640.0) is None  # due now: observed by the event at that time
+    fresh = attrs.evolve(ready, retry=attrs.evolve(ready.retry, attempts=0))
+    assert next_deadline(view([fresh]), "a", NOW) is None  # nothing to reset
+    assert next_deadline(view([ready]), "c", NOW) is None  # not a node of the instance
+
+
+def test_the_daemon_and_the_checker_wake_for_the_reset_from_next_deadline_alone():
+    """The machines' own reset and `next_deadline` agree: at the deadline, a Tick resets the budget."""
+    from fsm.cluster import Cluster
+
+    cluster = Cluster()
+    policy = fsm.RetryPolicy(backoff=fsm.Backoff(1.0, 2.0, 4.0), max_retries=3, reset_after=50.0)
+    cluster.place("i", MODEL, [Slot(0, "a", "i/0")], policy=policy)
+    from fsm.world import World
+
+    world = World(cluster, ["a"])
+    world.settle()
+    cluster.runner_event(fsm.runner.Exited("i/0", 1, exit_code=-9, stop_delivered=False), world.now)
+    world.settle()  # backs off, starts generation 2, Ready again; then waits for the reset
+    machine = cluster.instance("i")
+    assert (machine.instance_state, machine.generation, machine.attempts) == (InstanceState.READY, 2, 0)
+    assert world.now == machine.ready_since + 50.0

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from statemachine.exceptions import TransitionNotAllowed
 
 from fsm import (
     Failure,
@@ -730,3 +731,23 @@ def test_phase_parent_matches_the_machine(phase: RunnerPhase) -> None:
     machine = drive(route)
     assert machine.phase is phase
     assert machine.runner_state is phase_parent(phase)
+
+
+def test_failed_is_never_reached_without_a_cause():
+    r = RunnerLifecycle("r")
+    for attempt in (lambda: r.send("fail"), lambda: r.fail()):
+        with pytest.raises(TransitionNotAllowed):
+            attempt()
+    assert r.runner_state is RunnerState.IDLE and r.failure is None
+
+
+def test_an_exit_that_beat_our_stop_is_a_failure_with_its_cause():
+    r = RunnerLifecycle("r")
+    r.apply(Stop("r", 0))
+    out = r.apply(Exited("r", 0, exit_code=-9, detail="oom", stop_delivered=False))
+    assert [(s.source, s.target) for s in out.steps] == [("stopping", "failed"), ("failed", "stopped")]
+    assert r.failure == Failure.exited(-9, "oom") and not r.alive
+    clean = RunnerLifecycle("c")
+    clean.apply(Stop("c", 0))
+    clean.apply(Exited("c", 0, exit_code=-15))
+    assert clean.failure is None and not clean.alive

@@ -12,38 +12,18 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import fsm
-from fake_world import FakeWorld
 from fsm import runner as rn
 from fsm.cluster import Cluster
+from fsm.world import World
 
 POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(1.0, 2.0, 8.0), max_retries=4, reset_after=40.0)
 MODEL = "org/model"
 
 
-class CheckedWorld(FakeWorld):
-    """Checks, at the moment an action is taken, the invariants about starting things."""
-
-    def before_execute(self, action: fsm.Action) -> None:
-        cluster = self.cluster
-        if isinstance(action, fsm.StartGeneration):
-            machine = cluster.instance(action.instance_id)
-            assert machine.deadline is None or self.now >= machine.deadline, "start before its deadline"  # 5
-        if isinstance(action, fsm.CreateRunner):
-            machine = cluster.instance(action.instance_id)
-            assert not machine.is_deleted, "a runner was created for a Deleted instance"  # 1
-            assert machine.instance_state is fsm.InstanceState.STARTING
-            older_alive = [
-                m
-                for m, iid, _ in cluster.runners.values()
-                if iid == action.instance_id and m.alive and m.incarnation != action.incarnation
-            ]
-            assert not older_alive, "a new generation while an older one is alive"  # 6
-
-
 class System(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.world: CheckedWorld
+        self.world: World
         self.inputs: list[tuple] = []  # for the determinism replay
         self.creations_in_streak = 0
         self.generation_seen = 0
@@ -59,13 +39,13 @@ class System(RuleBasedStateMachine):
         assert slots and nodes
 
     @staticmethod
-    def _fresh_world(ranks: int, spread: bool) -> CheckedWorld:
+    def _fresh_world(ranks: int, spread: bool) -> World:
         nodes = [f"n{r}" for r in range(ranks)] if spread else ["n0"]
         cluster = Cluster()
         cluster.place(
             "i", MODEL, [fsm.Slot(r, nodes[r] if spread else "n0", f"i/{r}") for r in range(ranks)], policy=POLICY
         )
-        return CheckedWorld(cluster, nodes)
+        return World(cluster, nodes)
 
     # -- inputs --------------------------------------------------------------------
 
@@ -94,7 +74,8 @@ class System(RuleBasedStateMachine):
 
     @rule(rank=st.integers(0, 2))
     def stale_event(self, rank):
-        machine = self.world.cluster.runners.get(f"i/{rank % 3}", (None,))[0]
+        entry = self.world.cluster.runners.get(f"i/{rank % 3}")
+        machine = None if entry is None else entry.machine
         if machine is None or machine.incarnation == 0:
             return
         before = self.world.cluster.to_dict()
@@ -125,15 +106,15 @@ class System(RuleBasedStateMachine):
     @rule()
     def eventually_ready_or_deleted(self):
         """10: from here, a benign world reaches Ready or Deleted, and every runner of a Deleted instance stops."""
-        probe = CheckedWorld(Cluster.from_dict(self.world.cluster.to_dict()), self.world.nodes, self.world.now)
+        probe = World(Cluster.from_dict(self.world.cluster.to_dict()), self.world.nodes, self.world.now)
         probe.pending = list(self.world.pending)
         probe.settle()
         machine = probe.cluster.instance("i")
         assert machine.instance_state in (fsm.InstanceState.READY, fsm.InstanceState.DELETED), machine.leaf
         if machine.is_deleted:
-            assert not any(m.alive for m, _, _ in probe.cluster.runners.values())
+            assert not any(m.alive for m in machines(probe.cluster))
         else:
-            assert all(m.runner_state is fsm.RunnerState.READY for m, _, _ in probe.cluster.runners.values())
+            assert all(m.runner_state is fsm.RunnerState.READY for m in machines(probe.cluster))
 
     # -- invariants ----------------------------------------------------------------
 
@@ -143,11 +124,11 @@ class System(RuleBasedStateMachine):
         if self.deleted:
             assert machine.is_deleted
         self.deleted = machine.is_deleted
-        for m, _, _ in self.world.cluster.runners.values():
+        for m in machines(self.world.cluster):
             key = (m.runner_id, m.incarnation)
             if key in self.stopped:
-                assert m.leaf == "stopped", "Shutdown was left"
-            if m.leaf == "stopped":
+                assert m.phase is fsm.RunnerPhase.STOPPED, "Shutdown was left"
+            if m.phase is fsm.RunnerPhase.STOPPED:
                 self.stopped.add(key)
 
     @invariant()
@@ -158,7 +139,7 @@ class System(RuleBasedStateMachine):
 
     @invariant()
     def one_generation_at_most_n(self):  # 6
-        alive = [m for m, _, _ in self.world.cluster.runners.values() if m.alive]
+        alive = [m for m in machines(self.world.cluster) if m.alive]
         assert len({m.incarnation for m in alive}) <= 1
         assert len(alive) <= self.world.cluster.instance("i").world_size
 
@@ -189,7 +170,11 @@ class System(RuleBasedStateMachine):
         assert replay.cluster.to_dict() == self.world.cluster.to_dict()
 
 
-def apply_input(world: CheckedWorld, entry: tuple) -> None:
+def machines(cluster: Cluster) -> list[fsm.RunnerLifecycle]:
+    return [entry.machine for entry in cluster.runners.values()]
+
+
+def apply_input(world: World, entry: tuple) -> None:
     kind, *args = entry
     cluster = world.cluster
     if kind == "plan":
@@ -200,7 +185,8 @@ def apply_input(world: CheckedWorld, entry: tuple) -> None:
             world.deliver(index, ok=ok)
     elif kind == "fail":
         rank, how = args
-        machine = cluster.runners.get(f"i/{rank}", (None,))[0]
+        entry = cluster.runners.get(f"i/{rank}")
+        machine = None if entry is None else entry.machine
         if machine is None or not machine.alive:
             return
         rid, inc = machine.runner_id, machine.incarnation

@@ -387,10 +387,7 @@ class Controller:
         done = [
             iid
             for iid, pl in self.cluster.instances.items()
-            if pl.machine.is_deleted
-            and not any(
-                self.cluster.runners[s.runner_id][0].alive for s in pl.slots if s.runner_id in self.cluster.runners
-            )
+            if pl.machine.is_deleted and not self.cluster.has_live_runners(iid)
         ]
         for iid in done[: max(0, len(done) - KEEP_DELETED)]:
             self.cluster.forget(iid)
@@ -534,7 +531,8 @@ class Controller:
         for request_id, request in list(self._requests.items()):
             if not request.leader:
                 continue
-            machine = self.cluster.runners.get(request.leader, (None,))[0]
+            entry = self.cluster.runners.get(request.leader)
+            machine = None if entry is None else entry.machine
             if (
                 machine is None
                 or machine.incarnation != request.incarnation
@@ -550,7 +548,8 @@ class Controller:
     def _runner_event(self, event: rn.RunnerEvent) -> None:
         if self._stopping:  # the machines keep their state as of the shutdown; `restore` takes it from there
             return
-        machine = self.cluster.runners.get(event.runner_id, (None,))[0]
+        entry = self.cluster.runners.get(event.runner_id)
+        machine = None if entry is None else entry.machine
         failed_before = machine is not None and machine.failure is not None
         try:
             self.cluster.runner_event(event, self.clock())
@@ -605,17 +604,10 @@ class Controller:
 
     def on_exit(self, spec: RunnerSpec, exit_code: int, stderr_tail: str, stopped: bool) -> None:
         self.store.forget_process(spec.runner_id, spec.incarnation)
-        machine = self.cluster.runners.get(spec.runner_id, (None,))[0]
-        ended_on_its_own = (
-            not stopped
-            and machine is not None
-            and machine.incarnation == spec.incarnation
-            and machine.leaf == "stopping"
+        event = rn.Exited(
+            spec.runner_id, spec.incarnation, exit_code=exit_code, detail=stderr_tail, stop_delivered=stopped
         )
-        if ended_on_its_own:  # it died before our stop reached it: that is its real last status, a failure
-            failure = fsm.Failure.exited(exit_code, stderr_tail)
-            self._runner_event(rn.Fail(spec.runner_id, spec.incarnation, failure=failure))
-        self._runner_event(rn.Exited(spec.runner_id, spec.incarnation, exit_code=exit_code, detail=stderr_tail))
+        self._runner_event(event)
 
 
 def status_of(cluster: Cluster) -> dict[str, Any]:

@@ -42,7 +42,7 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         cluster = self.controller.cluster  # type: ignore[attr-defined]
         runners = GaugeMetricFamily("exod_runners", "Runner processes by lifecycle state", labels=["state"])
-        by_state = Tally(m.runner_state.value for m, _, _ in cluster.runners.values() if m.alive)
+        by_state = Tally(e.machine.runner_state.value for e in cluster.runners.values() if e.machine.alive)
         for state in fsm.RunnerState:
             runners.add_metric([state.value], by_state.get(state.value, 0))
         yield runners

@@ -36,8 +36,11 @@ INVARIANTS: dict[str, tuple[tuple[int, str], ...]] = {
     "runner": (
         (
             1,
-            "Shutdown is absorbing: `shutdown.stopped` is final, no event moves a reaped runner again, and "
-            "nothing leads from Shutdown back to a running state.",
+            "Shutdown.stopped and Deleted absorb; a failure while stopping on request costs nothing: "
+            "`shutdown.stopped` is final, no event moves a reaped runner again, and nothing leads from Shutdown "
+            "back to a running state. A runner that fails while stopping (an error, or an exit that beat our "
+            "stop: `exited` with `stop_delivered=False`) is recorded as Failed, but its instance treats it as "
+            "stopped: no retry charged, never `Deleted(non_retryable)`.",
         ),
         (
             2,
@@ -60,8 +63,10 @@ INVARIANTS: dict[str, tuple[tuple[int, str], ...]] = {
     "instance": (
         (
             1,
-            "Deleted is absorbing: it is final, absorbs every later event (late exits, timers, ticks), and "
-            "nothing starts a runner of a Deleted instance.",
+            "Shutdown.stopped and Deleted absorb; a failure while stopping on request costs nothing: Deleted is "
+            "final, absorbs every later event (late exits, timers, ticks), and nothing starts a runner of a "
+            "Deleted instance. A rank that fails while being stopped on our request reaches this machine as "
+            "`rank_stopped` only (`fsm.cluster`): it charges no retry and never deletes the instance.",
         ),
         (
             3,
