@@ -354,14 +354,9 @@ class _System:
             else:
                 machine.reload(snap)
             c.downloads[(node, MODEL)] = machine
-        c.requests.clear()
-        for request_id in state.requests:
-            c.add_request(request_id, INSTANCE)
         c.log.clear()
 
-    def capture(
-        self, pending: list[Pending], now: float, streak_delay: float, starts: int, submitted: int = 0
-    ) -> _State:
+    def capture(self, world: World, streak_delay: float, starts: int, submitted: int) -> _State:
         c = self.cluster
         for (node, _), machine in c.downloads.items():
             self.download_objects.setdefault(node, machine)
@@ -369,11 +364,11 @@ class _System:
             self.placement.machine.snapshot(),
             tuple(sorted((rid, e.machine.snapshot()) for rid, e in c.runners.items())),
             tuple(sorted((node, m.snapshot()) for (node, _), m in c.downloads.items())),
-            tuple(sorted(p for p in pending if applies(c, p))),
-            now,
+            tuple(sorted(p for p in world.pending if applies(c, p))),
+            world.now,
             streak_delay,
             starts,
-            tuple(sorted(c.requests)),
+            tuple(sorted(world.requests)),
             submitted,
         )
 
@@ -435,6 +430,8 @@ class _System:
         self.load(state)
         world = World(self.cluster, self.config.nodes, state.now, plan=self.config.plan)
         world.pending = list(state.pending)
+        for request_id in state.requests:
+            world.submit(request_id, INSTANCE)
         return world
 
     def _next_time(self, state: _State) -> float | None:
@@ -460,7 +457,7 @@ class _System:
         label = str(event)
         match event:
             case Submit():
-                c.add_request(f"req{submitted}", INSTANCE)
+                world.submit(f"req{submitted}", INSTANCE)
                 submitted += 1
             case Plan(node):
                 for each in [node] if node else self.config.nodes:
@@ -496,7 +493,7 @@ class _System:
         streak_delay = self._check_transition(state, before, after, world.now, streak_delay)
         if starts > self.config.policy.max_retries + 1:
             raise _Fail("4 creations per streak", f"{starts} generations started in one failure streak")
-        return self.capture(world.pending, world.now, streak_delay, starts, submitted), label
+        return self.capture(world, streak_delay, starts, submitted), label
 
     @staticmethod
     def _plan(world: World, node: str) -> int:
@@ -563,11 +560,9 @@ class _System:
                 rn.Exited(rid, old, exit_code=-9),
                 rn.Fail(rid, old, failure=stale_failure),
             ):
-                self.load(state)
+                world = self._world(state)
                 out = self.cluster.runner_event(event, state.now)
-                after = self.capture(
-                    list(state.pending), state.now, state.streak_delay, state.streak_starts, state.submitted
-                )
+                after = self.capture(world, state.streak_delay, state.streak_starts, state.submitted)
                 if out.accepted or after != state:
                     raise _Fail("7 stale events are no-ops", f"a stale {event.name} moved runner {rid}")
         generation = state.instance.generation

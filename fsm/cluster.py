@@ -22,6 +22,7 @@ no I/O, and time is the caller's ``now``. Every accepted step is appended to
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -104,7 +105,6 @@ class Cluster:
         self.instances: dict[str, _Placement] = {}
         self.runners: dict[str, RunnerEntry] = {}
         self.downloads: dict[tuple[str, str], dl.DownloadLifecycle] = {}
-        self.requests: dict[str, PendingRequest] = {}
         self.download_policy = download_policy or dl.DEFAULT_DOWNLOAD_BACKOFF
         self.log: list[LogEntry] = []
 
@@ -183,9 +183,6 @@ class Cluster:
         self._record("download", f"{node_id}:{event.model_id}", event.now, outcome, getattr(event, "reason", ""))
         return outcome
 
-    def add_request(self, request_id: str, instance_id: str) -> None:
-        self.requests[request_id] = PendingRequest(request_id, instance_id)
-
     def recover(self, now: float) -> None:
         """After a daemon restart whose orphaned runners were all killed: make the machines say so.
 
@@ -201,7 +198,6 @@ class Cluster:
             if machine.runner_state not in (rn.RunnerState.FAILED, rn.RunnerState.SHUTDOWN):
                 self.runner_event(rn.Stop(machine.runner_id, machine.incarnation), now)
             self.runner_event(rn.Exited(machine.runner_id, machine.incarnation, exit_code=-9), now)
-        self.requests.clear()  # their callers were connected to the previous daemon
 
     # -- the machine side of the planner's actions ---------------------------------------
 
@@ -227,12 +223,10 @@ class Cluster:
                 return self._load_model(action, now)
             case act.WarmUp(runner_id, incarnation):
                 return self.runner_event(rn.WarmUp(runner_id, incarnation), now)
-            case act.ForwardRequest(request_id, runner_id, incarnation):
-                self.requests.pop(request_id, None)
+            case act.ForwardRequest(_request_id, runner_id, incarnation):
                 return self.runner_event(rn.RequestStarted(runner_id, incarnation), now)
-            case act.CancelRequest(request_id, _instance_id, reason):
-                self.requests.pop(request_id, None)
-                return Outcome(accepted=True, note=reason)
+            case act.CancelRequest(_request_id, _instance_id, reason):
+                return Outcome(accepted=True, note=reason)  # no machine moves: the request book ends it
         raise InvalidEvent(f"unknown action {action!r}")
 
     def _create_runner(self, action: act.CreateRunner, now: float) -> Outcome:
@@ -275,7 +269,8 @@ class Cluster:
 
     # -- views ---------------------------------------------------------------------------
 
-    def view(self) -> ClusterView:
+    def view(self, requests: Iterable[PendingRequest] = ()) -> ClusterView:
+        """The planner's input; ``requests`` come from whoever keeps the request book (the daemon, a `World`)."""
         return ClusterView.build(
             instances=[
                 InstanceView(iid, p.model_id, p.slots, RetryStatus.of(p.machine)) for iid, p in self.instances.items()
@@ -284,7 +279,7 @@ class Cluster:
                 RunnerStatus.of(e.machine, instance_id=e.instance_id, node_id=e.node_id) for e in self.runners.values()
             ],
             downloads=[DownloadStatus.of(m, node_id=node) for (node, _), m in self.downloads.items()],
-            requests=list(self.requests.values()),
+            requests=list(requests),
         )
 
     def instance(self, instance_id: str) -> inst.InstanceRetry:
@@ -315,7 +310,6 @@ class Cluster:
                 for rid, e in self.runners.items()
             },
             "downloads": [{"node_id": node, "machine": m.to_dict()} for (node, _), m in self.downloads.items()],
-            "requests": [attrs.asdict(r) for r in self.requests.values()],
         }
 
     @classmethod
@@ -331,8 +325,6 @@ class Cluster:
         for d in data["downloads"]:
             machine = dl.DownloadLifecycle.from_dict(d["machine"])
             cluster.downloads[(d["node_id"], machine.model_id)] = machine
-        for r in data["requests"]:
-            cluster.add_request(r["request_id"], r["instance_id"])
         return cluster
 
     # -- internals -----------------------------------------------------------------------

@@ -26,6 +26,7 @@ from fsm.download import DownloadState
 from fsm.plan import next_deadline
 from fsm.plan import plan as default_plan
 from fsm.runner import RunnerPhase, RunnerState
+from fsm.view import ClusterView, PendingRequest
 
 
 class Completion(enum.Enum):
@@ -189,15 +190,25 @@ class World:
         self.now = now
         self.plan = plan
         self.pending: list[Pending] = []
+        self.requests: dict[str, PendingRequest] = {}  # the request book: waiting to be forwarded or cancelled
         self.executed: list[tuple[float, act.Action]] = []
+
+    def submit(self, request_id: str, instance_id: str) -> None:
+        """A chat request arrives."""
+        self.requests[request_id] = PendingRequest(request_id, instance_id)
+
+    def view(self) -> ClusterView:
+        return self.cluster.view(self.requests.values())
 
     def step(self, node_id: str) -> list[act.Action]:
         """Plan on ``node_id`` and execute every action; their completions become pending."""
-        actions = self.plan(self.cluster.view(), node_id, self.now)
+        actions = self.plan(self.view(), node_id, self.now)
         for action in actions:
             check_action(self.cluster, action, self.now)
             self.cluster.execute(action, self.now)
             self.executed.append((self.now, action))
+            if isinstance(action, (act.ForwardRequest, act.CancelRequest)):
+                self.requests.pop(action.request_id, None)
             if (op := pending_for(action)) is not None:
                 self.pending.append(op)
         return actions
@@ -214,7 +225,8 @@ class World:
 
     def next_time(self) -> float | None:
         """The earliest deadline of any node after ``now`` (backoff, download retry, budget reset)."""
-        times = [t for n in self.nodes if (t := next_deadline(self.cluster.view(), n, self.now)) is not None]
+        view = self.view()
+        times = [t for n in self.nodes if (t := next_deadline(view, n, self.now)) is not None]
         return min(times, default=None)
 
     def advance(self, now: float) -> None:
@@ -237,4 +249,4 @@ class World:
             if future is None:
                 return rounds
             self.advance(future)
-        raise InvariantViolated("10 no deadlock", f"no quiescence after {max_rounds} rounds: {self.cluster.view()}")
+        raise InvariantViolated("10 no deadlock", f"no quiescence after {max_rounds} rounds: {self.view()}")

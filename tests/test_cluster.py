@@ -161,7 +161,6 @@ def test_forget_only_a_deleted_instance_without_live_runners():
 
 def test_round_trip_through_dict():
     cluster = two_rank_cluster()
-    cluster.add_request("r1", "i")
     cluster.execute(fsm.StartDownload("a", "org/m"), 0.5)
     restored = Cluster.from_dict(cluster.to_dict())
     assert restored.to_dict() == cluster.to_dict()

@@ -108,6 +108,7 @@ class System(RuleBasedStateMachine):
         """10: from here, a benign world reaches Ready or Deleted, and every runner of a Deleted instance stops."""
         probe = World(Cluster.from_dict(self.world.cluster.to_dict()), self.world.nodes, self.world.now)
         probe.pending = list(self.world.pending)
+        probe.requests = dict(self.world.requests)
         probe.settle()
         machine = probe.cluster.instance("i")
         assert machine.instance_state in (fsm.InstanceState.READY, fsm.InstanceState.DELETED), machine.leaf
@@ -205,7 +206,7 @@ def apply_input(world: World, entry: tuple) -> None:
         world.now += args[0]
         cluster.instance_event(fsm.instance.Tick("i", world.now))
     elif kind == "request":
-        cluster.add_request(f"req{len(cluster.log)}", "i")
+        world.submit(f"req{len(cluster.log)}", "i")
     elif kind == "delete":
         cluster.delete("i", world.now)
 
