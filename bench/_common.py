@@ -19,7 +19,9 @@ from typing import Any
 import trio
 
 import fsm
-from exod.controller import Controller, DaemonConfig
+from exod.config import DaemonConfig
+from exod.controller import Controller
+from exod.reports import Reports
 from exod.store import Store
 from exod.supervisor import RunnerSpec, Timeouts
 from fsm import runner as rn
@@ -57,6 +59,7 @@ class TimedController(Controller):
 
     def __init__(self, config: DaemonConfig, store: Store) -> None:
         super().__init__(config, store)
+        self._reports = _TimedReports(self)
         self.events: list[tuple[float, float, rn.RunnerEvent]] = []
         self.first_exit: dict[tuple[str, int], tuple[float, float, str, str | None]] = {}
         self.exit_reported: dict[tuple[str, int], float] = {}
@@ -66,16 +69,16 @@ class TimedController(Controller):
         self.download_done: list[float] = []
         self.tick = trio.Event()
 
-    def _runner_event(self, event: rn.RunnerEvent) -> None:
+    def runner_event(self, event: rn.RunnerEvent) -> None:
         t_received = time.monotonic()
-        super()._runner_event(event)
+        super().runner_event(event)
         t_recorded = time.monotonic()
         self.events.append((t_received, t_recorded, event))
         key = (event.runner_id, event.incarnation)
         if isinstance(event, rn.Exited | rn.Fail) and key not in self.first_exit:
             # an Exited from a running state passes through Failed (recording the cause) on to Shutdown
             entry = self.cluster.runners.get(event.runner_id)
-            machine = None if entry is None else entry[0]
+            machine = None if entry is None else entry.machine
             state = "gone" if machine is None else machine.runner_state.value
             failure = None if machine is None or machine.failure is None else machine.failure.message
             self.first_exit[key] = (t_received, t_recorded, state, failure)
@@ -89,18 +92,6 @@ class TimedController(Controller):
         await super()._download(model_id)
         self.download_done.append(time.monotonic())
         self._kick()
-
-    def on_spawned(self, spec: RunnerSpec, pid: int) -> None:
-        self.spawned[(spec.runner_id, spec.incarnation)] = (time.monotonic(), pid)
-        super().on_spawned(spec, pid)
-
-    def on_report(self, spec: RunnerSpec, report: Any) -> None:
-        self.reports.append((time.monotonic(), spec.runner_id, report))
-        super().on_report(spec, report)
-
-    def on_exit(self, spec: RunnerSpec, exit_code: int, stderr_tail: str, stopped: bool) -> None:
-        self.exit_reported.setdefault((spec.runner_id, spec.incarnation), time.monotonic())
-        super().on_exit(spec, exit_code, stderr_tail, stopped)
 
     def _kick(self) -> None:
         self.tick.set()
@@ -118,7 +109,27 @@ class TimedController(Controller):
         return None if placement is None else placement.machine.instance_state.value
 
     def runners_alive(self) -> bool:
-        return bool(self._supervisors)
+        return bool(self._processes)
+
+
+class _TimedReports(Reports):
+    """The supervisors' listener, timestamping what each runner said into the controller's lists."""
+
+    def __init__(self, controller: TimedController) -> None:
+        super().__init__(controller)
+        self.controller = controller
+
+    def on_spawned(self, spec: RunnerSpec, pid: int) -> None:
+        self.controller.spawned[(spec.runner_id, spec.incarnation)] = (time.monotonic(), pid)
+        super().on_spawned(spec, pid)
+
+    def on_report(self, spec: RunnerSpec, report: Any) -> None:
+        self.controller.reports.append((time.monotonic(), spec.runner_id, report))
+        super().on_report(spec, report)
+
+    def on_exit(self, spec: RunnerSpec, exit_code: int, stderr_tail: str, stop_delivered: bool) -> None:
+        self.controller.exit_reported.setdefault((spec.runner_id, spec.incarnation), time.monotonic())
+        super().on_exit(spec, exit_code, stderr_tail, stop_delivered)
 
 
 async def run_controller(config: DaemonConfig, body: Callable[[TimedController], Any]) -> Any:

@@ -61,7 +61,7 @@ async def measure_exod(controller: TimedController, repeat: int) -> list[dict]:
         machine = controller.cluster.runner(runner_id)
         incarnation = machine.incarnation
         key = (runner_id, incarnation)
-        pid = controller._supervisors[key].pid
+        pid = controller.runner_pid(*key)
         assert pid is not None
         await trio.sleep(0.05)  # let the ready runner and the controller settle (idle, waiting)
         t_kill = time.monotonic()

@@ -24,6 +24,7 @@ from fsm.actions import (
     WarmUp,
 )
 from fsm.backoff import Backoff, KeyedBackoff
+from fsm.desired import to_place
 from fsm.download import DEFAULT_DOWNLOAD_BACKOFF, DownloadLifecycle, DownloadState
 from fsm.errors import (
     FsmError,
@@ -100,4 +101,5 @@ __all__ = [
     "next_deadline",
     "plan",
     "runner",
+    "to_place",
 ]

@@ -16,7 +16,8 @@ import pytest
 import trio
 
 import fsm
-from exod.controller import Controller, DaemonConfig
+from exod.config import DaemonConfig
+from exod.controller import Controller
 from exod.store import Store
 from exod.supervisor import Timeouts
 
@@ -38,13 +39,24 @@ def config(tmp_path: Path, hf_home: Path, **overrides: Any) -> DaemonConfig:
     return DaemonConfig(**values)
 
 
-def with_controller(cfg: DaemonConfig, body: Callable[[Controller], Awaitable[Any]], *, limit: float = 90.0) -> Any:
-    """Start a controller, run ``body`` against it, then cancel everything (which reaps every runner)."""
+def with_controller(
+    cfg: DaemonConfig,
+    body: Callable[[Controller], Awaitable[Any]],
+    *,
+    limit: float = 90.0,
+    clock: trio.abc.Clock | None = None,
+    **controller_args: Any,
+) -> Any:
+    """Start a controller, run ``body`` against it, then cancel everything (which reaps every runner).
+
+    ``clock`` and ``controller_args`` (``spawn``, ``models``, ``wall``) are for in-process fakes on a
+    `trio.testing.MockClock` (tests/fake_runners.py); ``limit`` is then virtual seconds.
+    """
 
     async def main() -> Any:
         store = Store.open(cfg.db_path)
         try:
-            controller = Controller(cfg, store)
+            controller = Controller(cfg, store, **controller_args)
             controller.restore()
             with trio.fail_after(limit):
                 async with trio.open_nursery() as nursery:
@@ -55,7 +67,7 @@ def with_controller(cfg: DaemonConfig, body: Callable[[Controller], Awaitable[An
         finally:
             store.close()
 
-    return trio.run(main)
+    return trio.run(main, clock=clock)
 
 
 async def wait_for(controller: Controller, predicate: Callable[[dict], bool], timeout: float = 60.0) -> dict:

@@ -18,7 +18,7 @@ from daemon_harness import (
     wait_for,
     with_controller,
 )
-from exod.controller import RequestFailed
+from exod.requests import RequestFailed
 from exod.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("no_runner_left_behind")
@@ -54,7 +54,7 @@ def is_ready(iid):
 
 async def chat(controller, iid, **sampling) -> str:
     text = ""
-    async for item in controller.generate(iid, MESSAGES, max_tokens=MAX_TOKENS, **sampling):
+    async for item in controller.requests.generate(iid, MESSAGES, max_tokens=MAX_TOKENS, **sampling):
         text += getattr(item, "text", "")
     return text
 
@@ -106,7 +106,7 @@ def test_sigkill_while_ready_recovers_with_backoff_after_reaping_the_generation(
     async def body(controller):
         iid = controller.place("exod/tiny-qwen2", 2)
         await wait_for(controller, is_ready(iid))
-        victim = controller._supervisors[(f"{iid}/1", 1)].pid
+        victim = controller.runner_pid(f"{iid}/1", 1)
         os.kill(victim, signal.SIGKILL)
         status = await wait_for(controller, lambda s: instance(s, iid)["generation"] == 2 and is_ready(iid)(s))
         assert await chat(controller, iid)  # serves again
@@ -213,7 +213,7 @@ def test_delete_ends_in_flight_requests_with_an_error(tmp_path, hf_home):
         iid = controller.place("exod/tiny-qwen2", 1)
         await wait_for(controller, is_ready(iid))
         with pytest.raises(RequestFailed):
-            async for _ in controller.generate(iid, MESSAGES, max_tokens=100_000):
+            async for _ in controller.requests.generate(iid, MESSAGES, max_tokens=100_000):
                 controller.delete(iid)
         return instance(controller.status(), iid)
 
@@ -246,7 +246,7 @@ def test_a_model_gone_from_the_cache_after_a_restart_is_fetched_again_not_a_cras
 def test_download_progress_from_foreign_threads_reaches_the_machine(tmp_path, hf_home, monkeypatch):
     import threading
 
-    import exod.controller
+    import exod.models
     from exod.models import resolve_model
 
     snapshot = resolve_model("exod/tiny-qwen2", hf_home=hf_home, offline=True)
@@ -257,7 +257,7 @@ def test_download_progress_from_foreign_threads_reaches_the_machine(tmp_path, hf
         worker.join()
         return snapshot
 
-    monkeypatch.setattr(exod.controller, "resolve_model", fake_resolve)
+    monkeypatch.setattr(exod.models, "resolve_model", fake_resolve)
     seen = []
 
     async def body(controller):
@@ -273,13 +273,13 @@ def test_download_progress_from_foreign_threads_reaches_the_machine(tmp_path, hf
 
 
 def test_requests_the_runner_could_not_decode_and_unregistered_local_models_are_refused(tmp_path, hf_home):
-    from exod.controller import InvalidRequest
+    from exod.requests import InvalidRequest
 
     async def body(controller):
         iid = controller.place("exod/tiny-qwen2", 1)
         await wait_for(controller, is_ready(iid))
         with pytest.raises(InvalidRequest):
-            controller.submit(iid, [{"role": "user", "content": None}])
+            controller.requests.submit(iid, [{"role": "user", "content": None}])
         with pytest.raises(fsm.InvalidConfig, match="local model"):
             controller.place("local/anything", 1)
         assert await chat(controller, iid)  # nothing else was disturbed

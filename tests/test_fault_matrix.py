@@ -25,8 +25,8 @@ from daemon_harness import (
     wait_for,
     with_controller,
 )
-from exod.controller import RequestFailed
 from exod.faults import Fault, FaultKind, FaultPhase, FaultSpec
+from exod.requests import RequestFailed
 from exod.store import Store
 from exod.tiny_model import make_tiny_model
 
@@ -90,14 +90,14 @@ def test_fault(tmp_path, hf_home, phase: FaultPhase, kind: FaultKind):
         if (phase is FaultPhase.BUSY and want is not None) or (phase is FaultPhase.READY and kind is FaultKind.HANG):
             started = trio.current_time()
             with pytest.raises(RequestFailed):  # the request in flight ends with an error, never a hang
-                async for _ in controller.generate(iid, MESSAGES, max_tokens=4000, temperature=1.0, seed=1):
+                async for _ in controller.requests.generate(iid, MESSAGES, max_tokens=4000, temperature=1.0, seed=1):
                     pass
             observed["request_error_s"] = round(trio.current_time() - started, 2)
             assert observed["request_error_s"] < 10
         if phase is FaultPhase.STOPPING:  # make rank 1 stop: its sibling dies
             import signal
 
-            os.kill(controller._supervisors[(f"{iid}/0", 1)].pid, signal.SIGKILL)
+            os.kill(controller.runner_pid(f"{iid}/0", 1), signal.SIGKILL)
         if recovers:
             await wait_for(
                 controller, lambda s: instance(s, iid)["state"] == "ready" and instance(s, iid)["generation"] >= 2, 40
@@ -105,7 +105,7 @@ def test_fault(tmp_path, hf_home, phase: FaultPhase, kind: FaultKind):
         else:
             await trio.sleep(1.0)  # a slow phase is survived: still generation 1, nothing failed
         text = ""
-        async for item in controller.generate(iid, MESSAGES, max_tokens=8, temperature=1.0, seed=2):
+        async for item in controller.requests.generate(iid, MESSAGES, max_tokens=8, temperature=1.0, seed=2):
             text += getattr(item, "text", "")
         observed["served_after"] = True
         return iid, instance(controller.status(), iid)

@@ -43,9 +43,9 @@ def test_ready_longer_than_reset_after_refills_the_budget_and_shorter_does_not(t
     async def body(controller):
         iid = controller.place(MODEL, 1)
         await wait_for(controller, ready_at(iid, 1))
-        os.kill(controller._supervisors[(f"{iid}/0", 1)].pid, signal.SIGKILL)
+        os.kill(controller.runner_pid(f"{iid}/0", 1), signal.SIGKILL)
         await wait_for(controller, ready_at(iid, 2))
-        os.kill(controller._supervisors[(f"{iid}/0", 2)].pid, signal.SIGKILL)  # Ready for < reset_after
+        os.kill(controller.runner_pid(f"{iid}/0", 2), signal.SIGKILL)  # Ready for < reset_after
         status = await wait_for(controller, ready_at(iid, 3))
         assert instance(status, iid)["attempts"] == 2  # no reset: it was not Ready long enough
         await trio.sleep(1.0)

@@ -56,3 +56,30 @@ def test_the_detector_sees_the_shapes_it_forbids():
     bad = 'a.leaf == "stopping"\nb in ("available", "busy")\n"ready" != c\nd.kind == "download"\ne == "auto"\n'
     assert string_state_comparisons(bad) == [(1, "stopping"), (2, "available"), (2, "busy"), (3, "ready")]
     assert string_state_comparisons("x is RunnerPhase.STOPPED\ny == RunnerState.READY.value\n") == []
+
+
+FRONT_ENDS = ("api.py", "chat.py", "serve.py", "metrics.py", "cli.py")
+CONTROLLER_INSIDES = {"cluster", "store", "models"}
+
+
+def insides_touched(source: str) -> list[tuple[int, str]]:
+    """(line, attribute) for ``controller.cluster`` / ``controller.store`` / ``controller._private`` and alike."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        on_controller = (
+            isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "controller"
+        )
+        if on_controller and (node.attr in CONTROLLER_INSIDES or node.attr.startswith("_")):
+            found.append((node.lineno, node.attr))
+    return sorted(found)
+
+
+@pytest.mark.parametrize("name", FRONT_ENDS)
+def test_front_ends_use_only_the_controllers_public_surface(name: str):
+    hits = insides_touched((ROOT / "daemon" / "exod" / name).read_text())
+    assert not hits, f"{name} reaches into the controller: {hits}"
+
+
+def test_the_surface_detector_sees_what_it_forbids():
+    source = "controller.cluster.instances\ncontroller.store.load()\ncontroller._act()\ncontroller.status()\n"
+    assert insides_touched(source) == [(1, "cluster"), (2, "store"), (3, "_act")]

@@ -778,3 +778,15 @@ def test_the_daemon_and_the_checker_wake_for_the_reset_from_next_deadline_alone(
     machine = cluster.instance("i")
     assert (machine.instance_state, machine.generation, machine.attempts) == (InstanceState.READY, 2, 0)
     assert world.now == machine.ready_since + 50.0
+
+
+# -- the desired state: configured placements -----------------------------------------------------
+
+
+def test_configured_placements_are_idempotent_per_model():
+    config, cli = [("exod/tiny-qwen2", 2)], [("exod/tiny-qwen2", 2)]
+    assert fsm.to_place(config + cli, placed=[]) == [("exod/tiny-qwen2", 2)]  # one instance, not two
+    assert fsm.to_place(config + cli, placed=["exod/tiny-qwen2"]) == []  # a restart places nothing again
+    assert fsm.to_place([("a/m", 1), ("b/m", 2), ("a/m", 3)], placed=["b/m"]) == [("a/m", 3)]  # the last wins
+    with pytest.raises(fsm.InvalidConfig, match="ranks"):
+        fsm.to_place([("a/m", 0)], placed=[])

@@ -21,7 +21,7 @@ import attrs
 import pytest
 
 from exod import protocol as p
-from exod.controller import free_ports
+from exod.ring import free_ports
 from exod.tiny_model import make_tiny_model
 
 MESSAGES = [{"role": "user", "content": "hello there, how are you?"}]

@@ -20,11 +20,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import fsm
 from exod import chat
-from exod.controller import Controller, InstanceNotFound
+from exod.controller import Controller
 from exod.errors import ApiError, install
 from exod.metrics import Metrics
 from exod.models import InvalidModelId
 from exod.render import MEDIA_TYPES, Format, GraphvizMissing, render
+from exod.requests import InstanceNotFound
 
 MAX_BODY_BYTES = 1 << 20
 MAX_TOKENS_CEILING = 4096
@@ -142,7 +143,8 @@ def create_app(
     @app.get("/ready", responses={503: {"description": "no instance is Ready"}})
     async def ready() -> dict[str, Any]:
         """Readiness: at least one instance is Ready."""
-        ready = [i["instance_id"] for i in controller.status()["instances"] if i["state"] == "ready"]
+        ready_state = fsm.InstanceState.READY.value
+        ready = [i["instance_id"] for i in controller.status()["instances"] if i["state"] == ready_state]
         if not ready:
             raise ApiError(503, "no instance is Ready yet", headers={"Retry-After": "1"})
         return {"status": "ready", "instances": ready}
@@ -186,10 +188,11 @@ def create_app(
     @app.get("/instances/{instance_id}/diagram", response_class=Response)
     async def instance_diagram(instance_id: str, format: Format = Format.MERMAID) -> Response:
         """The instance's retry machine with its live state highlighted."""
-        placement = controller.cluster.instances.get(instance_id)
-        if placement is None:
-            raise ApiError(404, f"no instance {instance_id!r}")
-        return await _diagram(placement.machine, format, None)
+        try:
+            machine = controller.instance(instance_id)
+        except InstanceNotFound as exc:
+            raise ApiError(404, str(exc)) from exc
+        return await _diagram(machine, format, None)
 
     async def _diagram(machine: Any, fmt: Format, state: str | None) -> Response:
         try:
@@ -212,7 +215,7 @@ def create_app(
             seen = start
             while True:
                 written = controller.log_written  # taken before reading: a commit in between is not missed
-                batch = list(controller.store.transitions(after=seen, limit=500))
+                batch = list(controller.transitions(after=seen, limit=500))
                 for seq, e in batch:
                     seen = seq
                     doc = {"seq": seq, **e.as_record()}

@@ -13,16 +13,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from exod import protocol as p
-from exod.controller import (
-    Controller,
-    InstanceNotFound,
-    InvalidRequest,
-    ModelNotReady,
-    Overloaded,
-    QueueTimeout,
-    RequestFailed,
-)
+from exod.controller import Controller
 from exod.errors import ApiError
+from exod.requests import InstanceNotFound, InvalidRequest, ModelNotReady, Overloaded, QueueTimeout, RequestFailed
 
 MAX_MESSAGES = 256
 MAX_MESSAGE_CHARS = 100_000
@@ -73,7 +66,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
 
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:
-        seen = sorted({pl.model_id for pl in controller.cluster.instances.values() if not pl.machine.is_deleted})
+        seen = controller.placed_models()
         return {
             "object": "list",
             "data": [{"id": m, "object": "model", "created": 0, "owned_by": "exod"} for m in seen],
@@ -90,8 +83,8 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
         if max_tokens > max_tokens_ceiling:
             raise rejected(ApiError(400, f"max_tokens must be at most {max_tokens_ceiling}", param="max_tokens"))
         try:
-            instance_id = controller.pick_instance(body.model)
-            stream = controller.submit(
+            instance_id = controller.requests.pick(body.model)
+            stream = controller.requests.submit(
                 instance_id,
                 [m.model_dump() for m in body.messages],
                 max_tokens=max_tokens,

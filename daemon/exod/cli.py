@@ -272,7 +272,7 @@ def status(url, state_dir, as_json: bool) -> None:
         if inst["last_failure"]:
             click.echo(f"  last failure: {inst['last_failure']}")
         download = inst.get("download")
-        if download and download["state"] != "completed":
+        if download and download["state"] != fsm.DownloadState.COMPLETED.value:
             click.echo(f"  download: {download['state']} (attempts {download['attempts']}) {download['last_error']}")
         for r in inst["runners"]:
             where = r["state"] or "not created"
@@ -283,7 +283,7 @@ def status(url, state_dir, as_json: bool) -> None:
 
 
 def _offline_status(state_dir: Path) -> dict:
-    from exod.controller import status_of
+    from exod.status import status_of
     from exod.store import Store, StoreError
     from fsm.cluster import Cluster
 

@@ -11,10 +11,29 @@ import attrs
 import platformdirs
 
 import fsm
-from exod.controller import DaemonConfig
 from exod.faults import Fault, FaultSpec
 from exod.models import validate_model_id
 from exod.supervisor import Timeouts
+
+
+@attrs.frozen
+class DaemonConfig:
+    """What the controller needs: where state lives, how models are found, the policies and the limits."""
+
+    state_dir: Path
+    hf_home: Path | None = None
+    offline: bool | None = None  # None: HF_HUB_OFFLINE decides; the hub is tried and fails fast otherwise
+    timeouts: Timeouts = attrs.Factory(Timeouts)
+    policy: fsm.RetryPolicy = attrs.Factory(fsm.RetryPolicy)
+    download_policy: fsm.Backoff = fsm.DEFAULT_DOWNLOAD_BACKOFF
+    download_timeout: float = 30.0  # seconds without a byte before a download is given up (and retried)
+    max_requests_per_instance: int = 16  # in flight + queued; beyond it: Overloaded (HTTP 429)
+    queue_timeout: float = 30.0  # a request no Ready runner took by then fails instead of waiting on
+    faults: tuple[FaultSpec, ...] = ()  # injected faults, for tests (exod.faults); empty in production
+
+    @property
+    def db_path(self) -> Path:
+        return self.state_dir / "state.db"
 
 
 class ConfigError(ValueError):

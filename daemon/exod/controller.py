@@ -1,187 +1,97 @@
 """The controller: the imperative shell around `fsm.cluster.Cluster`.
 
 It owns every machine (through the cluster), runs `fsm.plan` whenever anything
-changes — a report from a runner, a process exit, a download, a placement —
-and at the next deadline `fsm.next_deadline` names; never on a fixed tick.
-Each action is applied to the machines first (`Cluster.execute`) and then
-carried out: a supervisor spawned, a command posted, a download started. What
-the world answers comes back as events through the `Listener` callbacks.
+changes — a report from a runner, a process exit, a download, a placement, a
+request — and at the next deadline `fsm.next_deadline` names; never on a fixed
+tick. Each action is applied to the machines first (`Cluster.execute`) and is
+carried out only if they accepted it: a supervisor spawned, a command posted,
+a download started. What the world answers comes back as events
+(`exod.reports`), and requests live in their own book (`exod.requests`).
 
 Every change of the machines is written to the store, with its log entries,
 before the controller waits again: what a caller was told is on disk.
+
+Time is trio's clock (`trio.current_time`), so `trio.testing.MockClock` drives
+the controller in tests; it is mapped to wall time once, because deadlines are
+stored and must mean the same after a restart.
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import math
-import re
 import secrets
-import socket
 import time
-from collections.abc import AsyncIterator, Callable
-from functools import partial
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import attrs
 import trio
 
 import fsm
 from exod import protocol as p
-from exod.faults import FaultSpec
-from exod.models import ModelNotFound, resolve_local_dir, resolve_model, validate_model_id
+from exod import ring
+from exod.config import DaemonConfig
+from exod.models import ModelFiles, ModelNotFound
 from exod.orphans import reap_orphans, start_ticks
+from exod.reports import Reports
+from exod.requests import InstanceNotFound, RequestBook
+from exod.status import NODE, status_of
 from exod.store import ProcessRecord, Store
-from exod.supervisor import RunnerSpec, Supervisor, Timeouts
+from exod.supervisor import Process, RunnerSpec, Spawn, Supervisor
 from fsm import download as dl
 from fsm import runner as rn
-from fsm.cluster import Cluster
+from fsm.cluster import Cluster, LogEntry
 
 log = logging.getLogger("exod.controller")
 
-NODE = "local"  # every rank of an instance runs on this machine, over loopback
 MAX_PLAN_ROUNDS = 64  # one change rarely needs more than a handful of plan → execute rounds
 KEEP_DELETED = 32  # deleted instances kept for `status` before they are forgotten
 
 
-class InstanceNotFound(LookupError):
-    """No such instance (or it was deleted)."""
-
-
-class RequestFailed(Exception):
-    """A generation request ended with an error (runner failed, instance deleted, bad request)."""
-
-
-class InvalidRequest(ValueError):
-    """A request the runner could not decode (caught before it is sent)."""
-
-
-class QueueTimeout(RequestFailed):
-    """No Ready runner took the request in time (HTTP 503)."""
-
-
-class Overloaded(Exception):
-    """The instance's request queue is full."""
-
-
-class ModelNotReady(Exception):
-    """The model is placed but no instance of it is Ready yet."""
-
-    def __init__(self, model_id: str, retry_after: int) -> None:
-        self.model_id = model_id
-        self.retry_after = retry_after
-        super().__init__(f"model {model_id!r} has no Ready instance yet; retry in {retry_after} s")
-
-
-@attrs.frozen
-class DaemonConfig:
-    state_dir: Path
-    hf_home: Path | None = None
-    offline: bool | None = None  # None: HF_HUB_OFFLINE decides; the hub is tried and fails fast otherwise
-    timeouts: Timeouts = attrs.Factory(Timeouts)
-    policy: fsm.RetryPolicy = attrs.Factory(fsm.RetryPolicy)
-    download_policy: fsm.Backoff = fsm.DEFAULT_DOWNLOAD_BACKOFF
-    download_timeout: float = 30.0  # seconds without a byte before a download is given up (and retried)
-    max_requests_per_instance: int = 16  # in flight + queued; beyond it: Overloaded (HTTP 429)
-    queue_timeout: float = 30.0  # a request no Ready runner took by then fails instead of waiting on
-    faults: tuple[FaultSpec, ...] = ()  # injected faults, for tests (exod.faults); empty in production
-
-    @property
-    def db_path(self) -> Path:
-        return self.state_dir / "state.db"
-
-
-@attrs.define
-class _Request:
-    instance_id: str
-    command: p.Generate
-    channel: trio.MemorySendChannel[Any]
-    leader: str = ""  # runner id of rank 0 once forwarded
-    incarnation: int = -1
-    forwarded: trio.Event = attrs.Factory(trio.Event)
-    abandoned: bool = False  # the caller went away; still counted until the runners are done with it
-
-
-class RequestStream:
-    """The tokens of one request, then its `Done`; raises `RequestFailed` if it cannot finish."""
-
-    def __init__(self, controller: Controller, request_id: str, request: _Request, receive: Any) -> None:
-        self.controller = controller
-        self.request_id = request_id
-        self._request = request
-        self._receive = receive
-        self._done = False
-        self._last: Any = None
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> p.Token | p.Done:
-        if self._done:
-            raise StopAsyncIteration
-        await self.wait_forwarded()
-        item = await self._receive.receive()
-        self._last = item
-        if isinstance(item, Exception):
-            self._done = True
-            raise item
-        if isinstance(item, p.Done):
-            self._done = True
-        return item
-
-    def close(self) -> None:
-        """The caller is done. A request the runners are still working on stays counted until they finish:
-        ranks generate in lockstep and cannot drop it one-sidedly, and the queue bound must hold."""
-        finished = self._done and not isinstance(self._last, Exception)
-        self._done = True
-        if self._request.forwarded.is_set() and not finished and self._request.leader:
-            self._request.abandoned = True
-        else:
-            self.controller._forget_request(self.request_id)
-
-    async def wait_forwarded(self) -> None:
-        """Until a Ready runner took the request; `QueueTimeout` after the configured wait."""
-        if self._request.forwarded.is_set():
-            return
-        limit = self.controller.config.queue_timeout
-        with trio.move_on_after(limit):
-            await self._request.forwarded.wait()
-        if not self._request.forwarded.is_set():
-            self._done = True
-            raise QueueTimeout(f"no Ready runner took the request within {limit:g} s; retry later")
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 class Controller:
-    def __init__(self, config: DaemonConfig, store: Store, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        config: DaemonConfig,
+        store: Store,
+        *,
+        spawn: Spawn = Supervisor,
+        models: ModelFiles | None = None,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self.config = config
         self.store = store
-        self.clock = clock  # wall time: deadlines are persisted and must mean the same after a restart
+        self.models = models or ModelFiles(
+            hf_home=config.hf_home, offline=config.offline, timeout=config.download_timeout
+        )
+        self._spawn = spawn
+        self._wall_offset = wall() - trio.current_time()  # trio time + offset = wall time, for what is stored
         self.cluster = Cluster(download_policy=config.download_policy)
-        self._supervisors: dict[tuple[str, int], Supervisor] = {}
-        self._requests: dict[str, _Request] = {}
-        self._model_paths: dict[str, Path] = {}
-        self.local_models: dict[str, Path] = {}  # "local/NAME" -> directory, from the config or CLI only
+        self.requests = self._new_book()
+        self._reports = Reports(self)
+        self._processes: dict[tuple[str, int], Process] = {}
         self._wake = trio.Event()
         self._stopping = False
         self._all_stopped = trio.Event()
-        self.log_written = trio.Event()
+        self.log_written = trio.Event()  # set (and replaced) at every commit: wakes the event streams
         self._nursery: trio.Nursery | None = None
         self.reaped_orphans: list[ProcessRecord] = []
         self.failure_counts: collections.Counter[str] = collections.Counter()  # by FailureKind value
+
+    def now(self) -> float:
+        """Wall time, read from trio's clock."""
+        return trio.current_time() + self._wall_offset
+
+    def _new_book(self) -> RequestBook:
+        c = self.config
+        return RequestBook(
+            self.cluster,
+            wake=self._wake_up,
+            now=self.now,
+            max_per_instance=c.max_requests_per_instance,
+            queue_timeout=c.queue_timeout,
+        )
 
     # -- lifecycle of the controller --------------------------------------------------------
 
@@ -190,10 +100,11 @@ class Controller:
         snapshot = self.store.load()
         if snapshot is not None:
             self.cluster = Cluster.from_dict(snapshot, download_policy=self.config.download_policy)
+            self.requests = self._new_book()  # callers of the previous daemon are gone
         self.reaped_orphans = reap_orphans(self.store.processes())
         for record in self.store.processes():
             self.store.forget_process(record.runner_id, record.incarnation)
-        now = self.clock()
+        now = self.now()
         self.cluster.recover(now)
         for (node, model_id), machine in self.cluster.downloads.items():
             if machine.download_state is fsm.DownloadState.ONGOING:
@@ -207,21 +118,10 @@ class Controller:
             task_status.started()
             while True:
                 self._act()
-                now = self.clock()
-                deadline = self._next_wake(now)
-                with trio.move_on_after(math.inf if deadline is None else max(0.0, deadline - now)):
+                deadline = fsm.next_deadline(self._view(), NODE, self.now())
+                with trio.move_on_at(math.inf if deadline is None else deadline - self._wall_offset):
                     await self._wake.wait()
                 self._wake = trio.Event()
-
-    def _next_wake(self, now: float) -> float | None:
-        """The planner's next deadline, or a budget reset coming due (so `status` shows it when it happens)."""
-        times = [fsm.next_deadline(self.cluster.view(), NODE, now)]
-        for placement in self.cluster.instances.values():
-            m = placement.machine
-            if m.instance_state is fsm.InstanceState.READY and m.attempts and m.ready_since is not None:
-                times.append(m.ready_since + m.policy.reset_after)
-        future = [t for t in times if t is not None and t > now]
-        return min(future, default=None)
 
     async def shutdown(self) -> None:
         """Stop every runner the graceful way (ask → grace → SIGTERM → SIGKILL) and wait for them all.
@@ -230,31 +130,19 @@ class Controller:
         fresh generation, charging no retry, exactly as after a crash.
         """
         self._stopping = True
-        if not self._supervisors:
+        if not self._processes:
             return
-        for supervisor in list(self._supervisors.values()):
-            supervisor.stop()
+        for process in list(self._processes.values()):
+            process.stop()
         t = self.config.timeouts
         with trio.move_on_after(t.stop_grace + t.term_grace + 2.0):
             await self._all_stopped.wait()
 
-    def _changed(self) -> None:
-        self._commit()
-        self._wake.set()
-
-    def _commit(self) -> None:
-        if self.cluster.log:
-            self.store.save(self.cluster.to_dict(), self.cluster.log, self.clock())
-            self.cluster.log.clear()
-            self.log_written.set()  # wakes the event streams; each waits on a fresh Event next time
-            self.log_written = trio.Event()
-
-    # -- the API the daemon's front ends use ----------------------------------------------------
+    # -- the public surface of the daemon's front ends ---------------------------------------
 
     def place(self, model_id: str, ranks: int, *, policy: fsm.RetryPolicy | None = None) -> str:
         """Place ``model_id`` on ``ranks`` local ranks; returns the instance id once it is on disk."""
-        validate_model_id(model_id)
-        if model_id.startswith("local/") and model_id not in self.local_models:
+        if not self.models.placeable(model_id):
             raise fsm.InvalidConfig(
                 f"{model_id}: local model directories are placed from the config file or `exod serve --place` only"
             )
@@ -263,112 +151,73 @@ class Controller:
         instance_id = f"{model_id.split('/')[-1]}-{secrets.token_hex(3)}"
         slots = [fsm.Slot(rank, NODE, f"{instance_id}/{rank}") for rank in range(ranks)]
         self.cluster.place(instance_id, model_id, slots, policy=policy or self.config.policy)
-        self.cluster.log.append(fsm.cluster.LogEntry(self.clock(), "instance", instance_id, "place", "", "pending"))
+        self.cluster.log.append(LogEntry(self.now(), "instance", instance_id, "place", "", "pending"))
         self._changed()
         return instance_id
 
     def register_local_model(self, directory: Path) -> str:
         """Name a local model directory ``local/NAME`` so it can be placed; never reachable from the API."""
-        path = resolve_local_dir(directory)
-        name = re.sub(r"[^A-Za-z0-9._-]+", "-", path.name).strip(".-") or "model"
-        model_id = f"local/{name}"
-        if self.local_models.get(model_id, path) != path:
-            raise fsm.InvalidConfig(f"two local model directories are both named {name!r}: rename one")
-        self.local_models[model_id] = path
-        return model_id
+        try:
+            return self.models.register_local(directory)
+        except ValueError as exc:
+            raise fsm.InvalidConfig(str(exc)) from exc
 
     def delete(self, instance_id: str) -> None:
         if instance_id not in self.cluster.instances:
             raise InstanceNotFound(f"no instance {instance_id!r}; `exod status` lists them")
-        self.cluster.delete(instance_id, self.clock())
+        self.cluster.delete(instance_id, self.now())
         self._changed()
-
-    def pick_instance(self, model_id: str) -> str:
-        """The Ready instance of ``model_id`` with the fewest requests; `ModelNotReady` says when to retry."""
-        live = [
-            (iid, pl)
-            for iid, pl in self.cluster.instances.items()
-            if pl.model_id == model_id and not pl.machine.is_deleted
-        ]
-        if not live:
-            raise InstanceNotFound(f"model {model_id!r} is not placed; place it with `exod place {model_id}`")
-        ready = [iid for iid, pl in live if pl.machine.instance_state is fsm.InstanceState.READY]
-        if ready:
-            return min(ready, key=lambda iid: (self._load(iid), iid))
-        now = self.clock()
-        waits = [pl.machine.deadline - now for _, pl in live if pl.machine.deadline is not None]
-        raise ModelNotReady(model_id, max(1, math.ceil(min(waits, default=1.0))))
-
-    def _load(self, instance_id: str) -> int:
-        return sum(1 for r in self._requests.values() if r.instance_id == instance_id)
-
-    def submit(
-        self,
-        instance_id: str,
-        messages: list[dict[str, str]],
-        *,
-        max_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: list[str] | None = None,
-    ) -> RequestStream:
-        """Queue a chat completion on an instance; refuses at once (not later) when it cannot take it."""
-        placement = self.cluster.instances.get(instance_id)
-        if placement is None or placement.machine.is_deleted:
-            raise InstanceNotFound(f"no live instance {instance_id!r}")
-        if self._load(instance_id) >= self.config.max_requests_per_instance:
-            raise Overloaded(
-                f"instance {instance_id} already has {self.config.max_requests_per_instance} requests queued; "
-                "retry shortly"
-            )
-        request_id = f"req-{secrets.token_hex(6)}"
-        command = p.Generate(
-            request_id=request_id,
-            prompt_messages=messages,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            stop=stop or [],
-        )
-        try:
-            p.from_json(command.to_line())  # what the runner will decode: refuse it here, not there
-        except p.ProtocolError as exc:
-            raise InvalidRequest(f"invalid request: {exc}") from exc
-        send, receive = trio.open_memory_channel[Any](math.inf)
-        request = _Request(instance_id, command, send)
-        self._requests[request_id] = request
-        self.cluster.add_request(request_id, instance_id)
-        self._changed()
-        return RequestStream(self, request_id, request, receive)
-
-    async def generate(self, instance_id: str, messages: list[dict[str, str]], **params: Any) -> AsyncIterator[Any]:
-        """`submit`, then iterate: tokens, then one `Done`; `RequestFailed` on error."""
-        stream = self.submit(instance_id, messages, **params)
-        try:
-            async for item in stream:
-                yield item
-        finally:
-            stream.close()
-
-    def _forget_request(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
-        self.cluster.requests.pop(request_id, None)
 
     def status(self) -> dict[str, Any]:
         return status_of(self.cluster)
 
+    def placed_models(self) -> list[str]:
+        """Models with a live (not deleted) instance, sorted."""
+        return sorted({pl.model_id for pl in self.cluster.instances.values() if not pl.machine.is_deleted})
+
+    def instance(self, instance_id: str) -> fsm.InstanceRetry:
+        """The instance's retry machine (read it; only the controller feeds it events)."""
+        placement = self.cluster.instances.get(instance_id)
+        if placement is None:
+            raise InstanceNotFound(f"no instance {instance_id!r}")
+        return placement.machine
+
+    def runner_pid(self, runner_id: str, incarnation: int) -> int | None:
+        """The pid of a live runner process (None if it is not running)."""
+        process = self._processes.get((runner_id, incarnation))
+        return None if process is None else process.pid
+
+    def transitions(self, after: int = 0, limit: int | None = None) -> Iterator[tuple[int, LogEntry]]:
+        """The durable transition log after sequence number ``after``; `log_written` is set when it grows."""
+        return self.store.transitions(after=after, limit=limit)
+
     # -- plan → execute ------------------------------------------------------------------
+
+    def _view(self) -> fsm.ClusterView:
+        return self.cluster.view(self.requests.pending())
+
+    def _wake_up(self) -> None:
+        self._wake.set()
+
+    def _changed(self) -> None:
+        self._commit()
+        self._wake.set()
+
+    def _commit(self) -> None:
+        if self.cluster.log:
+            self.store.save(self.cluster.to_dict(), self.cluster.log, self.now())
+            self.cluster.log.clear()
+            self.log_written.set()  # wakes the event streams; each waits on a fresh Event next time
+            self.log_written = trio.Event()
 
     def _act(self) -> None:
         if self._stopping:
             return
-        now = self.clock()
+        now = self.now()
         for iid in list(self.cluster.instances):
             self.cluster.instance_event(fsm.instance.Tick(iid, now))
         for _ in range(MAX_PLAN_ROUNDS):
-            actions = fsm.plan(self.cluster.view(), NODE, now)
+            actions = fsm.plan(self._view(), NODE, now)
             if not actions:
                 break
             for action in actions:
@@ -378,7 +227,7 @@ class Controller:
                     log.warning("action %s not taken: %s", action, exc)
         else:
             log.error("plan did not settle after %d rounds; will retry on the next change", MAX_PLAN_ROUNDS)
-        self._fail_orphaned_requests()
+        self.requests.fail_orphaned()
         self._forget_old_deleted(now)
         self._commit()
 
@@ -391,267 +240,117 @@ class Controller:
         ]
         for iid in done[: max(0, len(done) - KEEP_DELETED)]:
             self.cluster.forget(iid)
-            self.cluster.log.append(fsm.cluster.LogEntry(now, "instance", iid, "forget", "deleted", ""))
+            self.cluster.log.append(LogEntry(now, "instance", iid, "forget", "deleted", ""))
 
     def _execute(self, action: fsm.Action, now: float) -> None:
+        """The machines first; the I/O only for what they accepted."""
         assert self._nursery is not None
         if isinstance(action, fsm.LoadModel):  # the I/O that can fail comes before the machines move
             try:
-                model_path = self._model_path(action.model_id)
+                model_path = self.models.path(action.model_id)
             except ModelNotFound as exc:  # gone from the cache since it was downloaded: fetch it again
                 log.warning("model %s vanished from the cache: %s", action.model_id, exc)
-                self._model_paths.pop(action.model_id, None)
+                self.models.forget(action.model_id)
                 self.cluster.download_event(NODE, dl.Invalidate(action.model_id, now))
                 return
-        self.cluster.execute(action, now)
+        if not self.cluster.execute(action, now).accepted:
+            return
         match action:
             case fsm.CancelRequest(request_id, _, reason):
-                self._fail_request(request_id, reason)
+                self.requests.cancel(request_id, reason)
             case fsm.StopRunner(runner_id, incarnation, _):
-                supervisor = self._supervisors.get((runner_id, incarnation))
-                if supervisor is not None:
-                    supervisor.stop()
-            case fsm.CreateRunner(instance_id, runner_id, _, rank, world_size, incarnation, _):
-                spec = RunnerSpec(
-                    runner_id=runner_id,
-                    incarnation=incarnation,
-                    rank=rank,
-                    world_size=world_size,
-                    hostfile=self._hostfile(instance_id, incarnation, world_size),
-                    log_path=self.config.state_dir / "logs" / instance_id / f"rank{rank}-gen{incarnation}.log",
-                    fault=next((str(f.fault) for f in self.config.faults if f.applies(rank, incarnation)), None),
-                )
-                supervisor = Supervisor(spec, self, self.config.timeouts)
-                self._supervisors[(runner_id, incarnation)] = supervisor
-                self._nursery.start_soon(self._supervise, supervisor)
+                if (process := self._processes.get((runner_id, incarnation))) is not None:
+                    process.stop()
+            case fsm.CreateRunner():
+                self._start_runner(action)
             case fsm.StartDownload(_, model_id):
                 self._nursery.start_soon(self._download, model_id)
             case fsm.ConnectRunner(runner_id, incarnation):
                 self._post(runner_id, incarnation, p.Connect())
-            case fsm.LoadModel(runner_id, incarnation, model_id):
+            case fsm.LoadModel(runner_id, incarnation, _):
                 self._post(runner_id, incarnation, p.Load(str(model_path)))
             case fsm.WarmUp(runner_id, incarnation):
                 self._post(runner_id, incarnation, p.WarmUp())
-            case fsm.ForwardRequest(request_id, runner_id, incarnation):
-                request = self._requests.get(request_id)
-                if request is not None:
-                    if self.cluster.runner(runner_id).rank == 0:
-                        request.leader, request.incarnation = runner_id, incarnation
-                        request.forwarded.set()
-                    self._post(runner_id, incarnation, request.command)
+            case fsm.ForwardRequest(_, runner_id, incarnation):
+                command = self.requests.forwarded(action, self.cluster.runner(runner_id).rank)
+                if command is not None:
+                    self._post(runner_id, incarnation, command)
+
+    def _start_runner(self, action: fsm.CreateRunner) -> None:
+        assert self._nursery is not None
+        rank, gen = action.rank, action.incarnation
+        spec = RunnerSpec(
+            runner_id=action.runner_id,
+            incarnation=gen,
+            rank=rank,
+            world_size=action.world_size,
+            hostfile=self._hostfile(action.instance_id, gen, action.world_size),
+            log_path=self.config.state_dir / "logs" / action.instance_id / f"rank{rank}-gen{gen}.log",
+            fault=next((str(f.fault) for f in self.config.faults if f.applies(rank, gen)), None),
+        )
+        process = self._spawn(spec, self._reports, self.config.timeouts)
+        self._processes[(action.runner_id, gen)] = process
+        self._nursery.start_soon(self._supervise, process)
 
     def _post(self, runner_id: str, incarnation: int, command: p.Command) -> None:
-        supervisor = self._supervisors.get((runner_id, incarnation))
-        if supervisor is not None:
-            supervisor.post(command)
+        if (process := self._processes.get((runner_id, incarnation))) is not None:
+            process.post(command)
 
     def _hostfile(self, instance_id: str, generation: int, world_size: int) -> Path | None:
         if world_size == 1:
             return None
-        path = self.config.state_dir / "run" / instance_id / f"gen{generation}.hostfile.json"
-        if not path.exists():  # every rank of a generation shares one hostfile
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(world_size)]))
-        return path
-
-    def _model_path(self, model_id: str) -> Path:
-        if model_id in self.local_models:
-            return self.local_models[model_id]
-        if model_id not in self._model_paths:  # completed before a restart: it is in the local cache
-            self._model_paths[model_id] = resolve_model(model_id, hf_home=self.config.hf_home, offline=True)
-        return self._model_paths[model_id]
+        return ring.hostfile(self.config.state_dir / "run" / instance_id / f"gen{generation}.hostfile.json", world_size)
 
     async def _download(self, model_id: str) -> None:
-        token = trio.lowlevel.current_trio_token()
-
-        def progress(done: int, total: int | None) -> None:  # called in huggingface_hub's worker threads
-            token.run_sync_soon(self._bytes_progress, model_id, done, total)
-
-        if model_id.startswith("local/"):
-            resolve = partial(self._local_model, model_id)
-        else:
-            resolve = partial(
-                resolve_model,
-                model_id,
-                hf_home=self.config.hf_home,
-                offline=self.config.offline,
-                timeout=self.config.download_timeout,
-                progress=progress,
-            )
         try:
-            path = await trio.to_thread.run_sync(resolve, abandon_on_cancel=True)
+            await self.models.fetch(model_id, progress=lambda done, total: self._bytes_progress(model_id, done, total))
         except Exception as exc:  # ModelNotFound, or anything the hub client raised: retried with backoff
             reason = str(exc) if isinstance(exc, ModelNotFound) else f"{type(exc).__name__}: {exc}"
-            self.cluster.download_event(NODE, dl.DownloadFailed(model_id, self.clock(), reason))
+            self.cluster.download_event(NODE, dl.DownloadFailed(model_id, self.now(), reason))
         else:
-            self._model_paths[model_id] = path
-            self.cluster.download_event(NODE, dl.Complete(model_id, self.clock()))
+            self.cluster.download_event(NODE, dl.Complete(model_id, self.now()))
         self._changed()
-
-    def _local_model(self, model_id: str) -> Path:
-        if model_id not in self.local_models:
-            raise ModelNotFound(f"{model_id} names a local directory that is no longer in the configuration")
-        return resolve_local_dir(self.local_models[model_id])
 
     def _bytes_progress(self, model_id: str, done: int, total: int | None) -> None:
         try:
-            self.cluster.download_event(NODE, dl.BytesProgress(model_id, self.clock(), done, total))
+            self.cluster.download_event(NODE, dl.BytesProgress(model_id, self.now(), done, total))
         except fsm.FsmError as exc:  # e.g. a late callback after the download ended
             log.debug("download progress for %s ignored: %s", model_id, exc)
 
-    async def _supervise(self, supervisor: Supervisor) -> None:
-        spec = supervisor.spec
+    async def _supervise(self, process: Process) -> None:
+        spec = process.spec
         try:
-            await supervisor.run()
+            await process.run()
         except Exception as exc:  # the runner's failure, never the daemon's: spawn errors, I/O errors
             log.exception("supervisor of %s/%d failed", spec.runner_id, spec.incarnation)
-            kind = fsm.FailureKind.SPAWN if supervisor.pid is None else fsm.FailureKind.EXCEPTION
-            what = "cannot start runner" if supervisor.pid is None else "supervisor error"
+            kind = fsm.FailureKind.SPAWN if process.pid is None else fsm.FailureKind.EXCEPTION
+            what = "cannot start runner" if process.pid is None else "supervisor error"
             failure = fsm.Failure(kind, f"{what}: {type(exc).__name__}: {exc}")  # retryable: usually transient
-            self._runner_event(rn.Fail(spec.runner_id, spec.incarnation, failure=failure))
-            self._runner_event(rn.Exited(spec.runner_id, spec.incarnation, exit_code=1))
+            self.runner_event(rn.Fail(spec.runner_id, spec.incarnation, failure=failure))
+            self.runner_event(rn.Exited(spec.runner_id, spec.incarnation, exit_code=1))
         finally:
-            self._supervisors.pop((supervisor.spec.runner_id, supervisor.spec.incarnation), None)
-            if self._stopping and not self._supervisors:
+            self._processes.pop((spec.runner_id, spec.incarnation), None)
+            if self._stopping and not self._processes:
                 self._all_stopped.set()
 
-    # -- requests --------------------------------------------------------------------------
+    # -- exod.reports.Sink: what the runners' reports became ------------------------------------
 
-    def _fail_request(self, request_id: str, reason: str) -> None:
-        request = self._requests.get(request_id)
-        if request is None:
-            return
-        if request.abandoned:
-            self._forget_request(request_id)
-        else:
-            request.channel.send_nowait(RequestFailed(reason))
-
-    def _fail_orphaned_requests(self) -> None:
-        """A forwarded request whose rank 0 is no longer Ready will never finish: end it now, never hang."""
-        for request_id, request in list(self._requests.items()):
-            if not request.leader:
-                continue
-            entry = self.cluster.runners.get(request.leader)
-            machine = None if entry is None else entry.machine
-            if (
-                machine is None
-                or machine.incarnation != request.incarnation
-                or not machine.alive
-                or (machine.runner_state is not fsm.RunnerState.READY)
-            ):
-                cause = machine.failure.message if machine is not None and machine.failure else "runner stopped"
-                self._fail_request(request_id, f"the runner serving this request failed: {cause}")
-                request.leader = ""
-
-    # -- Listener: what supervisors report ----------------------------------------------------
-
-    def _runner_event(self, event: rn.RunnerEvent) -> None:
+    def runner_event(self, event: rn.RunnerEvent) -> None:
         if self._stopping:  # the machines keep their state as of the shutdown; `restore` takes it from there
             return
         entry = self.cluster.runners.get(event.runner_id)
-        machine = None if entry is None else entry.machine
-        failed_before = machine is not None and machine.failure is not None
+        failed_before = entry is not None and entry.machine.failure is not None
         try:
-            self.cluster.runner_event(event, self.clock())
-            if machine is not None and machine.failure is not None and not failed_before:
-                self.failure_counts[machine.failure.kind.value] += 1
+            self.cluster.runner_event(event, self.now())
+            if entry is not None and entry.machine.failure is not None and not failed_before:
+                self.failure_counts[entry.machine.failure.kind.value] += 1
         except fsm.FsmError as exc:
             log.warning("runner event %s refused: %s", event, exc)
-        self._fail_orphaned_requests()
+        self.requests.fail_orphaned()
         self._changed()
 
-    def on_spawned(self, spec: RunnerSpec, pid: int) -> None:
+    def process_started(self, spec: RunnerSpec, pid: int) -> None:
         self.store.record_process(ProcessRecord(spec.runner_id, spec.incarnation, pid, start_ticks(pid) or 0))
 
-    def on_report(self, spec: RunnerSpec, report: p.Report) -> None:
-        try:
-            self._on_report(spec, report)
-        except fsm.FsmError as exc:  # e.g. progress beyond the total: the report is wrong, the daemon goes on
-            log.warning("report %s from %s/%d refused: %s", report, spec.runner_id, spec.incarnation, exc)
-
-    def _on_report(self, spec: RunnerSpec, report: p.Report) -> None:
-        rid, inc = spec.runner_id, spec.incarnation
-        match report:
-            case p.Status(phase=p.Phase.JOINED):
-                self._runner_event(rn.Connected(rid, inc))
-            case p.Status(phase=p.Phase.LOADED):
-                self._runner_event(rn.WeightsLoaded(rid, inc))
-            case p.Status(phase=p.Phase.READY):
-                self._runner_event(rn.Warmed(rid, inc))
-            case p.Progress(layers_loaded=done, layers_total=total) if total > 0:
-                self._runner_event(rn.Progress(rid, inc, layers_loaded=done, layers_total=total))
-            case p.Failed():
-                failure = fsm.Failure.exception(
-                    report.exception_type, report.message, retryable=report.retryable, detail=report.traceback
-                )
-                self._runner_event(rn.Fail(rid, inc, failure=failure))
-            case p.Token(request_id=request_id) | p.Done(request_id=request_id):
-                request = self._requests.get(request_id)
-                if request is not None and request.leader == rid:  # rank 0 speaks for the request
-                    if request.abandoned and isinstance(report, p.Done):
-                        self._forget_request(request_id)
-                    elif not request.abandoned:
-                        request.channel.send_nowait(report)
-                if isinstance(report, p.Done):
-                    self._runner_event(rn.RequestFinished(rid, inc))
-            case p.RequestError(request_id=request_id, message=message):
-                self._fail_request(request_id, message)
-                self._runner_event(rn.RequestFinished(rid, inc))
-
-    def on_stall(self, spec: RunnerSpec, phase: str, seconds: float) -> None:
-        failure = fsm.Failure.stalled(phase, seconds)
-        self._runner_event(rn.Fail(spec.runner_id, spec.incarnation, failure=failure))
-
-    def on_exit(self, spec: RunnerSpec, exit_code: int, stderr_tail: str, stopped: bool) -> None:
+    def process_ended(self, spec: RunnerSpec) -> None:
         self.store.forget_process(spec.runner_id, spec.incarnation)
-        event = rn.Exited(
-            spec.runner_id, spec.incarnation, exit_code=exit_code, detail=stderr_tail, stop_delivered=stopped
-        )
-        self._runner_event(event)
-
-
-def status_of(cluster: Cluster) -> dict[str, Any]:
-    """Everything an operator asks first: states, attempts, next retry, last cause, per runner."""
-    view = cluster.view()
-    instances = []
-    for iid, placement in cluster.instances.items():
-        m = placement.machine
-        runners = []
-        for slot, r in view.slot_runners(view.instances[iid]):
-            runners.append(
-                {
-                    "runner_id": slot.runner_id,
-                    "rank": slot.rank,
-                    "incarnation": None if r is None else r.incarnation,
-                    "state": None if r is None else r.state.value,
-                    "phase": None if r is None or r.phase is None else r.phase.value,
-                    "layers": None if r is None else [r.layers_loaded, r.layers_total],
-                    "failure": None if r is None or r.failure is None else r.failure.message,
-                }
-            )
-        download = cluster.downloads.get((NODE, placement.model_id))
-        instances.append(
-            {
-                "instance_id": iid,
-                "model_id": placement.model_id,
-                "ranks": len(placement.slots),
-                "state": m.instance_state.value,
-                "generation": m.generation,
-                "attempts": m.attempts,
-                "max_retries": m.policy.max_retries,
-                "next_retry_at": m.deadline,
-                "delete_reason": None if m.delete_reason is None else m.delete_reason.value,
-                "last_failure": None if m.last_failure is None else m.last_failure.message,
-                "download": None
-                if download is None
-                else {
-                    "state": download.download_state.value,
-                    "attempts": download.attempts,
-                    "retry_at": download.retry_at,
-                    "last_error": download.last_error,
-                    "bytes": [download.bytes_done, download.bytes_total],
-                },
-                "runners": runners,
-            }
-        )
-    return {"instances": instances}

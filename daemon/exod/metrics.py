@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter as Tally
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -17,9 +18,12 @@ from prometheus_client.registry import Collector
 
 import fsm
 
+if TYPE_CHECKING:
+    from exod.controller import Controller
+
 
 class Metrics:
-    def __init__(self, controller: object) -> None:
+    def __init__(self, controller: Controller) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "exod_requests", "Chat completion requests by outcome", ["model", "outcome"], registry=self.registry
@@ -36,29 +40,34 @@ class Metrics:
 
 
 class _StateCollector(Collector):
-    def __init__(self, controller: object) -> None:
+    """Gauges from the status document, read at scrape time."""
+
+    def __init__(self, controller: Controller) -> None:
         self.controller = controller
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        cluster = self.controller.cluster  # type: ignore[attr-defined]
+        status = self.controller.status()["instances"]
+        stopped = fsm.RunnerPhase.STOPPED.value
         runners = GaugeMetricFamily("exod_runners", "Runner processes by lifecycle state", labels=["state"])
-        by_state = Tally(e.machine.runner_state.value for e in cluster.runners.values() if e.machine.alive)
+        by_state = Tally(
+            r["state"] for i in status for r in i["runners"] if r["state"] is not None and r["phase"] != stopped
+        )
         for state in fsm.RunnerState:
             runners.add_metric([state.value], by_state.get(state.value, 0))
         yield runners
         instances = GaugeMetricFamily("exod_instances", "Instances by retry-policy state", labels=["state"])
-        by_instance = Tally(p.machine.instance_state.value for p in cluster.instances.values())
+        by_instance = Tally(i["state"] for i in status)
         for state in fsm.InstanceState:
             instances.add_metric([state.value], by_instance.get(state.value, 0))
         yield instances
         attempts = GaugeMetricFamily(
             "exod_instance_retries", "Failed generations counted against each instance's budget", labels=["instance"]
         )
-        for iid, placement in cluster.instances.items():
-            attempts.add_metric([iid], placement.machine.attempts)
+        for i in status:
+            attempts.add_metric([i["instance_id"]], i["attempts"])
         yield attempts
         failures = CounterMetricFamily("exod_runner_failures", "Runner failures since start, by cause", labels=["kind"])
-        counts = self.controller.failure_counts  # type: ignore[attr-defined]
+        counts = self.controller.failure_counts
         for kind in fsm.FailureKind:
             failures.add_metric([kind.value], counts.get(kind.value, 0))
         yield failures

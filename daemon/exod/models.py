@@ -7,6 +7,7 @@ module reads the environment itself at call time and passes ``cache_dir``/``loca
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
@@ -20,6 +21,7 @@ import attrs
 __all__ = [
     "CachedModel",
     "InvalidModelId",
+    "ModelFiles",
     "ModelNotFound",
     "hub_cache_dir",
     "list_cached_models",
@@ -239,3 +241,70 @@ def list_cached_models(hf_home: Path | None = None) -> list[CachedModel]:
         for rev in repo.revisions
     ]
     return sorted(models, key=lambda m: (m.repo_id, m.revision))
+
+
+class ModelFiles:
+    """Where the controller's models come from: the HF cache (or the hub), and local directories.
+
+    Local directories are named ``local/NAME`` and come from the config file or ``exod serve --place`` only,
+    never from the API. Tests replace `fetch` and `path` with an in-process fake (no thread, no files).
+    """
+
+    def __init__(self, *, hf_home: Path | None = None, offline: bool | None = None, timeout: float = 30.0) -> None:
+        self.hf_home, self.offline, self.timeout = hf_home, offline, timeout
+        self.local: dict[str, Path] = {}  # "local/NAME" -> directory
+        self._paths: dict[str, Path] = {}
+
+    def register_local(self, directory: Path) -> str:
+        """Name a local model directory ``local/NAME`` so it can be placed."""
+        path = resolve_local_dir(directory)
+        name = re.sub(r"[^A-Za-z0-9._-]+", "-", path.name).strip(".-") or "model"
+        model_id = f"local/{name}"
+        if self.local.get(model_id, path) != path:
+            raise ValueError(f"two local model directories are both named {name!r}: rename one")
+        self.local[model_id] = path
+        return model_id
+
+    def placeable(self, model_id: str) -> bool:
+        """A ``local/`` model only if the configuration named it; any valid repo id otherwise."""
+        validate_model_id(model_id)
+        return not model_id.startswith("local/") or model_id in self.local
+
+    async def fetch(self, model_id: str, progress: ProgressCallback) -> Path:
+        """Download (or find) the model; ``progress`` is called in trio, never from a worker thread."""
+        import trio
+
+        token = trio.lowlevel.current_trio_token()
+
+        def report(done: int, total: int | None) -> None:  # called in huggingface_hub's worker threads
+            token.run_sync_soon(progress, done, total)
+
+        if model_id.startswith("local/"):
+            if model_id not in self.local:
+                raise ModelNotFound(f"{model_id} names a local directory that is no longer in the configuration")
+            directory = self.local[model_id]
+            path = await trio.to_thread.run_sync(resolve_local_dir, directory, abandon_on_cancel=True)
+        else:
+            resolve = functools.partial(
+                resolve_model,
+                model_id,
+                hf_home=self.hf_home,
+                offline=self.offline,
+                timeout=self.timeout,
+                progress=report,
+            )
+            path = await trio.to_thread.run_sync(resolve, abandon_on_cancel=True)
+        self._paths[model_id] = path
+        return path
+
+    def path(self, model_id: str) -> Path:
+        """The model's directory once fetched (after a restart: found in the cache); `ModelNotFound` if gone."""
+        if model_id in self.local:
+            return self.local[model_id]
+        if model_id not in self._paths:
+            self._paths[model_id] = resolve_model(model_id, hf_home=self.hf_home, offline=True)
+        return self._paths[model_id]
+
+    def forget(self, model_id: str) -> None:
+        """The files vanished: the next `path` looks again."""
+        self._paths.pop(model_id, None)

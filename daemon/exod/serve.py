@@ -27,6 +27,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
+import fsm
 from exod.api import create_app
 from exod.config import ServeConfig
 from exod.controller import Controller
@@ -71,11 +72,9 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
             controller.restore()
             if controller.reaped_orphans:
                 log.warning("reaped %d runner(s) left by a previous daemon", len(controller.reaped_orphans))
-            live = {p.model_id for p in controller.cluster.instances.values() if not p.machine.is_deleted}
-            for placement in config.placements:
-                model_id = placement.model or controller.register_local_model(placement.path)
-                if model_id not in live:
-                    controller.place(model_id, placement.ranks)
+            wanted = [(p.model or controller.register_local_model(p.path), p.ranks) for p in config.placements]
+            for model_id, ranks in fsm.to_place(wanted, controller.placed_models()):
+                controller.place(model_id, ranks)
             hc = HypercornConfig()
             hc.bind = [f"{config.host}:{config.port}"]
             hc.accesslog = None

@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -55,8 +56,22 @@ class Listener(Protocol):
     def on_spawned(self, spec: RunnerSpec, pid: int) -> None: ...
     def on_report(self, spec: RunnerSpec, report: p.Report) -> None: ...
     def on_stall(self, spec: RunnerSpec, phase: str, seconds: float) -> None: ...
-    def on_exit(self, spec: RunnerSpec, exit_code: int, stderr_tail: str, stopped: bool) -> None:
-        """``stopped``: the process was told to stop (Shutdown delivered, or a signal from us) before it ended."""
+    def on_exit(self, spec: RunnerSpec, exit_code: int, stderr_tail: str, stop_delivered: bool) -> None:
+        """``stop_delivered``: our stop (Shutdown delivered, or a signal from us) reached it before it ended."""
+
+
+class Process(Protocol):
+    """What the controller needs of a runner's supervisor (`exod.supervisor.Supervisor`, or a test's fake)."""
+
+    spec: RunnerSpec
+    pid: int | None
+
+    async def run(self) -> None: ...
+    def post(self, command: p.Command) -> None: ...
+    def stop(self) -> None: ...
+
+
+Spawn = Callable[[RunnerSpec, Listener, Timeouts], Process]
 
 
 TAIL_LINES = 20

@@ -1,0 +1,82 @@
+"""What runner processes say, as machine events: the supervisors' `Listener`.
+
+Each report of a runner becomes a `fsm.runner` event, or a token for the
+request book; a stall and an exit become events too. Nothing here decides:
+whether an exit was a failure is the runner machine's rule
+(``Exited.stop_delivered``), and what a failure costs is the instance's.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import fsm
+from exod import protocol as p
+from exod.requests import RequestBook
+from exod.supervisor import RunnerSpec
+from fsm import runner as rn
+
+log = logging.getLogger("exod.reports")
+
+
+class Sink(Protocol):
+    """Where the events go: the controller."""
+
+    requests: RequestBook
+
+    def runner_event(self, event: rn.RunnerEvent) -> None: ...
+    def process_started(self, spec: RunnerSpec, pid: int) -> None: ...
+    def process_ended(self, spec: RunnerSpec) -> None: ...
+
+
+class Reports:
+    """The `exod.supervisor.Listener` of every runner: reports in, events out."""
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+
+    def on_spawned(self, spec: RunnerSpec, pid: int) -> None:
+        self.sink.process_started(spec, pid)
+
+    def on_report(self, spec: RunnerSpec, report: p.Report) -> None:
+        try:
+            self._on_report(spec, report)
+        except fsm.FsmError as exc:  # e.g. progress beyond the total: the report is wrong, the daemon goes on
+            log.warning("report %s from %s/%d refused: %s", report, spec.runner_id, spec.incarnation, exc)
+
+    def _on_report(self, spec: RunnerSpec, report: p.Report) -> None:
+        rid, inc, event = spec.runner_id, spec.incarnation, self.sink.runner_event
+        match report:
+            case p.Status(phase=p.Phase.JOINED):
+                event(rn.Connected(rid, inc))
+            case p.Status(phase=p.Phase.LOADED):
+                event(rn.WeightsLoaded(rid, inc))
+            case p.Status(phase=p.Phase.READY):
+                event(rn.Warmed(rid, inc))
+            case p.Progress(layers_loaded=done, layers_total=total) if total > 0:
+                event(rn.Progress(rid, inc, layers_loaded=done, layers_total=total))
+            case p.Failed():
+                failure = fsm.Failure.exception(
+                    report.exception_type, report.message, retryable=report.retryable, detail=report.traceback
+                )
+                event(rn.Fail(rid, inc, failure=failure))
+            case p.Token() | p.Done():
+                self.sink.requests.deliver(rid, report)
+                if isinstance(report, p.Done):
+                    event(rn.RequestFinished(rid, inc))
+            case p.RequestError(request_id=request_id, message=message):
+                self.sink.requests.cancel(request_id, message)
+                event(rn.RequestFinished(rid, inc))
+
+    def on_stall(self, spec: RunnerSpec, phase: str, seconds: float) -> None:
+        failure = fsm.Failure.stalled(phase, seconds)
+        self.sink.runner_event(rn.Fail(spec.runner_id, spec.incarnation, failure=failure))
+
+    def on_exit(self, spec: RunnerSpec, exit_code: int, stderr_tail: str, stop_delivered: bool) -> None:
+        self.sink.process_ended(spec)
+        self.sink.runner_event(
+            rn.Exited(
+                spec.runner_id, spec.incarnation, exit_code=exit_code, detail=stderr_tail, stop_delivered=stop_delivered
+            )
+        )

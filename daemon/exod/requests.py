@@ -1,0 +1,262 @@
+"""The request book: every chat request from the moment a caller submits it until its last token.
+
+One book. It is the only place requests are kept: the planner sees the ones
+still waiting for a runner (`pending`, passed into its view), the controller
+tells the book what the planner decided (`forwarded`, `cancel`) and what
+rank 0 said (`deliver`), and each caller reads its own `RequestStream`.
+
+The book reads the cluster (is the instance there, is it Ready, did its
+leader fail) but never changes a machine; it calls ``wake`` when something
+new needs planning.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import attrs
+import trio
+
+import fsm
+from exod import protocol as p
+from fsm.cluster import Cluster
+
+
+class InstanceNotFound(LookupError):
+    """No such instance (or it was deleted)."""
+
+
+class RequestFailed(Exception):
+    """A generation request ended with an error (runner failed, instance deleted, bad request)."""
+
+
+class InvalidRequest(ValueError):
+    """A request the runner could not decode (caught before it is sent)."""
+
+
+class QueueTimeout(RequestFailed):
+    """No Ready runner took the request in time (HTTP 503)."""
+
+
+class Overloaded(Exception):
+    """The instance's request queue is full."""
+
+
+class ModelNotReady(Exception):
+    """The model is placed but no instance of it is Ready yet."""
+
+    def __init__(self, model_id: str, retry_after: int) -> None:
+        self.model_id = model_id
+        self.retry_after = retry_after
+        super().__init__(f"model {model_id!r} has no Ready instance yet; retry in {retry_after} s")
+
+
+@attrs.define
+class _Request:
+    instance_id: str
+    command: p.Generate
+    channel: trio.MemorySendChannel[Any]
+    leader: str = ""  # runner id of rank 0 once forwarded
+    incarnation: int = -1
+    forwarded: trio.Event = attrs.Factory(trio.Event)
+    abandoned: bool = False  # the caller went away; still counted until the runners are done with it
+    failed: bool = False  # ended with an error; its caller has been told
+
+
+class RequestStream:
+    """The tokens of one request, then its `Done`; raises `RequestFailed` if it cannot finish."""
+
+    def __init__(self, book: RequestBook, request_id: str, request: _Request, receive: Any) -> None:
+        self.request_id = request_id
+        self._book = book
+        self._request = request
+        self._receive = receive
+        self._done = False
+        self._last: Any = None
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> p.Token | p.Done:
+        if self._done:
+            raise StopAsyncIteration
+        await self.wait_forwarded()
+        item = await self._receive.receive()
+        self._last = item
+        if isinstance(item, Exception):
+            self._done = True
+            raise item
+        if isinstance(item, p.Done):
+            self._done = True
+        return item
+
+    def close(self) -> None:
+        """The caller is done. A request the runners are still working on stays counted until they finish:
+        ranks generate in lockstep and cannot drop it one-sidedly, and the queue bound must hold."""
+        finished = self._done and not isinstance(self._last, Exception)
+        self._done = True
+        if self._request.forwarded.is_set() and not finished and self._request.leader:
+            self._request.abandoned = True
+        else:
+            self._book.forget(self.request_id)
+
+    async def wait_forwarded(self) -> None:
+        """Until a Ready runner took the request; `QueueTimeout` after the configured wait."""
+        if self._request.forwarded.is_set():
+            return
+        limit = self._book.queue_timeout
+        with trio.move_on_after(limit):
+            await self._request.forwarded.wait()
+        if not self._request.forwarded.is_set():
+            self._done = True
+            raise QueueTimeout(f"no Ready runner took the request within {limit:g} s; retry later")
+
+
+class RequestBook:
+    def __init__(
+        self,
+        cluster: Cluster,
+        *,
+        wake: Callable[[], None],
+        now: Callable[[], float],
+        max_per_instance: int,
+        queue_timeout: float,
+    ) -> None:
+        self.cluster = cluster
+        self.queue_timeout = queue_timeout
+        self._wake = wake
+        self._now = now
+        self._max_per_instance = max_per_instance
+        self._requests: dict[str, _Request] = {}
+
+    # -- callers -----------------------------------------------------------------------------
+
+    def pick(self, model_id: str) -> str:
+        """The Ready instance of ``model_id`` with the fewest requests; `ModelNotReady` says when to retry."""
+        live = [
+            (iid, pl)
+            for iid, pl in self.cluster.instances.items()
+            if pl.model_id == model_id and not pl.machine.is_deleted
+        ]
+        if not live:
+            raise InstanceNotFound(f"model {model_id!r} is not placed; place it with `exod place {model_id}`")
+        ready = [iid for iid, pl in live if pl.machine.instance_state is fsm.InstanceState.READY]
+        if ready:
+            return min(ready, key=lambda iid: (self.load(iid), iid))
+        now = self._now()
+        waits = [pl.machine.deadline - now for _, pl in live if pl.machine.deadline is not None]
+        raise ModelNotReady(model_id, max(1, math.ceil(min(waits, default=1.0))))
+
+    def load(self, instance_id: str) -> int:
+        """Requests of the instance, queued or in flight."""
+        return sum(1 for r in self._requests.values() if r.instance_id == instance_id)
+
+    def submit(
+        self,
+        instance_id: str,
+        messages: list[dict[str, str]],
+        *,
+        max_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+    ) -> RequestStream:
+        """Queue a chat completion on an instance; refuses at once (not later) when it cannot take it."""
+        placement = self.cluster.instances.get(instance_id)
+        if placement is None or placement.machine.is_deleted:
+            raise InstanceNotFound(f"no live instance {instance_id!r}")
+        if self.load(instance_id) >= self._max_per_instance:
+            raise Overloaded(
+                f"instance {instance_id} already has {self._max_per_instance} requests queued; retry shortly"
+            )
+        request_id = f"req-{secrets.token_hex(6)}"
+        command = p.Generate(
+            request_id=request_id,
+            prompt_messages=messages,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=stop or [],
+        )
+        try:
+            p.from_json(command.to_line())  # what the runner will decode: refuse it here, not there
+        except p.ProtocolError as exc:
+            raise InvalidRequest(f"invalid request: {exc}") from exc
+        send, receive = trio.open_memory_channel[Any](math.inf)
+        request = _Request(instance_id, command, send)
+        self._requests[request_id] = request
+        self._wake()
+        return RequestStream(self, request_id, request, receive)
+
+    async def generate(self, instance_id: str, messages: list[dict[str, str]], **params: Any) -> AsyncIterator[Any]:
+        """`submit`, then iterate: tokens, then one `Done`; `RequestFailed` on error."""
+        stream = self.submit(instance_id, messages, **params)
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            stream.close()
+
+    def forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    # -- the controller ------------------------------------------------------------------------
+
+    def pending(self) -> Iterator[fsm.PendingRequest]:
+        """Requests no runner has taken yet: the planner's input."""
+        for request_id, request in self._requests.items():
+            if not request.forwarded.is_set() and not request.failed:
+                yield fsm.PendingRequest(request_id, request.instance_id)
+
+    def forwarded(self, action: fsm.ForwardRequest, rank: int) -> p.Generate | None:
+        """The planner sent the request to a runner: the command to post, or None if the book forgot it."""
+        request = self._requests.get(action.request_id)
+        if request is None:
+            return None
+        if rank == 0:  # rank 0 speaks for the request
+            request.leader, request.incarnation = action.runner_id, action.incarnation
+        request.forwarded.set()
+        return request.command
+
+    def cancel(self, request_id: str, reason: str) -> None:
+        """End a request with an error (its caller sees `RequestFailed`), never a hang."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        if request.abandoned:
+            self.forget(request_id)
+        elif not request.failed:
+            request.failed = True
+            request.channel.send_nowait(RequestFailed(reason))
+
+    def deliver(self, runner_id: str, report: p.Token | p.Done) -> None:
+        """A token, or the end, from a runner; only the request's rank 0 is heard."""
+        request = self._requests.get(report.request_id)
+        if request is None or request.leader != runner_id:
+            return
+        if request.abandoned:
+            if isinstance(report, p.Done):
+                self.forget(report.request_id)
+        else:
+            request.channel.send_nowait(report)
+
+    def fail_orphaned(self) -> None:
+        """A forwarded request whose rank 0 is no longer Ready will never finish: end it now, never hang."""
+        for request_id, request in list(self._requests.items()):
+            if not request.leader:
+                continue
+            entry = self.cluster.runners.get(request.leader)
+            machine = None if entry is None else entry.machine
+            if (
+                machine is None
+                or machine.incarnation != request.incarnation
+                or machine.runner_state is not fsm.RunnerState.READY
+            ):
+                cause = machine.failure.message if machine is not None and machine.failure else "runner stopped"
+                self.cancel(request_id, f"the runner serving this request failed: {cause}")
+                request.leader = ""

@@ -1,0 +1,31 @@
+"""The MLX ring of one generation: the ports its ranks listen on, in the hostfile every rank reads.
+
+MLX's ring backend takes a JSON hostfile, one ``["HOST:PORT"]`` per rank; every rank of a generation
+reads the same file, so it is written once, when the first rank of that generation is created.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports the kernel says are free now (bound, then released: another process may still take one)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def hostfile(path: Path, world_size: int) -> Path:
+    """The generation's hostfile at ``path``, written on first use: every rank on loopback."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(world_size)]))
+    return path

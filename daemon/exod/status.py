@@ -1,0 +1,60 @@
+"""The status document: everything an operator asks first, as plain JSON-ready data.
+
+Built from the machines on demand (never kept), so it cannot drift from them. The API, the CLI (from a
+saved snapshot when no daemon runs) and the metrics all read this one shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fsm.cluster import Cluster
+
+NODE = "local"  # every rank of an instance runs on this machine, over loopback
+
+
+def status_of(cluster: Cluster, node_id: str = NODE) -> dict[str, Any]:
+    """Everything an operator asks first: states, attempts, next retry, last cause, per runner."""
+    view = cluster.view()
+    instances = []
+    for iid, placement in cluster.instances.items():
+        m = placement.machine
+        runners = []
+        for slot, r in view.slot_runners(view.instances[iid]):
+            runners.append(
+                {
+                    "runner_id": slot.runner_id,
+                    "rank": slot.rank,
+                    "incarnation": None if r is None else r.incarnation,
+                    "state": None if r is None else r.state.value,
+                    "phase": None if r is None or r.phase is None else r.phase.value,
+                    "layers": None if r is None else [r.layers_loaded, r.layers_total],
+                    "failure": None if r is None or r.failure is None else r.failure.message,
+                }
+            )
+        download = cluster.downloads.get((node_id, placement.model_id))
+        instances.append(
+            {
+                "instance_id": iid,
+                "model_id": placement.model_id,
+                "ranks": len(placement.slots),
+                "state": m.instance_state.value,
+                "generation": m.generation,
+                "attempts": m.attempts,
+                "max_retries": m.policy.max_retries,
+                "next_retry_at": m.deadline,
+                "delete_reason": None if m.delete_reason is None else m.delete_reason.value,
+                "last_failure": None if m.last_failure is None else m.last_failure.message,
+                "download": None
+                if download is None
+                else {
+                    "state": download.download_state.value,
+                    "attempts": download.attempts,
+                    "retry_at": download.retry_at,
+                    "last_error": download.last_error,
+                    "bytes": [download.bytes_done, download.bytes_total],
+                },
+                "runners": runners,
+            }
+        )
+    return {"instances": instances}
