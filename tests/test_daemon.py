@@ -5,13 +5,11 @@ from __future__ import annotations
 import os
 import signal
 
-import attrs
 import pytest
 import trio
 
 import fsm
 from daemon_harness import (
-    FAST_TIMEOUTS,
     assert_log_conforms,
     config,
     instance,
@@ -132,8 +130,7 @@ def test_sigkill_while_ready_recovers_with_backoff_after_reaping_the_generation(
     assert len(gen1_stops) == 2
     creates = [i for i, e in enumerate(log) if e.event == "create"]
     assert len(creates) == 4 and all(i > restart for i in creates[2:])
-    # the backoff was waited out: recorded times
-    assert log[restart].time - log[backing_off].time >= cfg.policy.backoff.initial - 1e-6
+    # how long the backoff lasts, exactly, is test_controller_clock's (on a mock clock)
     assert "SIGKILL" in log[moves.index(("runner", f"{iid}/1", "available", "failed"))].cause
 
 
@@ -176,10 +173,10 @@ def test_corrupt_model_is_deleted_as_non_retryable_with_zero_retries(tmp_path):
     assert "safetensors" in inst["last_failure"].lower() or "corrupt" in inst["last_failure"].lower()
 
 
-def test_unknown_model_download_fails_fast_and_is_retried_with_backoff(tmp_path, hf_home):
-    async def body(controller):
+def test_unknown_model_download_fails_fast_and_says_what_to_do(tmp_path, hf_home):
+    async def body(controller):  # the retry after the download backoff: test_controller_clock
         iid = controller.place("exod/not-there", 1)
-        status = await wait_for(controller, lambda s: (instance(s, iid)["download"] or {}).get("attempts", 0) >= 2)
+        status = await wait_for(controller, lambda s: (instance(s, iid)["download"] or {}).get("attempts", 0) >= 1)
         return instance(status, iid)
 
     inst = with_controller(config(tmp_path, hf_home), body, limit=30)
@@ -187,25 +184,6 @@ def test_unknown_model_download_fails_fast_and_is_retried_with_backoff(tmp_path,
     assert inst["download"]["state"] in ("failed", "ongoing")
     assert "exod model make-tiny" in inst["download"]["last_error"]  # the cause, and what to do
     assert inst["runners"][0]["state"] == "idle"  # the runner process waits; it never loads without the model
-
-
-def test_retries_exhausted_after_exactly_max_retries_failed_generations(tmp_path, hf_home):
-    stalling = attrs.evolve(FAST_TIMEOUTS, warm_up=0.001)  # every generation stalls in warm-up
-    policy = fsm.RetryPolicy(backoff=fsm.Backoff(0.05, 2.0, 0.2), max_retries=3)
-
-    async def body(controller):
-        iid = controller.place("exod/tiny-qwen2", 1)
-        status = await wait_for(controller, lambda s: instance(s, iid)["state"] == "deleted", timeout=80)
-        await wait_for(controller, lambda s: all(r["state"] == "shutdown" for r in instance(s, iid)["runners"]))
-        await trio.sleep(0.5)  # nothing is created afterwards
-        return instance(controller.status(), iid), status
-
-    cfg = config(tmp_path, hf_home, timeouts=stalling, policy=policy)
-    inst, _ = with_controller(cfg, body)
-    assert_log_conforms(cfg.db_path)
-    assert inst["delete_reason"] == "retries_exhausted"
-    assert inst["attempts"] == 3 and inst["generation"] == 3
-    assert "no progress in phase warming_up" in inst["last_failure"]
 
 
 def test_delete_ends_in_flight_requests_with_an_error(tmp_path, hf_home):

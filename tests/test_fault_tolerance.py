@@ -1,14 +1,13 @@
-"""Beyond single faults: budget resets, both ranks at once, non-retryable causes — real processes."""
+"""Beyond single faults: both ranks at once, non-retryable causes — real processes.
+
+The time-driven rules (backoff, budget reset, stall watchdogs, give-up) are tested on a mock clock in
+test_controller_clock.py.
+"""
 
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
-import trio
 
-import fsm
 from daemon_harness import (
     FAST_TIMEOUTS,
     assert_log_conforms,
@@ -35,26 +34,6 @@ def hf_home(tmp_path_factory):
 
 def ready_at(iid, generation):
     return lambda s: instance(s, iid)["state"] == "ready" and instance(s, iid)["generation"] == generation
-
-
-def test_ready_longer_than_reset_after_refills_the_budget_and_shorter_does_not(tmp_path, hf_home):
-    policy = fsm.RetryPolicy(backoff=fsm.Backoff(0.1, 2.0, 0.5), max_retries=5, reset_after=2.0)
-
-    async def body(controller):
-        iid = controller.place(MODEL, 1)
-        await wait_for(controller, ready_at(iid, 1))
-        os.kill(controller.runner_pid(f"{iid}/0", 1), signal.SIGKILL)
-        await wait_for(controller, ready_at(iid, 2))
-        os.kill(controller.runner_pid(f"{iid}/0", 2), signal.SIGKILL)  # Ready for < reset_after
-        status = await wait_for(controller, ready_at(iid, 3))
-        assert instance(status, iid)["attempts"] == 2  # no reset: it was not Ready long enough
-        await trio.sleep(1.0)
-        assert instance(controller.status(), iid)["attempts"] == 2
-        status = await wait_for(controller, lambda s: instance(s, iid)["attempts"] == 0, timeout=5)
-        return instance(status, iid)
-
-    inst = with_controller(config(tmp_path, hf_home, policy=policy), body)
-    assert inst["generation"] == 3 and inst["state"] == "ready"
 
 
 def test_both_ranks_failing_at_once_cost_one_retry_and_do_not_deadlock(tmp_path, hf_home):

@@ -62,6 +62,7 @@ class _Request:
     leader: str = ""  # runner id of rank 0 once forwarded
     incarnation: int = -1
     forwarded: trio.Event = attrs.Factory(trio.Event)
+    answered: trio.Event = attrs.Factory(trio.Event)  # forwarded, or failed: the caller's wait is over
     abandoned: bool = False  # the caller went away; still counted until the runners are done with it
     failed: bool = False  # ended with an error; its caller has been told
 
@@ -105,12 +106,12 @@ class RequestStream:
 
     async def wait_forwarded(self) -> None:
         """Until a Ready runner took the request; `QueueTimeout` after the configured wait."""
-        if self._request.forwarded.is_set():
+        if self._request.answered.is_set():
             return
         limit = self._book.queue_timeout
         with trio.move_on_after(limit):
-            await self._request.forwarded.wait()
-        if not self._request.forwarded.is_set():
+            await self._request.answered.wait()
+        if not self._request.answered.is_set():
             self._done = True
             raise QueueTimeout(f"no Ready runner took the request within {limit:g} s; retry later")
 
@@ -221,6 +222,7 @@ class RequestBook:
         if rank == 0:  # rank 0 speaks for the request
             request.leader, request.incarnation = action.runner_id, action.incarnation
         request.forwarded.set()
+        request.answered.set()
         return request.command
 
     def cancel(self, request_id: str, reason: str) -> None:
@@ -233,6 +235,7 @@ class RequestBook:
         elif not request.failed:
             request.failed = True
             request.channel.send_nowait(RequestFailed(reason))
+            request.answered.set()  # a queued request learns it at once, not at its queue timeout
 
     def deliver(self, runner_id: str, report: p.Token | p.Done) -> None:
         """A token, or the end, from a runner; only the request's rank 0 is heard."""
@@ -257,6 +260,13 @@ class RequestBook:
                 or machine.incarnation != request.incarnation
                 or machine.runner_state is not fsm.RunnerState.READY
             ):
-                cause = machine.failure.message if machine is not None and machine.failure else "runner stopped"
-                self.cancel(request_id, f"the runner serving this request failed: {cause}")
+                self.cancel(request_id, self._why_orphaned(request, machine))
                 request.leader = ""
+
+    def _why_orphaned(self, request: _Request, machine: fsm.RunnerLifecycle | None) -> str:
+        placement = self.cluster.instances.get(request.instance_id)
+        if placement is None or placement.machine.is_deleted:
+            reason = placement.machine.delete_reason if placement is not None else None
+            return f"instance was deleted ({reason.value if reason else 'gone'})"
+        cause = machine.failure.message if machine is not None and machine.failure else "runner stopped"
+        return f"the runner serving this request failed: {cause}"
