@@ -35,3 +35,10 @@ clean:
 ## reliability: run the fault-injection matrix and write what it observed to specs/reliability.md
 reliability: $(STAMP)
 	EXOD_WRITE_RELIABILITY=1 $(BIN)/python -m pytest -q tests/test_fault_matrix.py
+
+## mutation: mutation testing of fsm's machines and planner with the fast unit tests (by hand, not in CI; ~20 min on 2 cores)
+##           MUTATION_ARGS="backoff download" for some modules; see tools/mutation.py
+.PHONY: mutation
+mutation: $(STAMP)
+	$(BIN)/pip install --quiet -e ".[test,mutation]"
+	$(BIN)/python tools/mutation.py $(MUTATION_ARGS)
