@@ -8,8 +8,8 @@ sleep, so virtual time jumps straight to the next thing that happens and a test 
 and fire the watchdogs.)
 
 `FakeRunner` is the real `exod.supervisor.Supervisor` with its process replaced by trio tasks that act like
-`exod.runner`: the command queue (`post`), the stall watchdog (`_watchdog`, re-armed by `_rearm_on` on
-every report, exactly as for a real process), and the stop rule (Shutdown → ``stop_grace`` → SIGTERM) are
+`exod.runner`: the command queue (`post`, `outbox`), the stall watchdog (`Supervisor.watchdog`, fed every
+report, exactly as for a real process), and the stop rule (Shutdown → ``stop_grace`` → SIGTERM) are
 the Supervisor's own; only what a real process does is simulated:
 
 * ``Connect`` → Status(JOINING), then Status(JOINED); ``Load`` → Status(WEIGHTS), a `Progress` per layer,
@@ -94,7 +94,7 @@ class FakeRunner(Supervisor):
         task_status.started()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            nursery.start_soon(self._watchdog)  # the Supervisor's stall watchdog, unchanged
+            nursery.start_soon(self.watchdog.run)  # the Supervisor's stall watchdog, unchanged
             nursery.start_soon(self._read_commands)
             nursery.start_soon(self._main)
             nursery.start_soon(self._stop_escalation)
@@ -117,8 +117,8 @@ class FakeRunner(Supervisor):
 
     async def _stop_escalation(self) -> None:
         """`Supervisor._stop_when_asked` with a simulated process: ask, wait ``stop_grace``, then SIGTERM."""
-        await self._stop_requested.wait()
-        self._disarm()
+        await self.stop_requested.wait()
+        self.watchdog.disarm()
         self.post(p.Shutdown())
         await trio.sleep(self.timeouts.stop_grace)  # cancelled by `run` if the process ends before
         self.stop_delivered = True
@@ -127,7 +127,7 @@ class FakeRunner(Supervisor):
     # -- the runner's reader thread: Shutdown at once, everything else queued for the main thread ------
 
     async def _read_commands(self) -> None:
-        async for command in self._outbox:
+        async for command in self.outbox:
             if not isinstance(command, p.Shutdown):
                 self._work_send.send_nowait(command)
                 continue
@@ -227,7 +227,7 @@ class FakeRunner(Supervisor):
             return
         report = cls(runner_id=self.spec.runner_id, incarnation=self.spec.incarnation, **fields)
         self.reports.append((trio.current_time(), report))
-        self._rearm_on(report)
+        self.watchdog.feed(report)
         self.listener.on_report(self.spec, report)
 
 

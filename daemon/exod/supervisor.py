@@ -91,54 +91,27 @@ def _tail(path: Path, lines: int = TAIL_LINES) -> str:
         return ""
 
 
-class Supervisor:
-    def __init__(self, spec: RunnerSpec, listener: Listener, timeouts: Timeouts = Timeouts()) -> None:
-        self.spec = spec
-        self.listener = listener
+class Watchdog:
+    """Stall detection for one runner: armed by the command that starts a phase, fed by the reports that show
+    progress, firing ``on_stall(phase, seconds)`` once when a phase goes silent for its timeout (trio time)."""
+
+    def __init__(self, timeouts: Timeouts, on_stall: Callable[[str, float], None]) -> None:
         self.timeouts = timeouts
-        self.pid: int | None = None
-        self._stream: trio.SocketStream | None = None
-        self._stop_requested = trio.Event()
-        self._outbox_send, self._outbox = trio.open_memory_channel[p.Command](math.inf)
+        self._on_stall = on_stall
         self._watch: tuple[str, float] | None = None  # (phase, deadline in trio time)
-        self._watch_changed = trio.Event()
-        self.exit_code: int | None = None
-        self._drained = trio.Event()
+        self._changed = trio.Event()
         self._outstanding = 0  # Generate commands without their Done yet
-        self.stop_delivered = False  # whether an exit can be the answer to our stop
-
-    # -- commands ------------------------------------------------------------------
-
-    def post(self, command: p.Command) -> None:
-        """Queue a command; commands reach the process in the order they were posted."""
-        self._arm_for(command)
-        self._outbox_send.send_nowait(command)
-
-    async def _write_commands(self) -> None:
-        assert self._stream is not None
-        async for command in self._outbox:
-            try:
-                await self._stream.send_all(command.to_line())
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return  # the process is ending; `run` reports the exit
-            if isinstance(command, p.Shutdown):
-                self.stop_delivered = True
-
-    def stop(self) -> None:
-        """Ask the process to stop; escalation and reaping happen in `run`."""
-        self._stop_requested.set()
-
-    # -- the watchdog -------------------------------------------------------------------
 
     def _arm(self, phase: str, seconds: float) -> None:
         self._watch = (phase, trio.current_time() + seconds)
-        self._watch_changed.set()
+        self._changed.set()
 
-    def _disarm(self) -> None:
+    def disarm(self) -> None:
         self._watch = None
-        self._watch_changed.set()
+        self._changed.set()
 
-    def _arm_for(self, command: p.Command) -> None:
+    def arm_for(self, command: p.Command) -> None:
+        """A command that starts a phase gives that phase its timeout."""
         if isinstance(command, p.Generate):
             self._outstanding += 1
             if self._watch is None:
@@ -150,7 +123,8 @@ class Supervisor:
         elif isinstance(command, p.WarmUp):
             self._arm("warming_up", self.timeouts.warm_up)
 
-    def _rearm_on(self, report: p.Report) -> None:
+    def feed(self, report: p.Report) -> None:
+        """A report of progress re-arms (tokens, heartbeats, layers) or disarms (the phase is over)."""
         if isinstance(report, (p.Done, p.RequestError)):
             self._outstanding = max(0, self._outstanding - 1)
         feeds = (p.Token, p.Heartbeat, p.Done, p.RequestError)
@@ -158,21 +132,21 @@ class Supervisor:
             if self._outstanding:
                 self._arm("generating", self.timeouts.generate)
             else:
-                self._disarm()
+                self.disarm()
         elif isinstance(report, p.Progress):
             self._arm("loading", self.timeouts.load_progress)
         elif isinstance(report, p.Status) and report.phase in (p.Phase.JOINED, p.Phase.LOADED, p.Phase.READY):
-            self._disarm()
+            self.disarm()
 
-    async def _watchdog(self) -> None:
+    async def run(self) -> None:
         while True:
-            self._watch_changed = trio.Event()
+            self._changed = trio.Event()
             if self._watch is None:
-                await self._watch_changed.wait()
+                await self._changed.wait()
                 continue
             phase, deadline = self._watch
             with trio.move_on_at(deadline):
-                await self._watch_changed.wait()
+                await self._changed.wait()
                 continue
             seconds = {
                 "connecting": self.timeouts.connect,
@@ -181,7 +155,43 @@ class Supervisor:
                 "generating": self.timeouts.generate,
             }[phase]
             self._watch = None
-            self.listener.on_stall(self.spec, phase, seconds)
+            self._on_stall(phase, seconds)
+
+
+class Supervisor:
+    def __init__(self, spec: RunnerSpec, listener: Listener, timeouts: Timeouts = Timeouts()) -> None:
+        self.spec = spec
+        self.listener = listener
+        self.timeouts = timeouts
+        self.pid: int | None = None
+        self._stream: trio.SocketStream | None = None
+        self.stop_requested = trio.Event()
+        self._outbox_send, self.outbox = trio.open_memory_channel[p.Command](math.inf)
+        self.watchdog = Watchdog(timeouts, lambda phase, seconds: listener.on_stall(spec, phase, seconds))
+        self.exit_code: int | None = None
+        self._drained = trio.Event()
+        self.stop_delivered = False  # whether an exit can be the answer to our stop
+
+    # -- commands ------------------------------------------------------------------
+
+    def post(self, command: p.Command) -> None:
+        """Queue a command; commands reach the process in the order they were posted (`outbox`)."""
+        self.watchdog.arm_for(command)
+        self._outbox_send.send_nowait(command)
+
+    async def _write_commands(self) -> None:
+        assert self._stream is not None
+        async for command in self.outbox:
+            try:
+                await self._stream.send_all(command.to_line())
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return  # the process is ending; `run` reports the exit
+            if isinstance(command, p.Shutdown):
+                self.stop_delivered = True
+
+    def stop(self) -> None:
+        """Ask the process to stop; escalation and reaping happen in `run`."""
+        self.stop_requested.set()
 
     # -- the process --------------------------------------------------------------------
 
@@ -220,7 +230,7 @@ class Supervisor:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._read_reports)
                     nursery.start_soon(self._write_commands)
-                    nursery.start_soon(self._watchdog)
+                    nursery.start_soon(self.watchdog.run)
                     nursery.start_soon(self._stop_when_asked, process)
                     self.exit_code = await process.wait()
                     with trio.move_on_after(DRAIN_S):  # the last lines (a Failed report) come before EOF
@@ -258,12 +268,12 @@ class Supervisor:
                 return
             for message in messages:
                 if isinstance(message, p.Report):
-                    self._rearm_on(message)
+                    self.watchdog.feed(message)
                     self.listener.on_report(self.spec, message)
 
     async def _stop_when_asked(self, process: trio.Process) -> None:
-        await self._stop_requested.wait()
-        self._disarm()
+        await self.stop_requested.wait()
+        self.watchdog.disarm()
         self.post(p.Shutdown())
         with trio.move_on_after(self.timeouts.stop_grace):
             await process.wait()
