@@ -790,3 +790,104 @@ def test_configured_placements_are_idempotent_per_model():
     assert fsm.to_place([("a/m", 1), ("b/m", 2), ("a/m", 3)], placed=["b/m"]) == [("a/m", 3)]  # the last wins
     with pytest.raises(fsm.InvalidConfig, match="ranks"):
         fsm.to_place([("a/m", 0)], placed=[])
+
+
+# -- rules for every rank, node and order ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("phase", "still_idle"),
+    [(IDLE, True), (JOINED, False), (LOADED, False)],
+    ids=["idle", "joined", "loaded"],
+)
+def test_runners_of_an_older_generation_are_only_stopped_never_driven(phase, still_idle):
+    """Generation 2 has started while generation 1 is still alive: its ranks are stopped, never connected,
+    loaded or warmed up (they belong to a generation the instance has left)."""
+    v = view([inst(gen=2, attempts=1)], [run("i", 0, phase, gen=1), run("i", 1, phase, gen=1)], done("a", "b"))
+    assert plan(v, "a", NOW) == [StopRunner("i-r0", 1, StopReason.STALE_GENERATION)]
+    assert plan(v, "b", NOW) == [StopRunner("i-r1", 1, StopReason.STALE_GENERATION)]
+
+
+@pytest.mark.parametrize("stray_id", ["i-a", "i-old", "i-stray", "zz"])
+def test_a_runner_in_no_slot_is_stopped_whatever_its_id(stray_id):
+    stray = attrs.evolve(run("i", 0, AVAILABLE), runner_id=stray_id)
+    v = view([inst(state=InstanceState.READY)], [run("i", 0, AVAILABLE), run("i", 1, AVAILABLE), stray], done("a", "b"))
+    assert plan(v, "a", NOW) == [StopRunner(stray_id, 1, StopReason.INSTANCE_GONE)]
+    assert plan(v, "b", NOW) == []
+
+
+def test_a_failed_rank_stops_every_other_rank_below_and_above_it():
+    """one_for_all whichever rank fails: here the middle one of three."""
+    v = view(
+        [inst(ranks=3, state=InstanceState.READY)],
+        [run("i", 0, AVAILABLE), run("i", 1, FAILED, failure=BOOM), run("i", 2, BUSY)],
+        done("a", "b", "c"),
+    )
+    assert plan(v, "a", NOW) == [StopRunner("i-r0", 1, StopReason.SIBLING_FAILED)]
+    assert plan(v, "b", NOW) == [StopRunner("i-r1", 1, StopReason.RUNNER_FAILED)]
+    assert plan(v, "c", NOW) == [StopRunner("i-r2", 1, StopReason.SIBLING_FAILED)]
+
+
+@pytest.mark.parametrize("failed_rank", [0, 1])
+def test_whichever_rank_failed_is_recreated_first_and_the_other_waits(failed_rank):
+    runners = [run("i", r, STOPPED, gen=1, failure=BOOM if r == failed_rank else None) for r in (0, 1)]
+    v = view([inst(gen=2, attempts=1)], runners, done("a", "b"))
+    node_of = {0: "a", 1: "b"}
+    assert plan(v, node_of[failed_rank], NOW) == [create("i", failed_rank, gen=2)]
+    assert plan(v, node_of[1 - failed_rank], NOW) == []
+
+
+def test_on_a_node_hosting_two_ranks_the_failed_one_is_recreated_while_the_other_waits():
+    """The waiting rank comes first in slot order: it must not keep the failed one from coming back."""
+    v = view(
+        [inst(gen=2, attempts=1, nodes=("a", "a"))],
+        [run("i", 0, STOPPED, gen=1), run("i", 1, STOPPED, gen=1, failure=BOOM, node="a")],
+        done("a"),
+    )
+    assert plan(v, "a", NOW) == [attrs.evolve(create("i", 1, gen=2), node_id="a")]
+
+
+def test_an_instance_that_cannot_create_yet_does_not_hold_back_the_next_one():
+    v = view(
+        [
+            inst("gated", ranks=1, gen=2, attempts=1, deadline=NOW + 10),  # backoff not over
+            inst("old", gen=2, attempts=1),  # its generation-1 rank 1 is still stopping
+            inst("ok", ranks=1),
+        ],
+        [run("old", 0, STOPPED, gen=1, failure=BOOM), run("old", 1, STOPPING, gen=1)],
+        done("a", "b"),
+    )
+    assert plan(v, "a", NOW) == [create("ok", 0, ranks=1)]
+
+
+def test_connect_order_with_three_ranks():
+    """Every rank below the last connects at once; the last only once all the others are connecting."""
+    idle = view([inst(ranks=3)], [run("i", r, IDLE) for r in range(3)], done(*NODES))
+    assert [plan(idle, n, NOW) for n in NODES] == [[ConnectRunner("i-r0", 1)], [ConnectRunner("i-r1", 1)], []]
+    half = view([inst(ranks=3)], [run("i", 0, JOINING), run("i", 1, IDLE), run("i", 2, IDLE)], done(*NODES))
+    assert [plan(half, n, NOW) for n in NODES] == [[], [ConnectRunner("i-r1", 1)], []]
+    rest = view([inst(ranks=3)], [run("i", 0, JOINING), run("i", 1, JOINED), run("i", 2, IDLE)], done(*NODES))
+    assert [plan(rest, n, NOW) for n in NODES] == [[], [], [ConnectRunner("i-r2", 1)]]
+
+
+def test_a_rank_already_warming_does_not_hold_back_another_rank_on_the_same_node():
+    v = view(
+        [inst(ranks=3, nodes=("b", "a", "a"))],
+        [run("i", 0, LOADED, node="b"), run("i", 1, WARMING, node="a"), run("i", 2, LOADED, node="a")],
+        done("a", "b"),
+    )
+    assert plan(v, "a", NOW) == [WarmUp("i-r2", 1)]
+    assert plan(v, "b", NOW) == []  # rank 0 waits for rank 2
+
+
+def test_a_request_that_cannot_be_forwarded_does_not_hold_back_the_next_one():
+    v = view(
+        [inst("j", ranks=1), inst("i", ranks=1, state=InstanceState.READY)],
+        [run("j", 0, WARMING), run("i", 0, AVAILABLE)],
+        done("a"),
+        [PendingRequest("q-ghost", "ghost"), PendingRequest("q-early", "j"), PendingRequest("q1", "i")],
+    )
+    assert plan(v, "a", NOW) == [
+        CancelRequest("q-ghost", "ghost", "instance does not exist"),
+        ForwardRequest("q1", "i-r0", 1),
+    ]
