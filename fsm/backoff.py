@@ -8,15 +8,54 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping
-from typing import Generic, TypeVar
+from collections.abc import Iterator, Mapping
+from typing import Any, Generic, TypeVar
 
 import attrs
 
-from fsm._validate import finite
+from fsm._validate import as_finite_float, finite
 from fsm.errors import InvalidConfig
 
 K = TypeVar("K")
+V = TypeVar("V")
+
+
+class _FrozenMap(Mapping[K, V]):
+    """A read-only, hashable mapping (a copy of what it is given): what a frozen value can hold."""
+
+    __slots__ = ("_data", "_hash")
+
+    def __init__(self, items: Mapping[K, V] | None = None) -> None:
+        self._data: dict[K, V] = dict(items or {})
+        self._hash: int | None = None
+
+    def __getitem__(self, key: K) -> V:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._data
+
+    def get(self, key: K, default: Any = None) -> Any:
+        return self._data.get(key, default)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, _FrozenMap):
+            return self._data == other._data
+        return self._data == other if isinstance(other, Mapping) else NotImplemented
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = hash(frozenset(self._data.items()))
+        return self._hash
+
+    def __repr__(self) -> str:
+        return repr(self._data)
 
 
 @attrs.frozen
@@ -71,8 +110,8 @@ class KeyedBackoff(Generic[K]):
     """
 
     policy: Backoff = attrs.field(factory=Backoff, validator=attrs.validators.instance_of(Backoff))
-    _attempts: Mapping[K, int] = attrs.field(factory=dict, converter=dict, alias="attempts_by_key")
-    _not_before: Mapping[K, float] = attrs.field(factory=dict, converter=dict, alias="not_before_by_key")
+    _attempts: Mapping[K, int] = attrs.field(factory=_FrozenMap, converter=_FrozenMap, alias="attempts_by_key")
+    _not_before: Mapping[K, float] = attrs.field(factory=_FrozenMap, converter=_FrozenMap, alias="not_before_by_key")
 
     def attempts(self, key: K) -> int:
         return self._attempts.get(key, 0)
@@ -86,7 +125,12 @@ class KeyedBackoff(Generic[K]):
         return deadline is None or now >= deadline
 
     def record_attempt(self, key: K, now: float, rng: random.Random | None = None) -> KeyedBackoff[K]:
-        """Count an attempt at ``now``; the next one waits ``policy.delay(attempts)``."""
+        """Count an attempt at ``now``; the next one waits ``policy.delay(attempts)``.
+
+        ``now`` must be a finite number: a NaN deadline would block ``key`` forever.
+        """
+        if as_finite_float(now) is None:
+            raise InvalidConfig(f"now must be a finite number, got {now!r}")
         attempts = self.attempts(key) + 1
         return attrs.evolve(
             self,

@@ -23,17 +23,19 @@ no I/O, and time is the caller's ``now``. Every accepted step is appended to
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
+import cattrs
 
 from fsm import actions as act
 from fsm import download as dl
 from fsm import instance as inst
 from fsm import runner as rn
-from fsm._machine import Outcome
+from fsm._machine import Lifecycle, Outcome, converter, describe_structure_error
+from fsm._validate import show
 from fsm.backoff import Backoff
-from fsm.errors import InvalidConfig, InvalidEvent
+from fsm.errors import InvalidConfig, InvalidEvent, SnapshotError
 from fsm.view import ClusterView, DownloadStatus, InstanceView, PendingRequest, RetryStatus, RunnerStatus, Slot
 
 
@@ -314,17 +316,18 @@ class Cluster:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], download_policy: Backoff | None = None) -> Cluster:
+        """Restore what `to_dict` wrote; raises `SnapshotError` naming the field, and builds nothing, on bad input.
+
+        Beyond each machine's own checks, the machines must agree: slots list ranks 0..N-1 of one
+        instance each, a runner belongs to a slot of an existing instance and matches it, a download
+        appears once. (A top-level ``requests`` key, written before requests left the snapshot, is ignored.)
+        """
+        body = _fields(data, "", ("instances", "runners", "downloads"), ignored=("requests",))
+        placements = _restore_placements(body["instances"])
+        runners = _restore_runners(body["runners"], placements)
+        downloads = _restore_downloads(body["downloads"])
         cluster = cls(download_policy)
-        for iid, p in data["instances"].items():
-            slots = tuple(Slot(**s) for s in p["slots"])
-            cluster.instances[iid] = _Placement(p["model_id"], slots, inst.InstanceRetry.from_dict(p["machine"]))
-        for rid, r in data["runners"].items():
-            cluster.runners[rid] = RunnerEntry(
-                rn.RunnerLifecycle.from_dict(r["machine"]), r["instance_id"], r["node_id"]
-            )
-        for d in data["downloads"]:
-            machine = dl.DownloadLifecycle.from_dict(d["machine"])
-            cluster.downloads[(d["node_id"], machine.model_id)] = machine
+        cluster.instances, cluster.runners, cluster.downloads = placements, runners, downloads
         return cluster
 
     # -- internals -----------------------------------------------------------------------
@@ -344,3 +347,118 @@ class Cluster:
     def _record(self, machine: str, key: str, now: float, outcome: Outcome, cause: str = "") -> None:
         for step in outcome.steps:
             self.log.append(LogEntry(now, machine, key, step.event, step.source, step.target, cause))
+
+
+# -- Cluster.from_dict's checks ----------------------------------------------------------------------
+
+M = TypeVar("M", bound=Lifecycle)
+
+
+def _restore_placements(value: object) -> dict[str, _Placement]:
+    placements: dict[str, _Placement] = {}
+    owner: dict[str, str] = {}  # runner id -> the instance whose slot it is
+    for iid, raw in _mapping(value, "instances").items():
+        where = f"instances.{iid}"
+        p = _fields(raw, where, ("model_id", "slots", "machine"))
+        if not isinstance(p["model_id"], str):
+            raise SnapshotError(f"{where}.model_id: expected a str, got {show(p['model_id'])}")
+        slots = _slots(p["slots"], f"{where}.slots")
+        for slot in slots:
+            if slot.runner_id in owner:
+                raise SnapshotError(
+                    f"{where}.slots: runner id {slot.runner_id!r} is also in instance {owner[slot.runner_id]!r}"
+                )
+            owner[slot.runner_id] = iid
+        machine = _machine(inst.InstanceRetry, p["machine"], f"{where}.machine")
+        if machine.instance_id != iid:
+            raise SnapshotError(f"{where}.machine.instance_id: {machine.instance_id!r} is not {iid!r}")
+        if machine.world_size != len(slots):
+            raise SnapshotError(f"{where}.machine.world_size: {machine.world_size}, but {len(slots)} slots")
+        placements[iid] = _Placement(p["model_id"], slots, machine)
+    return placements
+
+
+def _restore_runners(value: object, placements: dict[str, _Placement]) -> dict[str, RunnerEntry]:
+    runners: dict[str, RunnerEntry] = {}
+    for rid, raw in _mapping(value, "runners").items():
+        where = f"runners.{rid}"
+        r = _fields(raw, where, ("instance_id", "node_id", "machine"))
+        for key in ("instance_id", "node_id"):
+            if not isinstance(r[key], str):
+                raise SnapshotError(f"{where}.{key}: expected a str, got {show(r[key])}")
+        placement = placements.get(r["instance_id"])
+        if placement is None:
+            raise SnapshotError(f"{where}.instance_id: no instance {r['instance_id']!r}")
+        slot = next((s for s in placement.slots if s.runner_id == rid), None)
+        if slot is None:
+            raise SnapshotError(f"{where}: {rid!r} is in no slot of instance {r['instance_id']!r}")
+        if r["node_id"] != slot.node_id:
+            raise SnapshotError(f"{where}.node_id: {r['node_id']!r}, but its slot is on {slot.node_id!r}")
+        machine = _machine(rn.RunnerLifecycle, r["machine"], f"{where}.machine")
+        for key, got, want in (
+            ("runner_id", machine.runner_id, rid),
+            ("rank", machine.rank, slot.rank),
+            ("world_size", machine.world_size, placement.machine.world_size),
+        ):
+            if got != want:
+                raise SnapshotError(f"{where}.machine.{key}: {got!r}, but its placement says {want!r}")
+        if machine.incarnation > placement.machine.generation:
+            raise SnapshotError(
+                f"{where}.machine.incarnation: {machine.incarnation} is beyond its instance's "
+                f"generation {placement.machine.generation}"
+            )
+        runners[rid] = RunnerEntry(machine, r["instance_id"], r["node_id"])
+    return runners
+
+
+def _restore_downloads(value: object) -> dict[tuple[str, str], dl.DownloadLifecycle]:
+    if not isinstance(value, list):
+        raise SnapshotError(f"downloads: expected a list, got {type(value).__name__}")
+    downloads: dict[tuple[str, str], dl.DownloadLifecycle] = {}
+    for index, raw in enumerate(value):
+        where = f"downloads[{index}]"
+        d = _fields(raw, where, ("node_id", "machine"))
+        if not isinstance(d["node_id"], str):
+            raise SnapshotError(f"{where}.node_id: expected a str, got {show(d['node_id'])}")
+        machine = _machine(dl.DownloadLifecycle, d["machine"], f"{where}.machine")
+        key = (d["node_id"], machine.model_id)
+        if key in downloads:
+            raise SnapshotError(f"{where}: a second download of {key[1]!r} on {key[0]!r}")
+        downloads[key] = machine
+    return downloads
+
+
+def _fields(value: object, where: str, keys: tuple[str, ...], ignored: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``value`` as a dict with exactly ``keys`` (plus any of ``ignored``, dropped)."""
+    label = f"{where}: " if where else ""
+    if not isinstance(value, dict):
+        raise SnapshotError(f"{label}expected a dict, got {type(value).__name__}")
+    if missing := [k for k in keys if k not in value]:
+        raise SnapshotError(f"{label}missing keys {missing}" if where else f"{', '.join(missing)}: missing")
+    if unknown := sorted(str(k) for k in value if k not in keys and k not in ignored):
+        raise SnapshotError(f"{label}unknown keys {unknown}")
+    return {k: value[k] for k in keys}
+
+
+def _mapping(value: object, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise SnapshotError(f"{where}: expected a dict keyed by id, got {type(value).__name__}")
+    return value
+
+
+def _slots(value: object, where: str) -> tuple[Slot, ...]:
+    if not isinstance(value, list):
+        raise SnapshotError(f"{where}: expected a list, got {type(value).__name__}")
+    try:
+        slots = tuple(converter.structure(s, Slot) for s in value)
+        return InstanceView("", "", slots).slots  # the placement's own rule: ranks 0..N-1, one runner id each
+    except (cattrs.BaseValidationError, ValueError, TypeError) as exc:
+        reason = describe_structure_error(exc) if isinstance(exc, cattrs.BaseValidationError) else str(exc)
+        raise SnapshotError(f"{where}: {reason}") from exc
+
+
+def _machine(cls: type[M], value: object, where: str) -> M:
+    try:
+        return cls.from_dict(value)  # type: ignore[arg-type]
+    except SnapshotError as exc:
+        raise SnapshotError(f"{where}: {exc}") from exc

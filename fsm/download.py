@@ -22,7 +22,7 @@ import attrs
 from statemachine import State
 
 from fsm._machine import Lifecycle, Outcome
-from fsm._validate import finite, integer
+from fsm._validate import finite, integer, is_count, is_time, show
 from fsm.backoff import Backoff
 from fsm.errors import InvalidConfig, InvalidEvent
 
@@ -210,5 +210,48 @@ class DownloadLifecycle(Lifecycle):
 
     @classmethod
     def from_snapshot(cls, snapshot: DownloadSnapshot) -> DownloadLifecycle:
-        cls._check_leaf(snapshot.leaf)
+        cls.check_snapshot(snapshot)
         return cls(snapshot.model_id, policy=snapshot.policy, _snapshot=snapshot)
+
+    @classmethod
+    def _snapshot_plainly_fine(cls, s: DownloadSnapshot) -> bool:
+        done, total = s.bytes_done, s.bytes_total
+        return (
+            type(s.model_id) is str
+            and s.model_id != ""
+            and type(s.policy) is Backoff
+            and s.policy.jitter is False
+            and type(s.attempts) is int
+            and s.attempts >= 0
+            # a float is finite iff x - x == 0 (inf - inf and nan - nan are nan)
+            and (s.retry_at is None or (type(s.retry_at) is float and s.retry_at - s.retry_at == 0.0))
+            and (s.clock is None or (type(s.clock) is float and s.clock - s.clock == 0.0))
+            and type(done) is int
+            and done >= 0
+            and (total is None or (type(total) is int and done <= total))
+            and type(s.last_error) is str
+        )
+
+    @classmethod
+    def _snapshot_problem(cls, s: DownloadSnapshot) -> str | None:
+        """What no download could be: bad types or ranges, more bytes done than there are, a jittered policy."""
+        if not isinstance(s.model_id, str) or not s.model_id:
+            return f"model_id must be a non-empty str, got {show(s.model_id)}"
+        if not isinstance(s.policy, Backoff):
+            return f"policy must be a Backoff, got {type(s.policy).__name__}"
+        if s.policy.jitter:
+            return "policy.jitter: download backoff takes no jitter: one node retries one model"
+        if not is_count(s.attempts):
+            return f"attempts must be an int >= 0, got {show(s.attempts)}"
+        for name, value in (("retry_at", s.retry_at), ("clock", s.clock)):
+            if not is_time(value):
+                return f"{name} must be a finite number or None, got {show(value)}"
+        done, total = s.bytes_done, s.bytes_total
+        if not is_count(done) or not (total is None or (is_count(total) and done <= total)):
+            return (
+                "bytes must satisfy 0 <= bytes_done <= bytes_total (or bytes_total None), "
+                f"got bytes_done={show(s.bytes_done)}, bytes_total={show(s.bytes_total)}"
+            )
+        if not isinstance(s.last_error, str):
+            return f"last_error must be a str, got {show(s.last_error)}"
+        return None

@@ -45,7 +45,7 @@ import attrs
 from statemachine import State
 
 from fsm._machine import Lifecycle, Outcome
-from fsm._validate import finite, integer
+from fsm._validate import finite, integer, is_count, is_time, ranks_problem, show
 from fsm.backoff import Backoff
 from fsm.errors import IncarnationMismatch, InvalidConfig, InvalidEvent
 from fsm.failure import Failure, FailureKind
@@ -467,5 +467,105 @@ class InstanceRetry(Lifecycle):
     @classmethod
     def from_snapshot(cls, snapshot: InstanceSnapshot, policy: RetryPolicy | None = None) -> InstanceRetry:
         """Restore; pass ``policy`` to apply a changed configuration to a restored instance."""
-        cls._check_leaf(snapshot.leaf)
+        cls.check_snapshot(snapshot)
         return cls(snapshot.instance_id, policy=policy, _snapshot=snapshot)
+
+    @classmethod
+    def _snapshot_plainly_fine(cls, s: InstanceSnapshot) -> bool:
+        ws, gen, attempts, live, ready, reason = (
+            s.world_size,
+            s.generation,
+            s.attempts,
+            s.live_ranks,
+            s.ready_ranks,
+            s.delete_reason,
+        )
+        deleted = s.leaf == _DELETED
+        return (
+            type(s.instance_id) is str
+            and s.instance_id != ""
+            and type(ws) is int
+            and ws >= 1
+            and type(s.policy) is RetryPolicy
+            and type(s.seed) is int
+            and type(gen) is int
+            and gen >= 0
+            and type(attempts) is int
+            and (attempts >= 1 or (attempts == 0 and s.leaf not in _AFTER_A_FAILURE))
+            # a float is finite iff x - x == 0 (inf - inf and nan - nan are nan)
+            and (s.deadline is None or (type(s.deadline) is float and s.deadline - s.deadline == 0.0))
+            and (s.ready_since is None or (type(s.ready_since) is float and s.ready_since - s.ready_since == 0.0))
+            and (s.clock is None or (type(s.clock) is float and s.clock - s.clock == 0.0))
+            and type(live) is tuple
+            and (not live or _plain_ranks(live, ws))
+            and type(ready) is tuple
+            and (not ready or _plain_ranks(ready, ws))
+            and (live or s.leaf != _RECOVERING)  # eventless transitions leave these at once
+            and (len(ready) < ws or s.leaf != _STARTING)
+            and (not deleted or (s.deadline is None and s.ready_since is None))
+            and (type(reason) is DeleteReason if deleted else reason is None)
+            and (s.last_failure is None or type(s.last_failure) is Failure)
+        )
+
+    @classmethod
+    def _snapshot_problem(cls, s: InstanceSnapshot) -> str | None:
+        """What no instance could be: bad types or ranges, or fields that contradict the leaf."""
+        if not isinstance(s.instance_id, str) or not s.instance_id:
+            return f"instance_id must be a non-empty str, got {show(s.instance_id)}"
+        if not is_count(s.world_size, 1):
+            return f"world_size must be an int >= 1, got {show(s.world_size)}"
+        if not isinstance(s.policy, RetryPolicy):
+            return f"policy must be a RetryPolicy, got {type(s.policy).__name__}"
+        if isinstance(s.seed, bool) or not isinstance(s.seed, int):
+            return f"seed must be an int, got {show(s.seed)}"
+        if not is_count(s.generation):
+            return f"generation must be an int >= 0, got {show(s.generation)}"
+        if not is_count(s.attempts):
+            return f"attempts must be an int >= 0, got {show(s.attempts)}"
+        if s.attempts == 0 and s.leaf in _AFTER_A_FAILURE:
+            return f"attempts must be >= 1 in {s.leaf} (a failure brought it there), got 0"
+        for name, value in (("deadline", s.deadline), ("ready_since", s.ready_since), ("clock", s.clock)):
+            if not is_time(value):
+                return f"{name} must be a finite number or None, got {show(value)}"
+        problem = ranks_problem("live_ranks", s.live_ranks, s.world_size) or ranks_problem(
+            "ready_ranks", s.ready_ranks, s.world_size
+        )
+        if problem:
+            return problem
+        if s.leaf == _RECOVERING and not s.live_ranks:
+            return "live_ranks: recovering with no live rank is not a resting state (it goes on to backing_off)"
+        if s.leaf == _STARTING and len(s.ready_ranks) == s.world_size:
+            return "ready_ranks: starting with every rank ready is not a resting state (it goes on to ready)"
+        if s.leaf == _DELETED and (s.deadline is not None or s.ready_since is not None):
+            return (  # entering Deleted cancels both
+                f"deadline and ready_since must be None when deleted, got {show(s.deadline)} and {show(s.ready_since)}"
+            )
+        if s.delete_reason is None:
+            if s.leaf == _DELETED:
+                return "delete_reason: a deleted instance always carries its reason, got None"
+        elif not isinstance(s.delete_reason, DeleteReason):
+            return f"delete_reason must be a DeleteReason or None, got {show(s.delete_reason)}"
+        elif s.leaf != _DELETED:
+            return f"delete_reason must be None unless deleted (leaf {show(s.leaf)}), got {s.delete_reason.value!r}"
+        if s.last_failure is not None and not isinstance(s.last_failure, Failure):
+            return f"last_failure must be a Failure or None, got {type(s.last_failure).__name__}"
+        return None
+
+
+# Leaves only a failed generation leads to: the retry it cost is counted, and arms the backoff timer.
+_AFTER_A_FAILURE = frozenset({InstanceState.RECOVERING.value, InstanceState.BACKING_OFF.value})
+_DELETED, _RECOVERING, _STARTING = (
+    InstanceState.DELETED.value,
+    InstanceState.RECOVERING.value,
+    InstanceState.STARTING.value,
+)
+
+
+def _plain_ranks(ranks: tuple[int, ...], world_size: int) -> bool:
+    """Exact ints, ascending, distinct, below world_size (the fast path of `ranks_problem`)."""
+    previous = -1
+    for rank in ranks:
+        if type(rank) is not int or rank <= previous:
+            return False
+        previous = rank
+    return previous < world_size

@@ -37,7 +37,7 @@ import attrs
 from statemachine import State
 
 from fsm._machine import Lifecycle, Outcome
-from fsm._validate import integer
+from fsm._validate import integer, is_count, show
 from fsm.errors import IncarnationMismatch, InvalidConfig, InvalidEvent
 from fsm.failure import Failure
 
@@ -415,7 +415,7 @@ class RunnerLifecycle(Lifecycle):
 
     @classmethod
     def from_snapshot(cls, snapshot: RunnerSnapshot) -> RunnerLifecycle:
-        cls._check_leaf(snapshot.leaf)
+        cls.check_snapshot(snapshot)
         return cls(
             snapshot.runner_id,
             rank=snapshot.rank,
@@ -423,6 +423,68 @@ class RunnerLifecycle(Lifecycle):
             incarnation=snapshot.incarnation,
             _snapshot=snapshot,
         )
+
+    @classmethod
+    def _snapshot_plainly_fine(cls, s: RunnerSnapshot) -> bool:
+        ws, rank, inc, loaded, total, in_flight = (
+            s.world_size,
+            s.rank,
+            s.incarnation,
+            s.layers_loaded,
+            s.layers_total,
+            s.in_flight,
+        )
+        return (
+            type(s.runner_id) is str
+            and s.runner_id != ""
+            and type(ws) is int
+            and type(rank) is int
+            and 0 <= rank < ws
+            and type(inc) is int
+            and inc >= 0
+            and type(loaded) is int
+            and type(total) is int
+            and 0 <= loaded <= total
+            and type(in_flight) is int
+            and ((in_flight >= 1) if s.leaf == _BUSY else (in_flight == 0))
+            and (s.stop_requested is True or (s.stop_requested is False and s.leaf not in _SHUTDOWN_LEAVES))
+            and (type(s.failure) is Failure if s.failure is not None else s.leaf != _FAILED)
+        )
+
+    @classmethod
+    def _snapshot_problem(cls, s: RunnerSnapshot) -> str | None:
+        """What no runner could be: bad types or ranges, a count that contradicts the leaf, a cause-less failure."""
+        if not isinstance(s.runner_id, str) or not s.runner_id:
+            return f"runner_id must be a non-empty str, got {show(s.runner_id)}"
+        if not is_count(s.world_size, 1):
+            return f"world_size must be an int >= 1, got {show(s.world_size)}"
+        if not is_count(s.rank) or s.rank >= s.world_size:
+            return f"rank must be an int >= 0 and < world_size {show(s.world_size)}, got {show(s.rank)}"
+        if not is_count(s.incarnation):
+            return f"incarnation must be an int >= 0, got {show(s.incarnation)}"
+        if not (is_count(s.layers_loaded) and is_count(s.layers_total) and s.layers_loaded <= s.layers_total):
+            return (
+                "layers must satisfy 0 <= layers_loaded <= layers_total, "
+                f"got layers_loaded={show(s.layers_loaded)}, layers_total={show(s.layers_total)}"
+            )
+        busy = s.leaf == _BUSY
+        if not is_count(s.in_flight, 1 if busy else 0) or (s.in_flight and not busy):
+            where = "in busy" if busy else f"0 outside busy (leaf {show(s.leaf)})"
+            return f"in_flight must be {'>= 1 ' if busy else ''}{where}, got {show(s.in_flight)}"
+        if not isinstance(s.stop_requested, bool):
+            return f"stop_requested must be a bool, got {show(s.stop_requested)}"
+        if not s.stop_requested and s.leaf in _SHUTDOWN_LEAVES:  # entering Shutdown records the stop
+            return f"stop_requested must be True in {s.leaf}, got False"
+        if s.failure is None:
+            if s.leaf == _FAILED:
+                return "failure: a failed runner always carries its cause, got None"
+        elif not isinstance(s.failure, Failure):
+            return f"failure must be a Failure or None, got {type(s.failure).__name__}"
+        return None
+
+
+_SHUTDOWN_LEAVES = frozenset({RunnerPhase.STOPPING.value, RunnerPhase.STOPPED.value})
+_BUSY, _FAILED = RunnerPhase.BUSY.value, RunnerState.FAILED.value
 
 
 def phase_parent(phase: RunnerPhase) -> RunnerState:

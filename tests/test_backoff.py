@@ -345,3 +345,39 @@ def test_attempts_count_records_per_key(keys: list[str], now: float) -> None:
         assert keyed.attempts(key) == keys.count(key)
         assert keyed.should_proceed(key, now=now) == (key not in keys)
         assert keyed.should_proceed(key, now=now + 30.0)
+
+
+@pytest.mark.parametrize("now", [math.nan, math.inf, -math.inf, "5", None, True])
+def test_record_attempt_refuses_a_now_that_is_not_a_finite_number(now: object) -> None:
+    keyed = KeyedBackoff().record_attempt("a", now=0.0)
+    before = attrs.evolve(keyed)
+    with pytest.raises(InvalidConfig, match="now"):
+        keyed.record_attempt("a", now=now)  # type: ignore[arg-type]
+    with pytest.raises(InvalidConfig, match="now"):
+        keyed.record_attempt("b", now=now)  # type: ignore[arg-type]
+    assert keyed == before
+    assert (keyed.attempts("a"), keyed.deadline("a"), keyed.attempts("b"), keyed.deadline("b")) == (1, 2.0, 0, None)
+    assert keyed.should_proceed("a", now=2.0)  # the key is not blocked forever
+
+
+def test_record_attempt_accepts_an_int_now() -> None:
+    assert KeyedBackoff().record_attempt("a", now=10).deadline("a") == 12.0
+
+
+def test_keyed_backoff_is_hashable_and_equal_values_hash_equal() -> None:
+    a = KeyedBackoff().record_attempt("x", now=0.0).record_attempt("y", now=1.0)
+    b = KeyedBackoff().record_attempt("y", now=1.0).record_attempt("x", now=0.0)
+    assert a == b
+    assert hash(a) == hash(b)
+    assert hash(KeyedBackoff()) == hash(KeyedBackoff().record_attempt("x", now=0.0).reset("x"))
+    assert len({a, b, KeyedBackoff()}) == 2
+    c = KeyedBackoff(attempts_by_key={"x": 1}, not_before_by_key={"x": 2.0})
+    assert c == KeyedBackoff().record_attempt("x", now=0.0)
+    assert hash(c) == hash(KeyedBackoff().record_attempt("x", now=0.0))
+
+
+def test_keyed_backoff_mappings_cannot_be_changed_in_place() -> None:
+    keyed = KeyedBackoff().record_attempt("x", now=0.0)
+    with pytest.raises(TypeError):
+        keyed._attempts["x"] = 5  # type: ignore[index]
+    assert keyed.attempts("x") == 1
