@@ -37,10 +37,11 @@ def env(tmp_path):
 
 
 def test_daemon_sigkill_and_restart_restores_state_and_reaps_orphans(tmp_path, env):
-    daemon, url = start_daemon(tmp_path, env)
+    daemon, url = start_daemon(tmp_path, env, "--place", "exod/tiny-qwen2:2")  # the config names it too
     try:
         ready = wait_instance(url, lambda i: i["state"] == "ready")
         iid = ready["instance_id"]
+        assert len(httpx.get(f"{url}/instances", timeout=10).json()["instances"]) == 1  # one per model, not two
         # one failure first, so there is a retry count to restore
         first = sorted(runner_pids())
         assert len(first) == 2
