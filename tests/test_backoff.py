@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -381,3 +382,58 @@ def test_keyed_backoff_mappings_cannot_be_changed_in_place() -> None:
     with pytest.raises(TypeError):
         keyed._attempts["x"] = 5  # type: ignore[index]
     assert keyed.attempts("x") == 1
+
+
+@pytest.mark.parametrize(
+    ("initial", "factor", "cap", "schedule"),
+    [(0.3, 3.0, 0.9, [0.3, 0.9, 0.9]), (1.0, 1.7, 2.89, [1.0, 1.7, 2.89, 2.89]), (0.6, 6.0, 3.6, [0.6, 3.6, 3.6])],
+)
+def test_a_schedule_that_reaches_the_cap_gives_the_cap_exactly(
+    initial: float, factor: float, cap: float, schedule: list[float]
+) -> None:
+    # initial * factor**n rounds just below cap here; the retry that reaches the cap must wait cap, not a hair less
+    policy = Backoff(initial=initial, factor=factor, cap=cap)
+    assert [policy.ceiling(n) for n in range(1, len(schedule) + 1)] == schedule
+
+
+@pytest.mark.parametrize("cap", [0.0, -3.0, -1.0, -0.5])
+def test_a_cap_not_above_zero_is_refused_naming_its_own_bound(cap: float) -> None:
+    with pytest.raises(InvalidConfig, match=r"cap must be a finite number > 0"):
+        Backoff(initial=1.0, cap=cap)
+
+
+def test_reset_keeps_every_other_key_whatever_their_order() -> None:
+    keyed = KeyedBackoff().record_attempt("a", now=0.0).record_attempt("b", now=0.0).record_attempt("c", now=0.0)
+    reset = keyed.reset("b")
+    assert [(k, reset.attempts(k), reset.deadline(k)) for k in "abc"] == [("a", 1, 2.0), ("b", 0, None), ("c", 1, 2.0)]
+
+
+@pytest.mark.parametrize(
+    ("attempts", "not_before"),
+    [({"a": 2}, {}), ({}, {"a": 50.0}), ({"a": 2, "b": 1}, {"b": 9.0}), ({"b": 1}, {"a": 50.0, "b": 9.0})],
+)
+def test_reset_forgets_a_key_known_to_only_one_of_the_mappings(attempts: dict, not_before: dict) -> None:
+    keyed = KeyedBackoff(attempts_by_key=attempts, not_before_by_key=not_before)
+    reset = keyed.reset("a")
+    assert (reset.attempts("a"), reset.deadline("a"), reset.should_proceed("a", now=0.0)) == (0, None, True)
+    assert (reset.attempts("b"), reset.deadline("b")) == (keyed.attempts("b"), keyed.deadline("b"))
+
+
+def test_a_keyed_backoff_as_a_dict_compares_equal_to_plain_dicts() -> None:
+    keyed = KeyedBackoff().record_attempt("x", now=0.0)
+    plain = {
+        "policy": {"initial": 2.0, "factor": 2.0, "cap": 30.0, "jitter": False},
+        "_attempts": {"x": 1},
+        "_not_before": {"x": 2.0},
+    }
+    assert attrs.asdict(keyed) == plain
+    assert attrs.asdict(keyed) != {**plain, "_attempts": {"x": 2}}
+    assert attrs.asdict(keyed) != {**plain, "_attempts": {}}
+    assert attrs.asdict(keyed) != {**plain, "_not_before": {"x": 2.0, "y": 1.0}}
+    assert attrs.asdict(keyed) != {**plain, "_attempts": [("x", 1)]}
+
+
+@pytest.mark.parametrize("factor", [2.0, 1.5, 1.0])
+def test_the_first_delay_is_initial_exactly_as_given_even_an_int(factor: float) -> None:
+    policy = Backoff(initial=3, factor=factor, cap=30)
+    assert json.dumps([policy.delay(1), policy.ceiling(1)]) == "[3, 3]"  # not 3.0: a snapshot writes what it got

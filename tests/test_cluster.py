@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 import fsm
 from fsm import runner as rn
-from fsm.cluster import Cluster
+from fsm.cluster import Cluster, LogEntry
 from fsm.world import World
 
 SLOTS = [fsm.Slot(0, "a", "i/0"), fsm.Slot(1, "b", "i/1")]
@@ -193,3 +194,202 @@ def test_recover_mid_recovery_finishes_the_teardown_and_keeps_the_deadline_rule(
     restored.recover(now=4.0)
     machine = restored.instance("i")
     assert (machine.instance_state, machine.attempts, machine.deadline) == (fsm.InstanceState.BACKING_OFF, 1, 6.0)
+
+
+# -- snapshots: Cluster.from_dict refuses what no cluster could be, naming the field ----------------
+
+
+def snapshot_data() -> dict:
+    """Two instances (i: ranks on a and b; j: one rank on a), their runners, and downloads on two nodes."""
+    cluster = two_rank_cluster()
+    cluster.place("j", "org/m", [fsm.Slot(0, "a", "j/0")])
+    cluster.execute(fsm.StartGeneration("j", 1), 0.0)
+    cluster.execute(fsm.CreateRunner("j", "j/0", "a", 0, 1, 1, "org/m"), 0.0)
+    cluster.execute(fsm.StartDownload("a", "org/m"), 0.5)
+    cluster.execute(fsm.StartDownload("b", "org/m"), 0.5)
+    return cluster.to_dict()
+
+
+def _share_runner_id(data: dict) -> None:
+    data["instances"]["j"]["slots"][0]["runner_id"] = "i/1"
+    del data["runners"]["j/0"]
+
+
+def _add_slot(data: dict) -> None:
+    data["instances"]["i"]["slots"].append({"rank": 2, "node_id": "c", "runner_id": "i/2"})
+
+
+BAD_SNAPSHOTS = [
+    (lambda d: d.update(bogus=1), r"^unknown keys \['bogus'\]"),
+    (lambda d: d.pop("runners"), r"^runners: missing"),
+    (lambda d: d["instances"]["i"].pop("model_id"), r"^instances\.i: missing keys \['model_id'\]"),
+    (lambda d: d["instances"]["i"].update(extra=1), r"^instances\.i: unknown keys \['extra'\]"),
+    (lambda d: d.update(instances=[]), r"^instances: expected a dict keyed by id"),
+    (lambda d: d["instances"].update({1: d["instances"]["j"]}), r"^instances: expected a dict keyed by id"),
+    (lambda d: d["instances"]["i"]["machine"].update(instance_id="a"), r"instances\.i\.machine\.instance_id"),
+    (lambda d: d["instances"]["i"]["machine"].update(instance_id="z"), r"instances\.i\.machine\.instance_id"),
+    (lambda d: d["instances"]["i"]["slots"].pop(), r"instances\.i\.machine\.world_size: 2, but 1 slots"),
+    (_add_slot, r"instances\.i\.machine\.world_size: 2, but 3 slots"),
+    (_share_runner_id, r"instances\.j\.slots: runner id 'i/1' is also in instance 'i'"),
+    (lambda d: d["instances"]["i"]["slots"][1].update(rank=0), r"^instances\.i\.slots: .*rank"),
+    (lambda d: d["instances"]["i"]["slots"][1].update(rank="1"), r"^instances\.i\.slots: .*rank.*expected an int"),
+    (lambda d: d["instances"]["i"]["slots"].append(5), r"^instances\.i\.slots: "),
+    (lambda d: d["instances"]["i"]["machine"].update(clock=float("nan")), r"^instances\.i\.machine: "),
+    (lambda d: d["runners"]["i/0"].update(instance_id=5), r"^runners\.i/0\.instance_id: expected a str"),
+    (lambda d: d["runners"]["i/0"].update(node_id=5), r"^runners\.i/0\.node_id: expected a str"),
+    (lambda d: d["runners"]["i/0"].update(instance_id="zzz"), r"^runners\.i/0\.instance_id: no instance 'zzz'"),
+    (lambda d: d["runners"]["i/0"].update(instance_id="j"), r"^runners\.i/0: 'i/0' is in no slot of instance 'j'"),
+    (lambda d: d["runners"]["i/1"].update(node_id="a"), r"^runners\.i/1\.node_id: 'a', but its slot is on 'b'"),
+    (lambda d: d["runners"]["i/1"].update(node_id="c"), r"^runners\.i/1\.node_id: 'c', but its slot is on 'b'"),
+    (lambda d: d["runners"]["i/1"]["machine"].update(runner_id="i/0"), r"^runners\.i/1\.machine\.runner_id"),
+    (lambda d: d["runners"]["i/1"]["machine"].update(runner_id="i/2"), r"^runners\.i/1\.machine\.runner_id"),
+    (lambda d: d["runners"]["i/1"]["machine"].update(rank=0), r"^runners\.i/1\.machine\.rank: 0, but"),
+    (lambda d: d["runners"]["i/0"]["machine"].update(rank=1), r"^runners\.i/0\.machine\.rank: 1, but"),
+    (lambda d: d["runners"]["i/1"]["machine"].update(world_size=3), r"^runners\.i/1\.machine\.world_size: 3"),
+    (lambda d: d["runners"]["i/1"]["machine"].update(incarnation=7), r"^runners\.i/1\.machine\.incarnation: 7"),
+    (lambda d: d["runners"]["i/1"]["machine"].update(in_flight=-1), r"^runners\.i/1\.machine: "),
+    (lambda d: d["downloads"].append(d["downloads"][0]), r"^downloads\[2\]: a second download of 'org/m' on 'a'"),
+    (lambda d: d["downloads"][1].update(node_id=None), r"^downloads\[1\]\.node_id: expected a str"),
+    (lambda d: d["downloads"][0]["machine"].update(attempts=-1), r"^downloads\[0\]\.machine: "),
+    (lambda d: d.update(downloads={}), r"^downloads: expected a list"),
+]
+
+
+@pytest.mark.parametrize(("edit", "message"), BAD_SNAPSHOTS)
+def test_a_snapshot_no_cluster_could_be_is_refused_naming_the_field(edit, message):
+    data = snapshot_data()
+    edit(data)
+    with pytest.raises(fsm.SnapshotError, match=message):
+        Cluster.from_dict(data)
+
+
+def test_a_snapshot_with_runners_of_an_older_generation_restores_exactly():
+    cluster = two_rank_cluster()
+    cluster.instance_event(fsm.instance.Resume("i", 1.0))  # generation 2 while the runners of 1 live
+    data = cluster.to_dict()
+    assert Cluster.from_dict(data).to_dict() == data
+
+
+def test_an_old_snapshot_with_requests_restores_without_them():
+    data = snapshot_data()
+    restored = Cluster.from_dict({**data, "requests": [{"request_id": "q", "instance_id": "i"}]})
+    assert restored.to_dict() == data
+
+
+# -- the rest of the public surface --------------------------------------------------------------
+
+
+def test_a_log_entry_round_trips_through_its_record():
+    entry = LogEntry(1.5, "runner", "i/0", "fail", "ready", "failed", "boom")
+    assert LogEntry.from_record(entry.as_record()) == entry
+    record = {k: v for k, v in entry.as_record().items() if k != "cause"}  # a record written without a cause
+    assert LogEntry.from_record(record) == attrs.evolve(entry, cause="")
+
+
+def test_every_step_is_logged_creates_downloads_and_failure_causes_included():
+    cluster = two_rank_cluster()
+    assert [(e.key, e.event, e.target) for e in cluster.log if e.machine == "runner"][:1] == [("i/0", "create", "idle")]
+    cluster.execute(fsm.StartDownload("a", "org/m"), 0.5)
+    cluster.download_event("a", fsm.download.DownloadFailed("org/m", 0.6, "offline"))
+    downloads = [(e.key, e.event, e.source, e.target, e.cause) for e in cluster.log if e.machine == "download"]
+    assert downloads == [
+        ("a:org/m", "begin", "pending", "ongoing", ""),
+        ("a:org/m", "fail", "ongoing", "failed", "offline"),
+    ]
+    cluster.runner_event(rn.Fail("i/1", 1, failure=fsm.Failure.stalled("joining", 5)), 1.0)
+    fails = [e for e in cluster.log if e.machine == "runner" and e.event == "fail"]
+    assert len(fails) == 1 and fails[0].cause == cluster.runner("i/1").failure.message != ""
+    cluster.runner_event(rn.Exited("i/1", 1, exit_code=-15), 2.0)
+    assert [e.cause for e in cluster.log if e.key == "i/1"][-1] == ""  # the failure was logged once, with its cause
+
+
+def test_a_cancelled_request_is_accepted_with_its_reason_and_moves_no_machine():
+    cluster = two_rank_cluster()
+    before = cluster.to_dict()
+    outcome = cluster.execute(fsm.CancelRequest("q", "i", "instance gone"), 1.0)
+    assert outcome == fsm.Outcome(accepted=True, note="instance gone")
+    assert cluster.to_dict() == before
+
+
+def test_the_view_carries_the_pending_requests():
+    cluster = two_rank_cluster()
+    requests = [fsm.PendingRequest("q1", "i"), fsm.PendingRequest("q2", "i")]
+    assert cluster.view(requests).requests == tuple(requests)
+
+
+def test_an_unknown_instance_is_an_invalid_event():
+    with pytest.raises(fsm.InvalidEvent, match="no instance 'nope'"):
+        Cluster().instance("nope")
+    with pytest.raises(fsm.InvalidEvent, match="no instance 'nope'"):
+        Cluster().delete("nope", 0.0)
+
+
+def test_downloads_follow_the_clusters_download_policy():
+    policy = fsm.Backoff(initial=7.0, factor=2.0, cap=70.0)
+    cluster = Cluster(policy)
+    cluster.execute(fsm.StartDownload("a", "org/m"), 0.0)
+    cluster.download_event("a", fsm.download.DownloadFailed("org/m", 1.0, "offline"))
+    assert cluster.downloads[("a", "org/m")].retry_at == 8.0
+
+
+def test_a_create_for_an_older_generation_is_ignored_not_refused():
+    cluster = two_rank_cluster()
+    cluster.instance_event(fsm.instance.Resume("i", 1.0))  # generation 2 starts
+    machine = cluster.instance("i")
+    assert (machine.instance_state, machine.generation) == (fsm.InstanceState.STARTING, 2)
+    before = cluster.to_dict()
+    late = cluster.execute(fsm.CreateRunner("i", "i/0", "a", 0, 2, 1, "org/m"), 1.5)
+    assert not late.accepted and cluster.to_dict() == before
+
+
+def test_recover_stops_every_live_runner_even_after_a_dead_one():
+    cluster = two_rank_cluster()
+    cluster.runner_event(rn.Exited("i/0", 1, exit_code=-9), 1.0)  # the first runner is already gone
+    cluster.recover(2.0)
+    assert not cluster.runner("i/1").alive
+
+
+def test_place_passes_the_seed_and_the_options_are_keyword_only():
+    cluster = Cluster()
+    cluster.place("i", "org/m", SLOTS)
+    cluster.place("j", "org/m", [fsm.Slot(0, "a", "j/0")], seed=7)
+    assert (cluster.instance("i").seed, cluster.instance("j").seed) == (0, 7)
+    with pytest.raises(TypeError):
+        cluster.place("k", "org/m", [fsm.Slot(0, "a", "k/0")], None)  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        Cluster(None, rn.RunnerLifecycle)  # type: ignore[misc]
+
+
+def _ready(cluster: Cluster, rid: str, now: float) -> list[fsm.InstanceState]:
+    """Walk a runner to Ready; the instance's state after each event."""
+    states = []
+    events = [rn.Connect, rn.Connected, rn.Load, rn.WeightsLoaded, rn.WarmUp, rn.Warmed]
+    for event in events:
+        cluster.runner_event(event(rid, 1), now)
+        states.append(cluster.instance("i").instance_state)
+    return states
+
+
+def test_the_instance_is_ready_only_when_its_last_rank_is():
+    cluster = two_rank_cluster()
+    assert _ready(cluster, "i/0", 1.0) == [fsm.InstanceState.STARTING] * 6
+    assert _ready(cluster, "i/1", 2.0) == [fsm.InstanceState.STARTING] * 5 + [fsm.InstanceState.READY]
+    cluster.runner_event(rn.RequestStarted("i/0", 1), 3.0)
+    cluster.runner_event(rn.RequestFinished("i/0", 1), 3.0)
+    machine = cluster.instance("i")
+    assert (machine.instance_state, machine.attempts) == (fsm.InstanceState.READY, 0)
+    ranked = [(e.event, e.target) for e in cluster.log if e.machine == "instance"]
+    assert ranked.count(("rank_ready", "starting")) + ranked.count(("rank_ready", "ready")) <= 2
+
+
+def test_a_slot_whose_incarnation_already_ran_is_not_created_again_even_from_a_snapshot():
+    stopped = two_rank_cluster()
+    stopped.execute(fsm.StopRunner("i/0", 1, fsm.StopReason.INSTANCE_GONE), 1.0)
+    stopped.runner_event(rn.Exited("i/0", 1, exit_code=0), 1.0)
+    data = two_rank_cluster().to_dict()  # the instance still Starting generation 1
+    data["runners"]["i/0"] = stopped.to_dict()["runners"]["i/0"]  # but rank 0's generation-1 process is gone
+    cluster = Cluster.from_dict(data)
+    before = cluster.to_dict()
+    with pytest.raises(fsm.InvalidEvent, match="still alive or newer"):
+        cluster.execute(fsm.CreateRunner("i", "i/0", "a", 0, 2, 1, "org/m"), 2.0)
+    assert cluster.to_dict() == before

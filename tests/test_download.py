@@ -6,6 +6,7 @@ import json
 import math
 from typing import Any
 
+import attrs
 import pytest
 
 from fsm import (
@@ -27,6 +28,7 @@ from fsm.download import (
     Complete,
     DownloadEvent,
     DownloadFailed,
+    DownloadSnapshot,
     Invalidate,
     LoadStarted,
     Retry,
@@ -412,3 +414,155 @@ def test_from_dict_rejects_bad_snapshots(mutate: Any) -> None:
     data = failed_at(3.0).to_dict()
     with pytest.raises(SnapshotError):
         DownloadLifecycle.from_dict(mutate(data))
+
+
+def _snapshot(**changes: Any) -> DownloadSnapshot:
+    """A failed download mid-backoff (bytes counted, an error kept), as a snapshot, with ``changes``."""
+    machine = new()
+    machine.apply(Begin(MODEL, 10.0))
+    machine.apply(BytesProgress(MODEL, 10.0, 7, 70))
+    machine.apply(DownloadFailed(MODEL, 11.0, "reset by peer"))
+    return attrs.evolve(machine.snapshot(), **changes)
+
+
+def test_a_snapshot_with_int_times_and_every_byte_done_restores_exactly() -> None:
+    data = failed_at(3.0).to_dict()
+    data.update(retry_at=12, clock=11, attempts=2, bytes_done=70, bytes_total=70)
+    restored = DownloadLifecycle.from_dict(data)
+    assert restored.to_dict() == data
+    assert (restored.retry_at, restored.clock, restored.bytes_done, restored.bytes_total) == (12, 11, 70, 70)
+    assert_refused(restored, Retry(MODEL, 11.5))
+    assert restored.apply(Retry(MODEL, 12.0)).accepted
+    reloaded = new()
+    reloaded.reload(_snapshot(retry_at=12, clock=11, bytes_done=70, bytes_total=70))
+    assert (reloaded.path, reloaded.retry_at, reloaded.clock, reloaded.bytes_done) == ("failed", 12, 11, 70)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        pytest.param({"retry_at": 0.0, "clock": 0.0}, id="zero"),
+        pytest.param({"retry_at": 1e308, "clock": 1e308}, id="huge"),
+        pytest.param({"retry_at": -1e308, "clock": -0.0}, id="negative"),
+        pytest.param({"retry_at": None, "clock": None, "bytes_done": 0, "bytes_total": None}, id="none"),
+        pytest.param({"bytes_done": 0, "bytes_total": 0, "attempts": 0}, id="zero-bytes"),
+    ],
+)
+def test_a_snapshot_with_any_finite_times_restores_exactly(changes: dict[str, Any]) -> None:
+    snapshot = _snapshot(**changes)
+    assert DownloadLifecycle.from_snapshot(snapshot).snapshot() == snapshot
+    data = {**failed_at(3.0).to_dict(), **changes}
+    assert DownloadLifecycle.from_dict(data).to_dict() == data
+    reloaded = new()
+    reloaded.reload(snapshot)
+    assert reloaded.snapshot() == snapshot
+
+
+IMPOSSIBLE_SNAPSHOTS = [
+    pytest.param({"model_id": ""}, "model_id", id="empty-model-id"),
+    pytest.param({"model_id": 5}, "model_id", id="model-id-not-str"),
+    pytest.param({"policy": Backoff(jitter=True)}, "jitter", id="jittered-policy"),
+    pytest.param({"policy": "fast"}, "policy", id="policy-not-a-backoff"),
+    pytest.param({"attempts": -1}, "attempts", id="negative-attempts"),
+    pytest.param({"attempts": 1.0}, "attempts", id="float-attempts"),
+    pytest.param({"retry_at": math.nan}, "retry_at", id="nan-retry-at"),
+    pytest.param({"retry_at": math.inf}, "retry_at", id="inf-retry-at"),
+    pytest.param({"retry_at": True}, "retry_at", id="bool-retry-at"),
+    pytest.param({"retry_at": "12"}, "retry_at", id="str-retry-at"),
+    pytest.param({"clock": math.nan}, "clock", id="nan-clock"),
+    pytest.param({"clock": -math.inf}, "clock", id="inf-clock"),
+    pytest.param({"clock": True}, "clock", id="bool-clock"),
+    pytest.param({"clock": "11"}, "clock", id="str-clock"),
+    pytest.param({"clock": 10**400}, "clock", id="int-clock-beyond-float"),
+    pytest.param({"bytes_done": -1, "bytes_total": None}, "bytes", id="negative-bytes-done"),
+    pytest.param({"bytes_done": 1.5, "bytes_total": None}, "bytes", id="float-bytes-done"),
+    pytest.param({"bytes_done": 1, "bytes_total": 2.5}, "bytes", id="float-bytes-total"),
+    pytest.param({"bytes_done": 1, "bytes_total": True}, "bytes", id="bool-bytes-total"),
+    pytest.param({"bytes_done": 5, "bytes_total": 3}, "bytes", id="more-done-than-total"),
+    pytest.param({"last_error": 5}, "last_error", id="last-error-not-str"),
+    pytest.param({"last_error": None}, "last_error", id="last-error-none"),
+]
+
+
+@pytest.mark.parametrize(("changes", "field"), IMPOSSIBLE_SNAPSHOTS)
+def test_a_snapshot_no_download_could_be_is_refused_by_from_snapshot_and_reload(
+    changes: dict[str, Any], field: str
+) -> None:
+    snapshot = _snapshot(**changes)
+    with pytest.raises(SnapshotError, match=field):
+        DownloadLifecycle.from_snapshot(snapshot)
+    machine = failed_at(3.0)
+    before = machine.to_dict()
+    with pytest.raises(SnapshotError, match=field):
+        machine.reload(snapshot)
+    assert machine.to_dict() == before
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        pytest.param({"model_id": ""}, id="empty-model-id"),
+        pytest.param({"attempts": -1}, id="negative-attempts"),
+        pytest.param({"bytes_done": -1, "bytes_total": None}, id="negative-bytes-done"),
+        pytest.param({"bytes_done": 5, "bytes_total": 3}, id="more-done-than-total"),
+        pytest.param({"bytes_done": 5, "bytes_total": 3, "retry_at": 12}, id="more-done-than-total-int-time"),
+        pytest.param({"policy": {**attrs.asdict(DEFAULT_DOWNLOAD_BACKOFF), "jitter": True}}, id="jittered-policy"),
+    ],
+)
+def test_from_dict_refuses_a_well_typed_snapshot_no_download_could_be(changes: dict[str, Any]) -> None:
+    data = {**failed_at(3.0).to_dict(), **changes}
+    with pytest.raises(SnapshotError):
+        DownloadLifecycle.from_dict(data)
+
+
+def test_backoff_elapsed_says_whether_a_retry_would_be_allowed() -> None:
+    assert new().backoff_elapsed is True
+    machine = failed_at(100.0)
+    assert machine.backoff_elapsed is False
+    machine.apply(Retry(MODEL, 100.5))
+    assert machine.backoff_elapsed is True
+
+
+@pytest.mark.parametrize("route", ["pending", "ongoing", "completed"])
+def test_a_retry_refused_by_the_state_does_not_blame_a_backoff(route: str) -> None:
+    machine = new()
+    for name in ROUTES[route]:
+        machine.apply(make(name, 0.0))
+    error = assert_refused(machine, Retry(MODEL, 100.0))
+    assert "backoff" not in str(error)
+
+
+@pytest.mark.parametrize("event", ["begin", "complete", "load_started", "invalidate"])
+def test_only_a_refused_retry_of_a_failed_download_names_the_backoff(event: str) -> None:
+    machine = failed_at(100.0)
+    assert "backoff until 100.5 (now 100.1)" in str(assert_refused(machine, Retry(MODEL, 100.1)))
+    assert "backoff" not in str(assert_refused(machine, make(event, 100.1)))
+
+
+@pytest.mark.parametrize("model_id", [3, None, b"llama"])
+def test_an_event_for_a_model_id_that_is_not_a_str_cannot_be_made(model_id: Any) -> None:
+    with pytest.raises(TypeError):
+        Begin(model_id, 0.0)
+    with pytest.raises(TypeError):
+        DownloadFailed(model_id, 0.0, "boom")
+
+
+@pytest.mark.parametrize("reason", [None, 5, b"timeout"])
+def test_a_failure_whose_reason_is_not_a_str_cannot_be_made(reason: Any) -> None:
+    with pytest.raises(TypeError):
+        DownloadFailed(MODEL, 0.0, reason)
+
+
+def test_the_policy_is_keyword_only() -> None:
+    with pytest.raises(TypeError):
+        DownloadLifecycle(MODEL, Backoff(initial=3.0, cap=3.0))  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("other", ["a-model", "zz-model", MODEL + "-instruct", MODEL[:-1]])
+def test_an_event_for_any_other_model_is_refused_and_changes_nothing(other: str) -> None:
+    machine = new()
+    machine.apply(Begin(MODEL, 1.0))
+    before = machine.to_dict()
+    with pytest.raises(InvalidEvent, match="sent to download of"):
+        machine.apply(Complete(other, 50.0))
+    assert machine.to_dict() == before
