@@ -501,6 +501,7 @@ class InstanceRetry(Lifecycle):
             and type(ready) is tuple
             and (not ready or _plain_ranks(ready, ws))
             and (live or s.leaf != _RECOVERING)  # eventless transitions leave these at once
+            and not (live and s.leaf == _BACKING_OFF)
             and (len(ready) < ws or s.leaf != _STARTING)
             and (not deleted or (s.deadline is None and s.ready_since is None))
             and (type(reason) is DeleteReason if deleted else reason is None)
@@ -534,6 +535,8 @@ class InstanceRetry(Lifecycle):
             return problem
         if s.leaf == _RECOVERING and not s.live_ranks:
             return "live_ranks: recovering with no live rank is not a resting state (it goes on to backing_off)"
+        if s.leaf == _BACKING_OFF and s.live_ranks:
+            return "live_ranks: backing_off with a live rank cannot be (it is entered when the last rank is reaped)"
         if s.leaf == _STARTING and len(s.ready_ranks) == s.world_size:
             return "ready_ranks: starting with every rank ready is not a resting state (it goes on to ready)"
         if s.leaf == _DELETED and (s.deadline is not None or s.ready_since is not None):
@@ -554,7 +557,8 @@ class InstanceRetry(Lifecycle):
 
 # Leaves only a failed generation leads to: the retry it cost is counted, and arms the backoff timer.
 _AFTER_A_FAILURE = frozenset({InstanceState.RECOVERING.value, InstanceState.BACKING_OFF.value})
-_DELETED, _RECOVERING, _STARTING = (
+_BACKING_OFF, _DELETED, _RECOVERING, _STARTING = (
+    InstanceState.BACKING_OFF.value,
     InstanceState.DELETED.value,
     InstanceState.RECOVERING.value,
     InstanceState.STARTING.value,

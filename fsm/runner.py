@@ -361,7 +361,7 @@ class RunnerLifecycle(Lifecycle):
             return "connect needs world_size > 1; a single rank goes straight to load"
         if event == "load" and self.leaf == "idle":
             return "a multi-rank runner must connect (join its group) before it loads"
-        if event == "fail" and self.leaf != "failed":
+        if event == "fail" and self.leaf not in ("failed", "stopped"):
             return "a failure needs its cause: apply(Fail(runner_id, incarnation, failure=Failure(...)))"
         if self.leaf == "failed":
             return "a Failed runner is never revived: stop it, reap it, start a new incarnation"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import attrs
 import pytest
 
 import fsm
@@ -359,3 +362,408 @@ def test_resume_after_a_daemon_restart_starts_a_new_generation_for_free():
         with pytest.raises(fsm.IllegalTransition):
             j.apply(Resume("inst", 1.0))
         assert j.to_dict() == before
+
+
+# -- snapshots: what no instance could be is refused, naming the field; what one could be is taken --------
+
+
+def instance_in(leaf: str) -> InstanceRetry:
+    """A 2-rank instance driven to ``leaf``, with every time field it can have there set."""
+    i = InstanceRetry("inst", world_size=2, seed=3)
+    if leaf == "pending":
+        return i
+    i.apply(Start("inst", 1.0, 1))
+    i.apply(RankCreated("inst", 1.0, 1, 0))
+    i.apply(RankCreated("inst", 1.0, 1, 1))
+    if leaf == "starting":
+        i.apply(RankReady("inst", 1.5, 1, 1))
+    if leaf in ("ready", "recovering", "backing_off", "deleted"):
+        make_ready(i, 2.0)
+    if leaf in ("recovering", "backing_off"):
+        i.apply(RankFailed("inst", 3.0, 1, 0, failure=CRASH))
+    if leaf == "backing_off":
+        i.apply(RankStopped("inst", 4.0, 1, 0))
+        i.apply(RankStopped("inst", 4.0, 1, 1))
+    if leaf == "deleted":
+        i.apply(Delete("inst", 5.0))
+    assert i.leaf == leaf
+    return i
+
+
+LEAVES = ["pending", "starting", "ready", "recovering", "backing_off", "deleted"]
+
+BAD_INSTANCE_SNAPSHOTS = [
+    ("ready", {"instance_id": ""}, "instance_id"),
+    ("ready", {"instance_id": 7}, "instance_id"),
+    ("pending", {"world_size": 0}, "world_size"),
+    ("ready", {"world_size": True}, "world_size"),
+    ("ready", {"policy": "fast"}, "policy"),
+    ("ready", {"seed": 1.5}, "seed"),
+    ("ready", {"seed": True}, "seed"),
+    ("ready", {"generation": -1}, "generation"),
+    ("ready", {"attempts": -1}, "attempts"),
+    ("recovering", {"attempts": 0}, "attempts"),
+    ("backing_off", {"attempts": 0}, "attempts"),
+    ("backing_off", {"deadline": math.nan}, "deadline"),
+    ("backing_off", {"deadline": math.inf}, "deadline"),
+    ("backing_off", {"deadline": "5"}, "deadline"),
+    ("ready", {"ready_since": -math.inf}, "ready_since"),
+    ("ready", {"clock": math.nan}, "clock"),
+    ("starting", {"live_ranks": (2,)}, "live_ranks"),
+    ("starting", {"live_ranks": (1, 0)}, "live_ranks"),
+    ("starting", {"live_ranks": (0, 0)}, "live_ranks"),
+    ("starting", {"live_ranks": (-1, 0)}, "live_ranks"),
+    ("starting", {"live_ranks": (True,)}, "live_ranks"),
+    ("starting", {"live_ranks": "01"}, "live_ranks"),
+    ("starting", {"live_ranks": (True,), "ready_ranks": ()}, "live_ranks"),
+    ("pending", {"ready_ranks": (True,)}, "ready_ranks"),
+    ("pending", {"live_ranks": (0.5,)}, "live_ranks"),
+    ("pending", {"live_ranks": (-1,)}, "live_ranks"),
+    ("pending", {"ready_ranks": (-2, -3)}, "ready_ranks"),
+    ("ready", {"ready_ranks": (0, 2)}, "ready_ranks"),
+    ("ready", {"ready_ranks": (1, 1)}, "ready_ranks"),
+    ("recovering", {"live_ranks": ()}, "live_ranks"),
+    ("starting", {"ready_ranks": (0, 1)}, "ready_ranks"),
+    ("deleted", {"deadline": 5.0}, "deadline"),
+    ("deleted", {"ready_since": 2.0}, "deadline and ready_since"),
+    ("deleted", {"delete_reason": None}, "delete_reason"),
+    ("deleted", {"delete_reason": "requested"}, "delete_reason"),
+    ("ready", {"delete_reason": fsm.DeleteReason.REQUESTED}, "delete_reason"),
+    ("pending", {"delete_reason": fsm.DeleteReason.NON_RETRYABLE}, "delete_reason"),
+    ("ready", {"last_failure": "boom"}, "last_failure"),
+]
+
+
+@pytest.mark.parametrize(("leaf", "changes", "field"), BAD_INSTANCE_SNAPSHOTS)
+def test_an_impossible_snapshot_is_refused_naming_the_field(leaf, changes, field):
+    snapshot = attrs.evolve(instance_in(leaf).snapshot(), **changes)
+    with pytest.raises(fsm.SnapshotError) as info:
+        InstanceRetry.from_snapshot(snapshot)
+    assert str(info.value).startswith(f"invalid instance snapshot: {field}")
+    machine = instance_in("backing_off")
+    before = machine.to_dict()
+    with pytest.raises(fsm.SnapshotError):
+        machine.reload(snapshot)
+    assert machine.to_dict() == before
+
+
+class Count(int):
+    """An int subclass (an IntEnum member, say): a count all the same."""
+
+
+@pytest.mark.parametrize("leaf", LEAVES)
+def test_a_snapshot_with_ints_for_times_and_int_subclasses_restores_the_same(leaf):
+    """The slow path of the snapshot check takes what the fast one leaves to it: int times, lists, subclasses."""
+    machine = instance_in(leaf)
+    plain = machine.snapshot()
+
+    def whole(t):
+        return None if t is None else int(t) if t == int(t) else t
+
+    variants = [
+        attrs.evolve(
+            plain,
+            instance_id=type("InstanceId", (str,), {})(plain.instance_id),
+            world_size=Count(plain.world_size),
+            seed=Count(plain.seed),
+            generation=Count(plain.generation),
+            attempts=Count(plain.attempts),
+        ),
+        attrs.evolve(
+            plain,
+            deadline=whole(plain.deadline),
+            ready_since=whole(plain.ready_since),
+            clock=whole(plain.clock),
+        ),
+        attrs.evolve(plain, live_ranks=list(plain.live_ranks), ready_ranks=list(plain.ready_ranks)),
+        attrs.evolve(
+            plain, live_ranks=tuple(map(Count, plain.live_ranks)), ready_ranks=tuple(map(Count, plain.ready_ranks))
+        ),
+    ]
+    for variant in variants:
+        restored = InstanceRetry.from_snapshot(variant)
+        assert restored.snapshot() == plain
+        reloaded = instance_in("pending")
+        reloaded.reload(variant)
+        assert reloaded.snapshot() == plain
+        reference = InstanceRetry.from_snapshot(plain)
+        for event in (Tick("inst", 100.0), Delete("inst", 101.0)):
+            assert restored.apply(event) == reference.apply(event)
+            assert restored.snapshot() == reference.snapshot()
+
+
+# -- the typed door: ranges, generations, the clock ------------------------------------------------
+
+
+def test_a_rank_equal_to_world_size_is_out_of_range():
+    i = started(world_size=2)
+    before = i.to_dict()
+    for event in (
+        RankCreated("inst", 1.0, 1, 2),
+        RankReady("inst", 1.0, 1, 2),
+        RankStopped("inst", 1.0, 1, 2),
+        RankFailed("inst", 1.0, 1, 2, failure=CRASH),
+    ):
+        with pytest.raises(fsm.InvalidEvent, match="rank 2 out of range for world_size 2"):
+            i.apply(event)
+    assert i.to_dict() == before
+
+
+def test_starting_the_current_generation_again_is_ignored_and_skipping_one_is_an_error():
+    i = started(world_size=1)
+    before = i.to_dict()
+    out = i.apply(Start("inst", 5.0, 1))
+    assert not out.accepted and out.note == "generation 1 already started"
+    assert i.to_dict() == before
+    with pytest.raises(fsm.InvalidEvent, match="next generation is 2, not 3"):
+        i.apply(Start("inst", 5.0, 3))
+    assert i.to_dict() == before
+
+
+def test_the_clock_never_runs_backwards():
+    i = started(world_size=1)
+    i.apply(Tick("inst", 10.0))
+    i.apply(Tick("inst", 4.0))
+    assert i.clock == 10.0
+    fail_generation(i, 3.0)  # late-stamped: the backoff runs from the clock, not from the stamp
+    assert i.deadline == 12.0
+    with pytest.raises(fsm.IllegalTransition, match=r"backoff deadline 12.0 not reached \(now 10.0\)"):
+        i.apply(Start("inst", 5.0, 2))
+    i.apply(Tick("inst", 12.0))
+    i.apply(Start("inst", 5.0, 2))  # stamped before the deadline, but the clock has passed it
+    assert (i.instance_state, i.generation, i.clock) == (fsm.InstanceState.STARTING, 2, 12.0)
+
+
+def test_a_refused_event_leaves_the_budget_as_it_was_even_when_it_came_late():
+    i = started(world_size=1, policy=RetryPolicy(reset_after=100.0))
+    fail_generation(i, 1.0)
+    next_generation(i)
+    make_ready(i, 10.0)
+    before = i.to_dict()
+    with pytest.raises(fsm.IllegalTransition, match="budget not exhausted"):
+        i.apply(GiveUp("inst", 500.0))  # would reset the budget, had it been accepted
+    assert i.to_dict() == before
+    assert (i.attempts, i.clock) == (1, 10.0)
+
+
+def test_a_refusal_by_the_state_carries_no_hint():
+    i = started(world_size=1)
+    with pytest.raises(fsm.IllegalTransition) as info:
+        i.apply(Start("inst", 1.0, 2))
+    assert str(info.value) == "instance: event 'start' is not allowed in state 'starting'"
+    with pytest.raises(fsm.IllegalTransition) as info:
+        InstanceRetry("inst").apply(fsm.instance.Resume("inst", 1.0))
+    assert str(info.value) == "instance: event 'resume' is not allowed in state 'pending'"
+
+
+def test_deleting_cancels_the_timer_and_the_ready_streak():
+    i = started(world_size=1)
+    make_ready(i, 1.0)
+    assert i.ready_since == 1.0
+    i.apply(Delete("inst", 2.0))
+    assert (i.deadline, i.ready_since, i.delete_reason) == (None, None, fsm.DeleteReason.REQUESTED)
+
+
+# -- events that change no state report no step ----------------------------------------------------------
+
+
+def test_events_that_leave_the_state_report_no_step():
+    i = InstanceRetry("inst", world_size=3)
+    assert i.apply(Tick("inst", 0.0)).steps == ()  # pending
+    i.apply(Start("inst", 0.0, 1))
+    for rank in range(3):
+        assert i.apply(RankCreated("inst", 0.0, 1, rank)).steps == ()
+    assert i.apply(RankReady("inst", 0.5, 1, 0)).steps == ()
+    assert i.apply(Tick("inst", 0.6)).steps == ()  # starting
+    i.apply(RankReady("inst", 1.0, 1, 1))
+    assert i.apply(RankReady("inst", 1.0, 1, 2)).steps == (fsm.Step("auto", "starting", "ready"),)
+    assert i.apply(RankReady("inst", 1.1, 1, 2)).steps == ()  # ready: a repeated report
+    assert i.apply(Tick("inst", 1.2)).steps == ()  # ready
+    assert i.apply(RankFailed("inst", 2.0, 1, 0, failure=CRASH)).steps == (
+        fsm.Step("rank_failed", "ready", "recovering"),
+    )
+    assert i.apply(RankFailed("inst", 2.1, 1, 1, failure=CRASH)).steps == ()  # recovering
+    assert i.apply(RankReady("inst", 2.2, 1, 2)).steps == ()
+    assert i.apply(RankCreated("inst", 2.3, 1, 2)).steps == ()
+    assert i.apply(Tick("inst", 2.4)).steps == ()
+    assert i.apply(RankStopped("inst", 3.0, 1, 0)).steps == ()
+    assert i.apply(RankStopped("inst", 3.0, 1, 1)).steps == ()
+    assert i.apply(RankStopped("inst", 3.0, 1, 2)).steps == (fsm.Step("auto", "recovering", "backing_off"),)
+    for event in (
+        RankStopped("inst", 3.1, 1, 2),
+        RankFailed("inst", 3.1, 1, 2, failure=CRASH),
+        RankReady("inst", 3.1, 1, 2),
+        Tick("inst", 3.2),
+    ):
+        assert i.apply(event).steps == ()  # backing_off
+        assert i.leaf == "backing_off"
+    assert i.attempts == 1
+
+
+def test_resume_reports_the_fresh_start_of_starting():
+    i = started(world_size=1)
+    assert i.apply(fsm.instance.Resume("inst", 1.0)).steps == (fsm.Step("resume", "starting", "starting"),)
+    assert (i.generation, i.live_ranks, i.ready_ranks) == (2, set(), set())
+
+
+def test_a_rank_created_late_while_recovering_must_be_reaped_before_backing_off():
+    i = InstanceRetry("inst", world_size=2)
+    i.apply(Start("inst", 0.0, 1))
+    i.apply(RankCreated("inst", 0.0, 1, 0))
+    i.apply(RankFailed("inst", 1.0, 1, 0, failure=CRASH))
+    i.apply(RankCreated("inst", 1.5, 1, 1))  # its spawn was under way
+    i.apply(RankStopped("inst", 2.0, 1, 0))
+    assert i.instance_state is fsm.InstanceState.RECOVERING
+    assert i.live_ranks == {1}
+    i.apply(RankStopped("inst", 3.0, 1, 1))
+    assert i.instance_state is fsm.InstanceState.BACKING_OFF
+    assert i.deadline == 5.0
+
+
+def test_events_refuse_an_instance_id_that_is_no_str():
+    for make_event in (
+        lambda: Tick(7, 1.0),
+        lambda: Delete(None, 1.0),
+        lambda: Start(b"inst", 1.0, 1),
+        lambda: RankReady(7, 1.0, 1, 0),
+    ):
+        with pytest.raises(TypeError):
+            make_event()
+
+
+def test_world_size_policy_and_seed_are_keyword_only():
+    with pytest.raises(TypeError):
+        InstanceRetry("inst", 2)
+    i = InstanceRetry(instance_id="inst", world_size=2, policy=RetryPolicy(max_retries=2), seed=9)
+    assert (i.instance_id, i.world_size, i.policy.max_retries, i.seed) == ("inst", 2, 2, 9)
+
+
+def test_a_deadline_of_exactly_zero_round_trips():
+    i = started(world_size=1, now=-3.0)
+    fail_generation(i, -2.0)
+    assert (i.leaf, i.deadline) == ("backing_off", 0.0)
+    restored = InstanceRetry.from_dict(i.to_dict())
+    assert restored.to_dict() == i.to_dict()
+    restored.apply(Start("inst", 0.0, 2))
+    assert restored.generation == 2
+
+
+def test_a_rank_of_a_ready_instance_stopping_unreported_costs_one_retry():
+    i = started(world_size=2)
+    make_ready(i, 1.0)
+    out = i.apply(RankStopped("inst", 2.0, 1, 0))
+    assert out.steps == (fsm.Step("rank_stopped", "ready", "recovering"),)
+    assert (i.attempts, i.live_ranks, i.ready_since) == (1, {1}, None)
+    assert i.last_failure.kind is fsm.FailureKind.EXIT
+
+
+def test_a_rank_stopping_unreported_on_the_last_retry_gives_up():
+    i = started(world_size=2, policy=RetryPolicy(max_retries=1))
+    make_ready(i, 1.0)
+    i.apply(RankStopped("inst", 2.0, 1, 0))
+    assert (i.instance_state, i.delete_reason, i.attempts) == (
+        fsm.InstanceState.DELETED,
+        fsm.DeleteReason.RETRIES_EXHAUSTED,
+        1,
+    )
+    assert i.live_ranks == {1}
+
+
+def test_start_is_allowed_any_time_after_the_deadline():
+    i = started(world_size=1)
+    fail_generation(i, 10.0)
+    assert i.deadline == 12.0
+    i.apply(Start("inst", 500.0, 2))
+    assert (i.instance_state, i.generation) == (fsm.InstanceState.STARTING, 2)
+
+
+def test_the_default_policy_allows_five_failed_generations_and_refills_after_ten_minutes():
+    policy = RetryPolicy()
+    assert (policy.max_retries, policy.reset_after, policy.backoff) == (5, 600.0, fsm.Backoff())
+    i = started(world_size=1)
+    for n in range(1, 5):
+        fail_generation(i, 100.0 * n)
+        next_generation(i)
+    fail_generation(i, 1000.0)
+    assert (i.instance_state, i.attempts) == (fsm.InstanceState.DELETED, 5)
+
+
+def test_the_guards_read_as_booleans():
+    i = started(world_size=2, policy=RetryPolicy(max_retries=2))
+    assert (i.all_ranks_ready, i.nothing_alive, i.deadline_passed) == (False, False, True)
+    assert (i.budget_spent, i.last_allowed_failure) == (False, False)
+    fail_generation(i, 1.0)
+    assert (i.nothing_alive, i.deadline_passed) == (True, False)
+    assert (i.budget_spent, i.last_allowed_failure) == (False, True)
+    next_generation(i)
+    make_ready(i, 5.0)
+    assert (i.all_ranks_ready, i.deadline_passed) == (True, True)
+
+
+def test_an_instance_ready_since_time_zero_round_trips():
+    i = started(world_size=1, now=0.0)
+    make_ready(i, 0.0)
+    assert (i.leaf, i.ready_since, i.clock) == ("ready", 0.0, 0.0)
+    restored = InstanceRetry.from_dict(i.to_dict())
+    assert restored.to_dict() == i.to_dict()
+
+
+def test_give_up_while_starting_records_that_the_retries_are_exhausted():
+    i = started(world_size=1, policy=RetryPolicy(max_retries=3))
+    fail_generation(i, 1.0)
+    next_generation(i)
+    lowered = InstanceRetry.from_dict(i.to_dict(), policy=RetryPolicy(max_retries=1))
+    assert lowered.leaf == "starting"
+    out = lowered.apply(GiveUp("inst", 5.0))
+    assert out.steps == (fsm.Step("give_up", "starting", "deleted"),)
+    assert (lowered.delete_reason, lowered.attempts) == (fsm.DeleteReason.RETRIES_EXHAUSTED, 1)
+
+
+@pytest.mark.parametrize("generation", [-1, "1", 1.0, True, None])
+def test_a_rank_event_refuses_a_generation_that_is_no_count(generation):
+    with pytest.raises(fsm.InvalidEvent, match="generation"):
+        RankReady("inst", 1.0, generation, 0)
+
+
+def test_the_default_seed_is_zero():
+    assert InstanceRetry("inst").seed == 0
+    assert InstanceRetry("inst").retry_delay(3) == InstanceRetry("inst", seed=0).retry_delay(3)
+
+
+@pytest.mark.parametrize("generation", [-1, "1", 1.0, None])
+def test_start_refuses_a_generation_that_is_no_count(generation):
+    with pytest.raises(fsm.InvalidEvent, match="generation"):
+        Start("inst", 1.0, generation)
+
+
+def test_the_budget_refills_only_while_ready():
+    from fsm.instance import Resume
+
+    i = started(world_size=1, policy=RetryPolicy(reset_after=100.0))
+    fail_generation(i, 1.0)
+    next_generation(i)
+    make_ready(i, 10.0)
+    i.apply(Resume("inst", 20.0))  # starting again, the streak broken by the daemon's restart
+    i.apply(Tick("inst", 500.0))
+    assert (i.leaf, i.attempts) == ("starting", 1)
+
+
+def test_reload_takes_the_policy_of_the_snapshot():
+    lenient = instance_in("backing_off").snapshot()
+    strict = attrs.evolve(lenient, policy=RetryPolicy(max_retries=1))
+    machine = InstanceRetry.from_snapshot(lenient)
+    machine.reload(strict)
+    assert machine.policy == RetryPolicy(max_retries=1)
+    assert machine.budget_spent
+
+
+def test_a_backing_off_snapshot_with_a_live_rank_is_refused():
+    m = InstanceRetry("i", world_size=2)
+    m.apply(Start("i", 0.0, 1))
+    m.apply(RankCreated("i", 0.0, 1, 0))
+    m.apply(RankFailed("i", 1.0, 1, 0, failure=fsm.Failure.signalled(9)))
+    m.apply(RankStopped("i", 1.5, 1, 0))
+    assert m.instance_state is fsm.InstanceState.BACKING_OFF
+    bad = {**m.to_dict(), "live_ranks": [1]}
+    with pytest.raises(fsm.SnapshotError, match="live_ranks"):
+        InstanceRetry.from_dict(bad)

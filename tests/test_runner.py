@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import pytest
 from statemachine.exceptions import TransitionNotAllowed
 
@@ -33,6 +34,7 @@ from fsm.runner import (
     RequestFinished,
     RequestStarted,
     RunnerEvent,
+    RunnerSnapshot,
     Stop,
     Warmed,
     WarmUp,
@@ -751,3 +753,206 @@ def test_an_exit_that_beat_our_stop_is_a_failure_with_its_cause():
     clean.apply(Stop("c", 0))
     clean.apply(Exited("c", 0, exit_code=-15))
     assert clean.failure is None and not clean.alive
+
+
+# -- refusals: a hint only where a guard, or Failed, refused ---------------------------------------
+
+
+def _hint_expected(route: str, event: str) -> bool:
+    if route == "failed":
+        return True
+    return (route, event) in {("idle/single", "connect"), ("idle/multi", "load")}
+
+
+# "fail" is left out: a Fail refused in stopped still gets the "needs its cause" hint (see the report).
+REFUSED = [(route, event) for route in ROUTES for event in EVENTS if event != "fail" and event not in ALLOWED[route]]
+
+
+@pytest.mark.parametrize(("route", "event"), REFUSED)
+def test_a_refusal_explains_itself_only_when_a_guard_or_failed_refused(route: str, event: str) -> None:
+    machine = drive(route)
+    error = assert_refused(machine, make(event))
+    plain = f"runner: event {event!r} is not allowed in state {machine.path!r}"
+    if _hint_expected(route, event):
+        assert str(error).startswith(plain + ": ")
+    else:
+        assert str(error) == plain
+
+
+# -- snapshots: what no runner could be is refused, naming the field; what one could be is taken ----------
+
+
+class Count(int):
+    """An int subclass (an IntEnum member, say): a count all the same."""
+
+
+def _snapshot_in(route: str, **changes: Any) -> RunnerSnapshot:
+    machine = drive(route, rank=1)
+    if machine.leaf == "busy":
+        machine.apply(make("request_started"))
+    return attrs.evolve(machine.snapshot(), **changes)
+
+
+BAD_RUNNER_SNAPSHOTS = [
+    ("idle/multi", {"runner_id": ""}, "runner_id"),
+    ("idle/multi", {"world_size": 0, "rank": 0}, "world_size"),
+    ("weights/multi", {"rank": 2}, "rank"),
+    ("weights/multi", {"rank": 5}, "rank"),
+    ("weights/multi", {"rank": -1}, "rank"),
+    ("weights/multi", {"incarnation": -1}, "incarnation"),
+    ("weights/multi", {"layers_loaded": 5, "layers_total": 4}, "layers"),
+    ("weights/multi", {"layers_loaded": -1}, "layers"),
+    ("available", {"in_flight": 1}, "in_flight"),
+    ("available", {"in_flight": 2}, "in_flight"),
+    ("available", {"in_flight": -1}, "in_flight"),
+    ("idle/multi", {"in_flight": 1}, "in_flight"),
+    ("busy", {"in_flight": 0}, "in_flight"),
+    ("busy", {"in_flight": -1}, "in_flight"),
+    ("idle/multi", {"stop_requested": 1}, "stop_requested"),
+    ("stopping", {"stop_requested": False}, "stop_requested"),
+    ("stopped", {"stop_requested": False}, "stop_requested"),
+    ("failed", {"failure": None}, "failure"),
+    ("idle/multi", {"failure": "boom"}, "failure"),
+    ("stopped", {"failure": "boom"}, "failure"),
+]
+
+
+@pytest.mark.parametrize(("route", "changes", "field"), BAD_RUNNER_SNAPSHOTS)
+def test_an_impossible_snapshot_is_refused_naming_the_field(route: str, changes: dict[str, Any], field: str) -> None:
+    snapshot = _snapshot_in(route, **changes)
+    with pytest.raises(SnapshotError) as info:
+        RunnerLifecycle.from_snapshot(snapshot)
+    assert str(info.value).startswith(f"invalid runner snapshot: {field}")
+    machine = drive("available")
+    before = machine.to_dict()
+    with pytest.raises(SnapshotError):
+        machine.reload(snapshot)
+    assert machine.to_dict() == before
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_a_snapshot_with_int_subclass_counts_restores_like_plain_ints(route: str) -> None:
+    machine = drive(route, rank=1)  # busy: one request in flight
+    if machine.leaf == "weights":
+        machine.apply(make("progress", layers_loaded=4, layers_total=10))
+    plain = machine.snapshot()
+    counted = attrs.evolve(
+        plain,
+        runner_id=type("RunnerId", (str,), {})(plain.runner_id),
+        rank=Count(plain.rank),
+        world_size=Count(plain.world_size),
+        incarnation=Count(plain.incarnation),
+        layers_loaded=Count(plain.layers_loaded),
+        layers_total=Count(plain.layers_total),
+        in_flight=Count(plain.in_flight),
+    )
+    restored = RunnerLifecycle.from_snapshot(counted)
+    assert restored.snapshot() == plain
+    reloaded = drive("available")
+    reloaded.reload(counted)
+    assert reloaded.snapshot() == plain
+    event = NEXT[route]
+    if event is not None:
+        assert restored.apply(make(event)) == machine.apply(make(event))
+        assert restored.snapshot() == machine.snapshot()
+
+
+def test_an_impossible_in_flight_says_what_busy_needs() -> None:
+    with pytest.raises(SnapshotError, match="in_flight must be >= 1 in busy, got 0"):
+        RunnerLifecycle.from_snapshot(_snapshot_in("busy", in_flight=0))
+    with pytest.raises(SnapshotError, match=r"in_flight must be 0 outside busy \(leaf 'available'\), got 2"):
+        RunnerLifecycle.from_snapshot(_snapshot_in("available", in_flight=2))
+
+
+# -- events and guards, as a caller sees them ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"exit_code": "1"}, {"exit_code": None}, {"stop_delivered": 1}, {"stop_delivered": None}],
+)
+def test_exited_refuses_an_exit_code_that_is_no_int_or_a_stop_delivered_that_is_no_bool(
+    changes: dict[str, Any],
+) -> None:
+    with pytest.raises(TypeError):
+        Exited(RID, INC, **{"exit_code": 0, **changes})
+
+
+@pytest.mark.parametrize("route", NON_FINAL)
+def test_a_fail_without_its_cause_is_refused_in_every_state(route: str) -> None:
+    machine = drive(route)
+    before, path = machine.to_dict(), machine.path
+    with pytest.raises(TransitionNotAllowed):
+        machine.send("fail")
+    assert (machine.to_dict(), machine.path) == (before, path)
+
+
+def test_an_exit_sent_without_stop_delivered_while_stopping_is_clean() -> None:
+    machine = drive("stopping")
+    machine.send("exited", exit_code=0)
+    assert machine.path == "shutdown.stopped"
+    assert machine.failure is None
+
+
+def test_the_guards_read_as_booleans() -> None:
+    single, multi = new(world_size=1), new(world_size=3)
+    assert (single.single_rank, single.multi_rank) == (True, False)
+    assert (multi.single_rank, multi.multi_rank) == (False, True)
+    available = drive("available")
+    assert available.last_request is False
+    available.apply(make("request_started"))
+    assert available.last_request is True
+    available.apply(make("request_started"))
+    assert available.last_request is False
+
+
+@pytest.mark.parametrize("other", ["runner-0", "runner-b", "runner", "runner-aa", "Runner-a"])
+def test_an_event_for_another_runner_raises_whichever_way_its_id_sorts(other: str) -> None:
+    machine = drive("available")
+    before = machine.to_dict()
+    with pytest.raises(InvalidEvent, match=other):
+        machine.apply(make("request_started", runner_id=other))
+    assert machine.to_dict() == before
+
+
+def test_stopped_is_the_only_final_state() -> None:
+    # what the conformance checker and the diagrams read: a runner may be forgotten only once stopped
+    assert {s.id for s in RunnerLifecycle.states_map.values() if s.final} == {"stopped"}
+    assert RunnerLifecycle.states_map[drive("stopped").leaf].final
+
+
+def test_a_runner_is_a_single_rank_unless_told_otherwise() -> None:
+    machine = RunnerLifecycle(RID)
+    assert (machine.rank, machine.world_size, machine.incarnation) == (0, 1, 0)
+    assert machine.apply(Load(RID, 0)).steps == (Step("load", "idle", "weights"),)
+
+
+def test_rank_world_size_and_incarnation_are_keyword_only() -> None:
+    with pytest.raises(TypeError):
+        RunnerLifecycle(RID, 0, 2)  # type: ignore[misc]
+    machine = RunnerLifecycle(runner_id=RID, rank=1, world_size=2, incarnation=4)
+    assert (machine.runner_id, machine.rank, machine.world_size, machine.incarnation) == (RID, 1, 2, 4)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [({"world_size": 0}, "world_size must be an int >= 1, got 0")])
+def test_a_zero_world_size_is_refused_as_such(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidConfig, match=message):
+        RunnerLifecycle(RID, **kwargs)
+
+
+def test_a_snapshot_keeps_the_loading_progress() -> None:
+    machine = drive("weights/single")
+    machine.apply(make("progress", layers_loaded=4, layers_total=10))
+    data = machine.to_dict()
+    assert (data["layers_loaded"], data["layers_total"]) == (4, 10)
+    restored = RunnerLifecycle.from_dict(data)
+    assert (restored.layers_loaded, restored.layers_total) == (4, 10)
+
+
+def test_a_fail_with_its_cause_refused_after_stopped_does_not_ask_for_a_cause():
+    r = RunnerLifecycle("r")
+    r.apply(Stop("r", 0))
+    r.apply(Exited("r", 0, exit_code=0))
+    with pytest.raises(IllegalTransition) as refused:
+        r.apply(Fail("r", 0, failure=STALL))
+    assert "needs its cause" not in str(refused.value)
