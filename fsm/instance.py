@@ -503,7 +503,8 @@ class InstanceRetry(Lifecycle):
             and (live or s.leaf != _RECOVERING)  # eventless transitions leave these at once
             and not (live and s.leaf == _BACKING_OFF)
             and (len(ready) < ws or s.leaf != _STARTING)
-            and (not deleted or (s.deadline is None and s.ready_since is None))
+            and (not deleted or s.deadline is None)
+            and (s.ready_since is None or s.leaf in _READY_STREAK)
             and (type(reason) is DeleteReason if deleted else reason is None)
             and (s.last_failure is None or type(s.last_failure) is Failure)
         )
@@ -543,6 +544,8 @@ class InstanceRetry(Lifecycle):
             return (  # entering Deleted cancels both
                 f"deadline and ready_since must be None when deleted, got {show(s.deadline)} and {show(s.ready_since)}"
             )
+        if s.ready_since is not None and s.leaf not in _READY_STREAK:
+            return f"ready_since must be None in {s.leaf} (only a ready streak sets it), got {show(s.ready_since)}"
         if s.delete_reason is None:
             if s.leaf == _DELETED:
                 return "delete_reason: a deleted instance always carries its reason, got None"
@@ -557,6 +560,8 @@ class InstanceRetry(Lifecycle):
 
 # Leaves only a failed generation leads to: the retry it cost is counted, and arms the backoff timer.
 _AFTER_A_FAILURE = frozenset({InstanceState.RECOVERING.value, InstanceState.BACKING_OFF.value})
+# Leaves where ready_since may be set: Ready, and Starting after a Resume (Ready then sets a new one).
+_READY_STREAK = frozenset({InstanceState.READY.value, InstanceState.STARTING.value})
 _BACKING_OFF, _DELETED, _RECOVERING, _STARTING = (
     InstanceState.BACKING_OFF.value,
     InstanceState.DELETED.value,

@@ -415,6 +415,7 @@ BAD_INSTANCE_SNAPSHOTS = [
     ("starting", {"live_ranks": (-1, 0)}, "live_ranks"),
     ("starting", {"live_ranks": (True,)}, "live_ranks"),
     ("starting", {"live_ranks": "01"}, "live_ranks"),
+    ("starting", {"live_ranks": (0, 5)}, "live_ranks"),
     ("starting", {"live_ranks": (True,), "ready_ranks": ()}, "live_ranks"),
     ("pending", {"ready_ranks": (True,)}, "ready_ranks"),
     ("pending", {"live_ranks": (0.5,)}, "live_ranks"),
@@ -427,9 +428,13 @@ BAD_INSTANCE_SNAPSHOTS = [
     ("deleted", {"deadline": 5.0}, "deadline"),
     ("deleted", {"ready_since": 2.0}, "deadline and ready_since"),
     ("deleted", {"delete_reason": None}, "delete_reason"),
+    ("pending", {"ready_since": 1.0}, "ready_since"),
+    ("recovering", {"ready_since": 1.0}, "ready_since"),
+    ("backing_off", {"ready_since": 1.0}, "ready_since"),
     ("deleted", {"delete_reason": "requested"}, "delete_reason"),
     ("ready", {"delete_reason": fsm.DeleteReason.REQUESTED}, "delete_reason"),
     ("pending", {"delete_reason": fsm.DeleteReason.NON_RETRYABLE}, "delete_reason"),
+    ("backing_off", {"delete_reason": fsm.DeleteReason.REQUESTED}, "delete_reason"),
     ("ready", {"last_failure": "boom"}, "last_failure"),
 ]
 
@@ -767,3 +772,169 @@ def test_a_backing_off_snapshot_with_a_live_rank_is_refused():
     bad = {**m.to_dict(), "live_ranks": [1]}
     with pytest.raises(fsm.SnapshotError, match="live_ranks"):
         InstanceRetry.from_dict(bad)
+
+
+# -- what the mutants of fsm/instance.py showed untested ----------------------------------------------
+
+
+def snapshots_of_a_long_life() -> list[fsm.InstanceSnapshot]:
+    """Every snapshot instances take along the lives the daemon sees: 1 and 3 ranks, failures, resets, each end."""
+    snapshots = []
+
+    def send(i: InstanceRetry, event) -> None:
+        i.apply(event)
+        snapshots.append(i.snapshot())
+
+    one = InstanceRetry("a", world_size=1, policy=RetryPolicy(max_retries=3, reset_after=50.0), seed=4)
+    snapshots.append(one.snapshot())
+    for generation, now in ((1, 1.0), (2, 20.0), (3, 40.0)):
+        send(one, Start("a", now, generation))
+        send(one, RankCreated("a", now, generation, 0))
+        send(one, RankReady("a", now + 0.5, generation, 0))
+        send(one, RankFailed("a", now + 1.0, generation, 0, failure=CRASH))
+        send(one, RankStopped("a", now + 1.5, generation, 0))
+        send(one, Tick("a", now + 15.0))
+    send(one, GiveUp("a", 60.0))
+
+    three = InstanceRetry("inst", world_size=3, policy=RetryPolicy(reset_after=5.0))
+    send(three, Start("inst", 1.0, 1))
+    for rank in range(3):
+        send(three, RankCreated("inst", 1.0, 1, rank))
+    send(three, RankStopped("inst", 2.0, 1, 1))  # a failure by stopping, then the others reaped
+    send(three, RankStopped("inst", 2.5, 1, 0))
+    send(three, RankStopped("inst", 3.0, 1, 2))
+    send(three, Start("inst", 30.0, 2))
+    for rank in range(3):
+        send(three, RankCreated("inst", 30.0, 2, rank))
+        send(three, RankReady("inst", 31.0, 2, rank))
+    send(three, Tick("inst", 40.0))  # ready for reset_after: the budget refills
+    send(three, RankFailed("inst", 41.0, 2, 2, failure=CORRUPT))
+    send(three, Delete("inst", 42.0))
+
+    asked = InstanceRetry("b", world_size=2)
+    send(asked, Start("b", 0.25, 1))
+    send(asked, RankCreated("b", 0.25, 1, 0))
+    send(asked, Delete("b", 0.75))
+    return snapshots
+
+
+def test_every_snapshot_a_living_instance_takes_passes_the_cheap_check(monkeypatch):
+    """reload is the model checker's hot path: the snapshots machines take never need the slow, wordy check."""
+    snapshots = snapshots_of_a_long_life()
+    seen = {(s.leaf, s.world_size, s.attempts, s.deadline is None, bool(s.live_ranks)) for s in snapshots}
+    assert {leaf for leaf, *_ in seen} == set(LEAVES)
+    assert {(1, False), (2, False), (0, True)} <= {(a, d) for _, _, a, d, _ in seen}
+    assert {reason for reason in (s.delete_reason for s in snapshots) if reason} == set(fsm.DeleteReason)
+
+    def slow(cls, snapshot):
+        raise AssertionError(f"took the slow check: {snapshot}")
+
+    monkeypatch.setattr(InstanceRetry, "_snapshot_problem", classmethod(slow))
+    machine = InstanceRetry("a")
+    for snapshot in snapshots:
+        machine.reload(snapshot)
+        assert machine.snapshot() == snapshot
+        assert InstanceRetry.from_snapshot(snapshot).snapshot() == snapshot
+
+
+@pytest.mark.parametrize("leaf", LEAVES)
+def test_a_restored_instance_has_every_field_of_the_original(leaf):
+    original = instance_in(leaf)
+    fields = ("generation", "attempts", "deadline", "ready_since", "clock", "live_ranks", "ready_ranks")
+    fields += ("delete_reason", "last_failure", "world_size", "seed", "policy")
+    for restored in (InstanceRetry.from_snapshot(original.snapshot()), InstanceRetry.from_dict(original.to_dict())):
+        assert {f: getattr(restored, f) for f in fields} == {f: getattr(original, f) for f in fields}
+
+
+def test_the_slow_check_takes_one_rank_and_a_start_with_no_rank_yet():
+    one = InstanceRetry("inst", world_size=1)
+    one.apply(Start("inst", 1.0, 1))
+    two = InstanceRetry("inst", world_size=2)
+    two.apply(Start("inst", 1.0, 1))
+    for machine in (one, two):
+        plain = machine.snapshot()
+        slow = attrs.evolve(plain, world_size=Count(plain.world_size), clock=1)  # leaves the cheap check
+        assert not InstanceRetry._snapshot_plainly_fine(slow)
+        assert InstanceRetry.from_snapshot(slow).snapshot() == plain
+
+
+def test_a_policy_refuses_a_backoff_that_is_no_backoff_and_takes_any_positive_reset():
+    with pytest.raises(TypeError, match="backoff"):
+        RetryPolicy(backoff=2.0)
+    assert RetryPolicy(reset_after=0.5).reset_after == 0.5
+
+
+def test_rank_events_refuse_a_rank_that_is_no_count_and_failures_that_are_none():
+    for rank in (-1, 1.0, True, "0"):
+        with pytest.raises(fsm.InvalidEvent):
+            RankReady("inst", 1.0, 1, rank)
+    with pytest.raises(TypeError):
+        RankFailed("inst", 1.0, 1, 0, CRASH)  # the failure is keyword-only: never mistaken for another field
+    with pytest.raises(TypeError):
+        RankFailed("inst", 1.0, 1, 0, failure="boom")
+
+
+@pytest.mark.parametrize("leaf", ["starting", "ready"])
+def test_a_non_retryable_failure_deletes_from_starting_and_from_ready_recording_why(leaf):
+    i = started(world_size=2)
+    if leaf == "ready":
+        make_ready(i, 1.0)
+    i.apply(RankFailed("inst", 2.0, 1, 1, failure=CORRUPT))
+    reason = fsm.DeleteReason.NON_RETRYABLE
+    assert (i.leaf, i.delete_reason, i.last_failure, i.attempts) == ("deleted", reason, CORRUPT, 0)
+    assert i.apply(Tick("inst", 3.0)).note == "instance is deleted (non_retryable)"
+
+
+@pytest.mark.parametrize("leaf", ["starting", "ready"])
+@pytest.mark.parametrize("how", ["failed", "stopped"])
+def test_the_last_allowed_failure_from_starting_or_ready_records_retries_exhausted(leaf, how):
+    i = started(world_size=2, policy=RetryPolicy(max_retries=1))
+    if leaf == "ready":
+        make_ready(i, 1.0)
+    if how == "failed":
+        i.apply(RankFailed("inst", 2.0, 1, 0, failure=CRASH))
+    else:
+        i.apply(RankStopped("inst", 2.0, 1, 0))
+    assert (i.leaf, i.delete_reason, i.attempts) == ("deleted", fsm.DeleteReason.RETRIES_EXHAUSTED, 1)
+    assert i.last_failure == (CRASH if how == "failed" else fsm.instance._UNEXPECTED_STOP)
+    assert i.live_ranks == ({0, 1} if how == "failed" else {1})
+
+
+def test_give_up_from_pending_only_when_the_budget_is_spent():
+    fresh = InstanceRetry("inst")
+    with pytest.raises(fsm.IllegalTransition, match="budget not exhausted"):
+        fresh.apply(GiveUp("inst", 1.0))
+    assert fresh.leaf == "pending"
+    snapshot = attrs.evolve(InstanceRetry("inst").snapshot(), attempts=5)
+    i = InstanceRetry.from_snapshot(snapshot)
+    i.apply(GiveUp("inst", 1.0))
+    assert (i.leaf, i.delete_reason) == ("deleted", fsm.DeleteReason.RETRIES_EXHAUSTED)
+
+
+def test_the_default_world_size_is_one_and_bad_ids_and_sizes_are_refused():
+    assert InstanceRetry("inst").world_size == 1
+    for bad in ("", 7, None):
+        with pytest.raises(fsm.InvalidConfig, match="instance_id"):
+            InstanceRetry(bad)
+    for bad in (0, True, 1.0, "2"):
+        with pytest.raises(fsm.InvalidConfig, match="world_size"):
+            InstanceRetry("inst", world_size=bad)
+
+
+def test_an_event_for_an_instance_whose_id_sorts_before_is_refused():
+    i = started(world_size=1)
+    for other in ("a", "insu", ""):
+        with pytest.raises(fsm.InvalidEvent, match="sent to 'inst'"):
+            i.apply(Tick(other, 1.0))
+
+
+def test_starting_an_older_generation_is_ignored_and_the_hint_names_the_next_one():
+    i = started(world_size=1)
+    fail_generation(i, 1.0)
+    next_generation(i)
+    before = i.to_dict()
+    out = i.apply(Start("inst", 50.0, 1))
+    assert not out.accepted and out.note == "generation 1 already started"
+    with pytest.raises(fsm.InvalidEvent, match="next generation is 3, not 5"):
+        i.apply(Start("inst", 50.0, 5))
+    assert i.to_dict() == before
