@@ -4,7 +4,7 @@
 returns every action this node should take now, in priority order::
 
     cancel requests → stop runners → give up at the cap → start generations
-    → create runners → downloads → connect → load → warm up → forward requests
+    → downloads → create runners → connect → load → warm up → forward requests
 
 Each rule is one function, named after the rule, that reads the view and
 yields actions; none of them sees the others' output. Returning all enabled
@@ -18,10 +18,11 @@ The rules carried over from exo's two fixes, by function:
   instances, of stale generations and of recovering instances are stopped.
 * ``_give_up_at_cap`` — at the retry cap the action is DeleteInstance, not a
   creation.
-* ``_create_runners`` — no runner is created while a sibling is Failed unless
-  ours failed too (both-failed proceeds: neither waits for the other); nor
-  before the backoff deadline; nor while any runner of an older generation is
-  still alive.
+* ``_create_runners`` — no runner is created before its model is on its node
+  (exo's order: a process is never started for a model that may never come);
+  nor while a sibling is Failed unless ours failed too (both-failed proceeds:
+  neither waits for the other); nor before the backoff deadline; nor while any
+  runner of an older generation is still alive.
 * ``_download_models`` — a failed download is retried once its per-model
   backoff has elapsed.
 """
@@ -59,8 +60,8 @@ def plan(view: ClusterView, node_id: str, now: float) -> list[Action]:
         *_stop_runners(view, node_id),
         *_give_up_at_cap(view, node_id),
         *_start_generations(view, node_id, now),
-        *_create_runners(view, node_id, now),
         *_download_models(view, node_id, now),
+        *_create_runners(view, node_id, now),
         *_connect_runners(view, node_id),
         *_load_models(view, node_id),
         *_warm_up_runners(view, node_id),
@@ -91,6 +92,11 @@ def _current(view: ClusterView, inst: InstanceView) -> list[RunnerStatus | None]
     """The runner of each rank in the instance's current generation (None: not created yet)."""
     gen = inst.retry.generation
     return [r if r is not None and r.incarnation == gen else None for _, r in view.slot_runners(inst)]
+
+
+def _model_on(view: ClusterView, node_id: str, model_id: str) -> bool:
+    download = view.download(node_id, model_id)
+    return download is not None and download.state is DownloadState.COMPLETED
 
 
 def _exhausted(inst: InstanceView) -> bool:
@@ -183,6 +189,8 @@ def _create_runners(view: ClusterView, node_id: str, now: float) -> Iterator[Act
         statuses = dict(view.slot_runners(inst))
         if any(r is not None and r.alive and r.incarnation < retry.generation for r in statuses.values()):
             continue  # never two generations alive at once
+        if not _model_on(view, node_id, inst.model_id):
+            continue  # the instance waits for its download; `_download_models` is fetching it
         for slot, ours in statuses.items():
             if slot.node_id != node_id or (ours is not None and ours.incarnation >= retry.generation):
                 continue
@@ -247,11 +255,7 @@ def _load_models(view: ClusterView, node_id: str) -> Iterator[Action]:
     for inst in view.instances.values():
         if inst.retry.state is not InstanceState.STARTING:
             continue
-        downloaded = all(
-            (d := view.download(node, inst.model_id)) is not None and d.state is DownloadState.COMPLETED
-            for node in inst.nodes
-        )
-        if not downloaded:
+        if not all(_model_on(view, node, inst.model_id) for node in inst.nodes):
             continue
         current = _current(view, inst)
         all_joined = all(

@@ -146,6 +146,12 @@ def check_action(cluster: Cluster, action: act.Action, now: float) -> None:
             ]
             if older:
                 raise InvariantViolated("6 one generation at a time", f"{action} while {older[0].runner_id} is alive")
+            download = cluster.downloads.get((action.node_id, action.model_id))
+            if download is None or download.download_state is not DownloadState.COMPLETED:
+                state = "never started" if download is None else download.leaf
+                raise InvariantViolated(
+                    "runners only for a model on their node", f"{action} while its download is {state}"
+                )
         case act.ForwardRequest(_, runner_id, incarnation):
             runner = cluster.runner(runner_id)
             instance = cluster.instance(cluster.runners[runner_id].instance_id)

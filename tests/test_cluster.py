@@ -6,6 +6,7 @@ import attrs
 import pytest
 
 import fsm
+from fsm import download as dl
 from fsm import runner as rn
 from fsm.cluster import Cluster, LogEntry
 from fsm.world import World
@@ -183,6 +184,9 @@ def test_recover_after_a_daemon_restart_charges_no_retry():
     machine = restored.instance("i")
     assert (machine.instance_state, machine.generation, machine.attempts) == (fsm.InstanceState.STARTING, 2, 0)
     assert all(not restored.runner(rid).alive and restored.runner(rid).failure is None for rid in ("i/0", "i/1"))
+    for node in ("a", "b"):  # the model is on both nodes: runners wait for nothing else
+        restored.execute(fsm.StartDownload(node, "org/m"), 10.0)
+        restored.download_event(node, dl.Complete("org/m", 10.0))
     actions = fsm.plan(restored.view(), "a", 10.0)
     assert fsm.CreateRunner("i", "i/0", "a", 0, 2, 2, "org/m") in actions
 

@@ -146,9 +146,10 @@ def test_a_two_rank_instance_reaches_ready_and_serves(tmp_path):
     assert [r["state"] for r in inst["runners"]] == ["ready", "ready"]
     assert inst["attempts"] == 0 and inst["generation"] == 1
     assert text == "".join(TOKENS[:4])
-    # The download (1 s) and the join (0.5 s) run side by side; then 4 layers of 0.25 s and 0.5 s of warm-up.
-    assert moves(log, "starting", "ready") == [2.5]
-    assert [e.time for e in log if e.machine == "runner" and e.event == "create"] == [0.0, 0.0]
+    # The download (1 s) comes first (no process before its model), then the join (0.5 s), 4 layers of 0.25 s
+    # and 0.5 s of warm-up.
+    assert moves(log, "starting", "ready") == [3.0]
+    assert [e.time for e in log if e.machine == "runner" and e.event == "create"] == [1.0, 1.0]
 
 
 # -- the backoff and the budget ---------------------------------------------------------------------------
@@ -380,7 +381,8 @@ def test_a_failed_download_is_retried_after_the_download_backoff_and_costs_the_i
         return waiting, instance(status, iid), sim.fleet
 
     waiting, inst, fleet = simulate(tmp_path, body, models=flaky)
-    assert waiting["state"] == "starting" and waiting["runners"][0]["state"] == "idle"  # waits, never loads
+    assert waiting["state"] == "starting" and waiting["waiting_for"] == "download"
+    assert waiting["runners"][0]["state"] is None  # no process before its model is on the node
     assert "fake hub" in waiting["download"]["last_error"]
     starts = [started for started, _, _ in flaky.fetches]
     assert [outcome == "ok" for _, _, outcome in flaky.fetches] == [False, False, False, True]
@@ -401,15 +403,15 @@ def test_the_controller_spawns_only_what_the_machines_accepted(tmp_path, monkeyp
 
     async def body(sim: Sim):
         iid = sim.controller.place(MODEL, 2)
-        await settled()  # generation 1 started; its runners exist, the model is still downloading
-        sim.controller.delete(iid)
+        await until(sim.controller, lambda s: all(r["state"] for r in instance(s, iid)["runners"]))
+        sim.controller.delete(iid)  # generation 1 started and its runners exist
         await until(sim.controller, all_stopped(iid))
         other = sim.controller.place(MODEL, 1)  # something to plan for: the late action rides along
         late.append(fsm.CreateRunner(iid, f"{iid}/9", "local", 0, 2, 1, MODEL))
         await settled()
         return iid, other, [r.spec.runner_id for r in sim.fleet.runners], sim.controller.status()
 
-    iid, other, spawned, status = simulate(tmp_path, body, models=FakeModels(delay=10_000))
+    iid, other, spawned, status = simulate(tmp_path, body, models=FakeModels(delay=1.0))
     assert f"{iid}/9" not in spawned  # the machines refused it: no process
     assert [r["runner_id"] for r in instance(status, iid)["runners"]] == [f"{iid}/0", f"{iid}/1"]  # no phantom
-    assert instance(status, iid)["state"] == "deleted" and instance(status, other)["state"] == "starting"
+    assert instance(status, iid)["state"] == "deleted" and instance(status, other)["state"] != "deleted"

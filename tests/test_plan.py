@@ -413,6 +413,26 @@ def test_download_by_state(download, expected):
 
 
 @pytest.mark.parametrize(
+    ("download", "create_on_b"),
+    [
+        (None, False),
+        (DownloadStatus("b", MODEL, DownloadState.PENDING), False),
+        (DownloadStatus("b", MODEL, DownloadState.ONGOING), False),
+        (DownloadStatus("b", MODEL, DownloadState.FAILED, attempts=1, retry_at=NOW + 60), False),
+        (DownloadStatus("b", "other", DownloadState.COMPLETED), False),
+        (DownloadStatus("b", MODEL, DownloadState.COMPLETED), True),
+    ],
+    ids=["missing", "pending", "ongoing", "failed", "other-model", "completed"],
+)
+def test_a_runner_is_created_only_once_its_model_is_on_its_node(download, create_on_b):
+    """exo's order: download, then create; a model that never comes never costs a process."""
+    downloads = [DownloadStatus("a", MODEL, DownloadState.COMPLETED), *([download] if download else [])]
+    v = view([inst(state=InstanceState.STARTING)], downloads=downloads)
+    assert plan(v, "a", NOW) == [create("i", 0)]  # node a has the model: its rank does not wait for b's
+    assert (create("i", 1) in plan(v, "b", NOW)) is create_on_b
+
+
+@pytest.mark.parametrize(
     ("retry_at", "now", "expected"),
     [
         (10.0, 9.0, []),
@@ -593,13 +613,14 @@ def test_no_forward_unless_instance_and_all_ranks_ready(state, r1):
 
 
 def busy_view() -> ClusterView:
-    """One view where every rule fires for node "a", plus an instance whose create is blocked on "a"."""
+    """One view where every rule fires for node "a", plus instances whose create is blocked on "a"."""
     return view(
         [
             inst("gone", ranks=1, state=InstanceState.DELETED, reason=DeleteReason.REQUESTED),
             inst("capped", ranks=1, state=InstanceState.STARTING, gen=5, attempts=5, max_retries=5),
             inst("fresh", ranks=1, state=InstanceState.PENDING, gen=0),
-            inst("new", ranks=1, state=InstanceState.STARTING, model="m2"),
+            inst("new", ranks=1, state=InstanceState.STARTING),
+            inst("fetching", ranks=1, state=InstanceState.STARTING, model="m2"),
             inst("blocked", state=InstanceState.STARTING, gen=2, attempts=1),
             inst("conn", state=InstanceState.STARTING),
             inst("load", ranks=1, state=InstanceState.STARTING),
@@ -628,8 +649,8 @@ def test_priority_order_and_blocked_rule_does_not_starve_others():
         StopRunner("gone-r0", 1, StopReason.INSTANCE_GONE),
         DeleteInstance("capped", DeleteReason.RETRIES_EXHAUSTED),
         StartGeneration("fresh", 1),
-        create("new", 0, ranks=1, model="m2"),
         StartDownload("a", "m2"),
+        create("new", 0, ranks=1),  # not "fetching": its model m2 is not on the node yet
         ConnectRunner("conn-r0", 1),
         LoadModel("load-r0", 1, MODEL),
         WarmUp("warm-r0", 1),

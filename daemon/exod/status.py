@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from fsm.cluster import Cluster
+from fsm.download import DownloadState
+from fsm.instance import InstanceState
 
 NODE = "local"  # every rank of an instance runs on this machine, over loopback
 
@@ -33,6 +35,9 @@ def status_of(cluster: Cluster, node_id: str = NODE) -> dict[str, Any]:
                 }
             )
         download = cluster.downloads.get((node_id, placement.model_id))
+        # Runners are created only once the model is on the node (fsm.plan): until then, say what it waits for.
+        fetching = download is None or download.download_state is not DownloadState.COMPLETED
+        waiting_for = "download" if m.instance_state is InstanceState.STARTING and fetching else None
         instances.append(
             {
                 "instance_id": iid,
@@ -45,6 +50,7 @@ def status_of(cluster: Cluster, node_id: str = NODE) -> dict[str, Any]:
                 "next_retry_at": m.deadline,
                 "delete_reason": None if m.delete_reason is None else m.delete_reason.value,
                 "last_failure": None if m.last_failure is None else m.last_failure.message,
+                "waiting_for": waiting_for,
                 "download": None
                 if download is None
                 else {
