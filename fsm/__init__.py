@@ -23,6 +23,7 @@ from fsm.actions import (
     StopRunner,
     WarmUp,
 )
+from fsm.admit import Admission, Limits, ModelFacts, Refusal, UnknownModel, admit
 from fsm.backoff import Backoff, KeyedBackoff
 from fsm.desired import to_place
 from fsm.download import DEFAULT_DOWNLOAD_BACKOFF, DownloadLifecycle, DownloadState
@@ -53,6 +54,7 @@ __all__ = [
     "DEFAULT_DOWNLOAD_BACKOFF",
     "MACHINES",
     "Action",
+    "Admission",
     "Backoff",
     "CancelRequest",
     "ClusterView",
@@ -75,9 +77,12 @@ __all__ = [
     "InvalidConfig",
     "InvalidEvent",
     "KeyedBackoff",
+    "Limits",
     "LoadModel",
+    "ModelFacts",
     "Outcome",
     "PendingRequest",
+    "Refusal",
     "RetryPolicy",
     "RetryStatus",
     "RunnerLifecycle",
@@ -92,8 +97,10 @@ __all__ = [
     "StopReason",
     "StopRunner",
     "UnknownEvent",
+    "UnknownModel",
     "WarmUp",
     "__version__",
+    "admit",
     "budget_exhausted",
     "diagram",
     "download",

@@ -1,0 +1,212 @@
+"""Admission: what a placement may ask for, decided once, up front, before anything is stored.
+
+Every refusal of a placement lives here, as one pure function of the request, what is known of the
+model, the cluster as it stands and the limits: the API, the CLI and the config file all ask it, so
+they cannot disagree, and a refused request changes nothing. What it admits, it admits for good: a
+restart restores the placement and never asks again, so nothing multiplies.
+
+The reasons, by the answer a client gets:
+
+* ``UNKNOWN_MODEL`` — the model is not on this node and cannot be fetched (not cached while offline);
+* ``TOO_MANY_RANKS`` — more ranks than the model can be split into (layers for a pipeline, attention
+  heads for tensor parallelism) or than ``ranks_per_instance``: it could never run as asked;
+* ``LIMIT_REACHED`` — ``runners_per_node`` or ``instances_per_model`` would be exceeded;
+* ``NO_MEMORY`` — no node has the memory for a rank's share of the weights plus a runner's floor.
+
+A model that is fetchable but not yet on the node is admitted with what can be checked without its
+files (the limits); its runners wait for its download (`fsm.plan`).
+
+Reservations count admitted placements, not live processes: an instance that is backing off still
+holds its ranks, so a crash loop never frees room for a flood.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+
+import attrs
+
+from fsm._validate import integer
+from fsm.errors import InvalidConfig
+from fsm.instance import InstanceState
+from fsm.view import ClusterView
+
+MIB = 1 << 20
+
+
+class Refusal(enum.Enum):
+    UNKNOWN_MODEL = "unknown_model"
+    TOO_MANY_RANKS = "too_many_ranks"
+    LIMIT_REACHED = "limit_reached"
+    NO_MEMORY = "no_memory"
+
+
+@attrs.frozen
+class ModelFacts:
+    """What admission needs to know of a model, read from its files by the caller."""
+
+    layers: int = attrs.field(validator=integer(InvalidConfig, at_least=1))
+    attention_heads: int = attrs.field(validator=integer(InvalidConfig, at_least=1))
+    kv_heads: int = attrs.field(validator=integer(InvalidConfig, at_least=1))
+    pipeline: bool = attrs.field(validator=attrs.validators.instance_of(bool))  # else tensor parallel
+    weight_bytes: int = attrs.field(validator=integer(InvalidConfig))
+
+    def max_ranks(self) -> int:
+        """The most ranks the model can be split into."""
+        if self.pipeline:
+            return self.layers
+        return max(n for n in range(1, self.attention_heads + 1) if self.splits_into(n))
+
+    def splits_into(self, ranks: int) -> bool:
+        if self.pipeline:
+            return ranks <= self.layers
+        return self.attention_heads % ranks == 0 and self.kv_heads % ranks == 0
+
+
+@attrs.frozen
+class UnknownModel:
+    """The caller looked for the model and it is not to be had; ``reason`` says where it looked."""
+
+    reason: str
+
+
+@attrs.frozen
+class Limits:
+    """Per-node and per-instance ceilings; `Limits.for_memory` sizes them from the host."""
+
+    runners_per_node: int = attrs.field(validator=integer(InvalidConfig, at_least=1))
+    ranks_per_instance: int = attrs.field(validator=integer(InvalidConfig, at_least=1))
+    instances_per_model: int = attrs.field(validator=integer(InvalidConfig, at_least=1))
+    runner_floor_bytes: int = attrs.field(default=512 * MIB, validator=integer(InvalidConfig, at_least=1))
+
+    @classmethod
+    def for_memory(cls, memory_bytes: int, *, runner_floor_bytes: int = 512 * MIB) -> Limits:
+        """Defaults for a node with ``memory_bytes``: as many runners as fit at the floor each.
+
+        Not the core count: a 3-rank test instance must run on a 2-core machine.
+        """
+        runners = max(1, memory_bytes // runner_floor_bytes)
+        return cls(
+            runners_per_node=runners,
+            ranks_per_instance=min(runners, 64),
+            instances_per_model=8,
+            runner_floor_bytes=runner_floor_bytes,
+        )
+
+
+@attrs.frozen
+class Admission:
+    """The answer: admitted with a node for each rank, or refused with the reason and what to do."""
+
+    nodes: tuple[str, ...] = ()
+    refusal: Refusal | None = None
+    message: str = ""
+
+    @property
+    def admitted(self) -> bool:
+        return self.refusal is None
+
+
+def admit(
+    model_id: str,
+    ranks: int,
+    *,
+    model: ModelFacts | UnknownModel | None,
+    view: ClusterView,
+    nodes: Mapping[str, int],
+    limits: Limits,
+    facts: Mapping[str, ModelFacts] | None = None,
+) -> Admission:
+    """May ``ranks`` ranks of ``model_id`` be placed now, and where?
+
+    ``model`` is what is known of the requested model: its facts, `UnknownModel`, or None when it is
+    fetchable but not on the node yet. ``nodes`` maps each node to its memory in bytes; ``facts`` gives
+    the facts of models already placed (a model missing there reserves only the runner floor per rank).
+    Ranks go to the nodes with the most room left, in order; ties go to the first node by name.
+    """
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise InvalidConfig(f"ranks must be an int >= 1, got {ranks!r}")
+    if not nodes:
+        raise InvalidConfig("admission needs at least one node")
+    facts = dict(facts or {})
+    if isinstance(model, UnknownModel):
+        return _refuse(Refusal.UNKNOWN_MODEL, f"model {model_id!r} is not available: {model.reason}")
+    if ranks > limits.ranks_per_instance:
+        return _refuse(
+            Refusal.TOO_MANY_RANKS,
+            f"{ranks} ranks is more than ranks_per_instance = {limits.ranks_per_instance}; "
+            "ask for fewer, or raise [limits] ranks_per_instance",
+        )
+    if model is not None and not model.splits_into(ranks):
+        how = (
+            f"its {model.layers} layers"
+            if model.pipeline
+            else f"its {model.attention_heads} attention heads and {model.kv_heads} key/value heads"
+        )
+        return _refuse(
+            Refusal.TOO_MANY_RANKS,
+            f"model {model_id!r} cannot be split into {ranks} ranks ({how}); at most {model.max_ranks()}"
+            + ("" if model.pipeline else ", and the rank count must divide the heads"),
+        )
+    live = [inst for inst in view.instances.values() if inst.retry.state is not InstanceState.DELETED]
+    same_model = sum(1 for inst in live if inst.model_id == model_id)
+    if same_model >= limits.instances_per_model:
+        return _refuse(
+            Refusal.LIMIT_REACHED,
+            f"model {model_id!r} already has {same_model} instances (instances_per_model = "
+            f"{limits.instances_per_model}); delete one first, or raise [limits] instances_per_model",
+        )
+    runners = {node: 0 for node in nodes}
+    used = {node: 0 for node in nodes}
+    for inst in live:
+        share = _rank_bytes(facts.get(inst.model_id), inst.world_size, limits)
+        for slot in inst.slots:
+            if slot.node_id in nodes:
+                runners[slot.node_id] += 1
+                used[slot.node_id] += share
+    need = _rank_bytes(model, ranks, limits)
+    placed: list[str] = []
+    for _ in range(ranks):
+        fits = [n for n in nodes if runners[n] < limits.runners_per_node and used[n] + need <= nodes[n]]
+        if not fits:
+            return _no_room(ranks, len(placed), runners, used, need, nodes, limits)
+        node = max(sorted(fits), key=lambda n: nodes[n] - used[n])
+        placed.append(node)
+        runners[node] += 1
+        used[node] += need
+    return Admission(nodes=tuple(placed))
+
+
+def _rank_bytes(model: ModelFacts | None, ranks: int, limits: Limits) -> int:
+    """What one rank needs: its share of the weights (unknown until downloaded: none) and the runner floor."""
+    return limits.runner_floor_bytes + (0 if model is None else -(-model.weight_bytes // ranks))
+
+
+def _no_room(
+    ranks: int,
+    placed: int,
+    runners: Mapping[str, int],
+    used: Mapping[str, int],
+    need: int,
+    nodes: Mapping[str, int],
+    limits: Limits,
+) -> Admission:
+    if all(runners[n] >= limits.runners_per_node for n in nodes):
+        return _refuse(
+            Refusal.LIMIT_REACHED,
+            f"{ranks} more runners would exceed runners_per_node = {limits.runners_per_node} "
+            f"(running or reserved: {sum(runners.values()) - placed}); delete an instance first, "
+            "or raise [limits] runners_per_node",
+        )
+    free = max(nodes[n] - used[n] for n in nodes if runners[n] < limits.runners_per_node)
+    return _refuse(
+        Refusal.NO_MEMORY,
+        f"no node has memory for rank {placed} ({need // MIB} MiB: its share of the weights plus the "
+        f"{limits.runner_floor_bytes // MIB} MiB runner floor; the most free is {max(free, 0) // MIB} MiB); "
+        "use more ranks to shrink each share, or delete an instance first",
+    )
+
+
+def _refuse(refusal: Refusal, message: str) -> Admission:
+    return Admission(refusal=refusal, message=message)
