@@ -167,6 +167,7 @@ class Lifecycle(StateMachine):
 
     machine_name: ClassVar[str]
     snapshot_type: ClassVar[type]
+    snapshot_version: ClassVar[int] = 1  # what `to_dict` writes; `_upgrade` reads every older one
 
     def __init__(self, *, start_leaf: str | None = None) -> None:
         self._steps: list[Step] = []
@@ -222,7 +223,8 @@ class Lifecycle(StateMachine):
 
     def to_dict(self) -> dict[str, Any]:
         """A plain, JSON-ready dict: state plus extended state."""
-        return {"machine": self.machine_name, "version": 1, **converter.unstructure(self.snapshot())}
+        body = converter.unstructure(self.snapshot())
+        return {"machine": self.machine_name, "version": self.snapshot_version, **body}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], **kwargs: Any) -> Self:
@@ -233,8 +235,11 @@ class Lifecycle(StateMachine):
         machine, version = body.pop("machine", None), body.pop("version", None)
         if machine != cls.machine_name:
             raise SnapshotError(f"snapshot is of machine {show(machine)}, not {cls.machine_name!r}")
-        if type(version) is not int or version != 1:  # 1.0 and True are equal to 1, but not what we wrote
-            raise SnapshotError(f"unsupported snapshot version {show(version)} (this library writes 1)")
+        if type(version) is not int or not 1 <= version <= cls.snapshot_version:  # 1.0 and True: not what we wrote
+            raise SnapshotError(
+                f"unsupported snapshot version {show(version)} (this library writes {cls.snapshot_version})"
+            )
+        body = cls._upgrade(body, version)
         try:
             snapshot = converter.structure(body, cls.snapshot_type)
         except (cattrs.BaseValidationError, ValueError, TypeError, KeyError) as exc:
@@ -243,6 +248,11 @@ class Lifecycle(StateMachine):
             return cls.from_snapshot(snapshot, **kwargs)
         except InvalidConfig as exc:
             raise SnapshotError(f"invalid {cls.machine_name} snapshot: {exc}") from exc
+
+    @classmethod
+    def _upgrade(cls, body: dict[str, Any], version: int) -> dict[str, Any]:
+        """Bring the body of a snapshot an older version wrote up to `snapshot_version` (what it lacked)."""
+        return body
 
     @classmethod
     def from_snapshot(cls, snapshot: Any, **kwargs: Any) -> Self:  # pragma: no cover

@@ -9,8 +9,9 @@ checker takes every event there is:
 
 * ``plan NODE`` — that node runs `fsm.plan` and executes every action (`Cluster.execute`);
 * ``complete OP`` — a pending completion arrives (`fsm.world`); ``fail OP`` — a download fails;
-* ``crash R`` / ``error R`` / ``fatal R`` — runner R exits, reports a retryable error, or a
-  non-retryable one (the adversary; which kinds is configurable);
+* ``crash R`` / ``error R`` / ``fatal R`` / ``host R`` — runner R exits, reports a retryable error,
+  a non-retryable one, or a failure of the host (uncharged: a ring port taken); the adversary, and
+  which kinds is configurable (``host`` is opt-in: free retries make the space much larger);
 * ``tick`` — the clock jumps to the next deadline (backoff, download retry, budget reset);
 * ``delete`` — the user deletes the instance;
 * ``submit`` — a chat request arrives (up to ``requests`` of them): it must be forwarded to Ready
@@ -23,7 +24,8 @@ and checks the invariants of DESIGN §3.5 on every transition and state:
 2. Failed is left only to Shutdown.
 3. Each backoff delay lies in [min(initial, cap), cap] (jitter: [0, cap]) and, jitter off,
    never decreases within a failure streak.
-4. Generations started per streak ≤ max_retries + 1.
+4. Charged generations started per streak ≤ max_retries + 1 (a start after a host failure is free;
+   invariant 5 holds it to the backoff all the same).
 5. No start before its deadline.
 6. Never two generations alive at once, never more than N live runners.
 7. An event of an older incarnation changes nothing (probed in every state).
@@ -71,9 +73,10 @@ class Fault(enum.Enum):
     CRASH = "crash"  # the process exits (SIGKILL)
     ERROR = "error"  # it reports a retryable error
     FATAL = "fatal"  # it reports a non-retryable one
+    HOST = "host"  # it reports a failure of the host, not the model: uncharged (a ring port taken)
 
 
-FAULTS = tuple(Fault)
+FAULTS = (Fault.CRASH, Fault.ERROR, Fault.FATAL)  # the default adversary; Fault.HOST is opt-in
 
 
 # -- the events of the composed system; str() is the label in a trace ---------------------------
@@ -239,7 +242,7 @@ class _State:
     pending: tuple[Pending, ...]
     now: float
     streak_delay: float  # the last backoff delay of the current streak (invariant 3)
-    streak_starts: int  # generations started in the current streak (invariant 4)
+    streak_starts: int  # charged generations started in the current streak (invariant 4)
     requests: tuple[str, ...] = ()  # chat requests waiting in the cluster (not yet forwarded or cancelled)
     submitted: int = 0  # requests the adversary has sent so far
 
@@ -482,13 +485,16 @@ class _System:
                 if fault is Fault.CRASH:
                     c.runner_event(rn.Exited(rid, machine.incarnation, exit_code=-9, stop_delivered=False), world.now)
                 elif machine.runner_state is not RunnerState.FAILED:
-                    failure = Failure.exception("RuntimeError", "boom", retryable=fault is Fault.ERROR)
+                    if fault is Fault.HOST:
+                        failure = Failure.host("[ring] Couldn't bind socket (error 98)")
+                    else:
+                        failure = Failure.exception("RuntimeError", "boom", retryable=fault is Fault.ERROR)
                     c.runner_event(rn.Fail(rid, machine.incarnation, failure=failure), world.now)
                 label = f"{fault.value} {rid}#{machine.incarnation}"
             case Delete():
                 c.delete(INSTANCE, world.now)
         after = self.placement.machine
-        if after.attempts < before.attempts:
+        if after.attempts + after.uncharged < before.attempts + before.uncharged:  # a reset ends the streak
             streak_delay, starts = 0.0, 0
         streak_delay = self._check_transition(state, before, after, world.now, streak_delay)
         if starts > self.config.policy.max_retries + 1:
@@ -497,7 +503,8 @@ class _System:
 
     @staticmethod
     def _plan(world: World, node: str) -> int:
-        """Plan and execute on ``node`` (`World.step` checks 1, 5 and 6 per action); returns generations started."""
+        """Plan and execute on ``node`` (`World.step` checks 1, 5 and 6 per action); returns the charged
+        generations it started: the first, and each after a failure that was not the host's."""
         try:
             actions = world.step(node)
         except InvariantViolated:
@@ -505,7 +512,10 @@ class _System:
         except Exception as exc:
             action = world.executed[-1][1] if world.executed else None
             raise _Fail("actions apply", f"an action could not be applied after {action}: {exc}") from exc
-        return sum(isinstance(a, act.StartGeneration) for a in actions)
+        last = world.cluster.instance(INSTANCE).last_failure  # a start leaves it: the previous generation's
+        return sum(
+            isinstance(a, act.StartGeneration) and (a.generation == 1 or last is None or last.charged) for a in actions
+        )
 
     # -- invariants --------------------------------------------------------------------------
 
@@ -538,12 +548,13 @@ class _System:
                 raise _Fail("1 absorbing Shutdown", f"runner {rid} left Shutdown")
         check_runners(c)
         ready = InstanceState.READY.value
-        if after.attempts < before.attempts:
+        if after.attempts + after.uncharged < before.attempts + before.uncharged:
             ready_for = None if before.ready_since is None else now - before.ready_since
             if before.leaf != ready or ready_for is None or ready_for < policy.reset_after:
                 raise _Fail("8 reset iff Ready long enough", f"budget reset after {ready_for} s in {before.leaf}")
         ready_for = None if after.ready_since is None else now - after.ready_since
-        if after.leaf == ready and ready_for is not None and ready_for >= policy.reset_after and after.attempts:
+        spent = after.attempts or after.uncharged
+        if after.leaf == ready and ready_for is not None and ready_for >= policy.reset_after and spent:
             raise _Fail("8 reset iff Ready long enough", f"Ready for {now - after.ready_since:g} s, no reset")
         return streak
 

@@ -20,6 +20,7 @@ class FailureKind(enum.Enum):
     STALL = "stall"  # a watchdog saw no progress within the phase's timeout
     PEER = "peer_failed"  # another rank of the same generation failed
     SPAWN = "spawn"  # the process could not be started at all
+    HOST = "host"  # the host, not the model: no fds or disk to spawn, a ring port taken, a lost node (uncharged)
 
 
 @attrs.frozen
@@ -67,6 +68,19 @@ class Failure:
     @classmethod
     def stalled(cls, phase: str, seconds: float) -> Failure:
         return cls(FailureKind.STALL, f"no progress in phase {phase} for {seconds:g} s")
+
+    @property
+    def charged(self) -> bool:
+        """Whether the failure costs its instance a retry: every failure but the host's does.
+
+        A host failure still ends the generation and waits out the backoff (no tight loop), but a squatted
+        port or a full fd table says nothing about the model, so it never uses up the budget.
+        """
+        return self.kind is not FailureKind.HOST
+
+    @classmethod
+    def host(cls, message: str, detail: str = "") -> Failure:
+        return cls(FailureKind.HOST, message, detail=detail)
 
     @classmethod
     def peer_failed(cls, rank: int) -> Failure:

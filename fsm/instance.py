@@ -19,6 +19,11 @@ Theory of operation
 * Give-up: the failure that makes ``max_retries`` failed generations goes to
   Deleted(retries_exhausted); a non-retryable cause goes to
   Deleted(non_retryable) at once, whatever the count.
+* Uncharged: a generation ended by the host rather than the model (a spawn
+  that found no fds or disk, a ring port taken: ``Failure.charged`` is
+  False) is counted in ``uncharged``, never in ``attempts``: it waits out the
+  backoff like any other (its delay grows with both counts, so there is no
+  tight loop) but never brings the instance closer to giving up.
 * Reset: the count returns to 0 once the instance has been Ready continuously
   for ``reset_after``. Every event's ``now`` is observed before the event is
   handled, so a failure long after Ready counts against a fresh budget even if
@@ -47,7 +52,7 @@ from statemachine import State
 from fsm._machine import Lifecycle, Outcome
 from fsm._validate import finite, integer, is_count, is_time, ranks_problem, show
 from fsm.backoff import Backoff
-from fsm.errors import IncarnationMismatch, InvalidConfig, InvalidEvent
+from fsm.errors import IncarnationMismatch, InvalidConfig, InvalidEvent, SnapshotError
 from fsm.failure import Failure, FailureKind
 
 
@@ -179,6 +184,7 @@ class InstanceSnapshot:
     leaf: str
     generation: int = 0
     attempts: int = 0
+    uncharged: int = 0
     deadline: float | None = None
     ready_since: float | None = None
     clock: float | None = None
@@ -196,6 +202,7 @@ class InstanceRetry(Lifecycle):
 
     machine_name = "instance"
     snapshot_type = InstanceSnapshot
+    snapshot_version = 2  # 2 added `uncharged`
 
     pending = State(initial=True)
     starting = State()
@@ -221,8 +228,8 @@ class InstanceRetry(Lifecycle):
         starting.to(deleted, cond="non_retryable", on="_give_up_non_retryable")
         | ready.to(deleted, cond="non_retryable", on="_give_up_non_retryable")
         | recovering.to(deleted, cond="non_retryable", on="_give_up_non_retryable")
-        | starting.to(deleted, cond="last_allowed_failure", on="_give_up_exhausted")
-        | ready.to(deleted, cond="last_allowed_failure", on="_give_up_exhausted")
+        | starting.to(deleted, cond="last_charged_failure", on="_give_up_exhausted")
+        | ready.to(deleted, cond="last_charged_failure", on="_give_up_exhausted")
         | starting.to(recovering, on="_count_failure")
         | ready.to(recovering, on="_count_failure")
         | recovering.to.itself(internal=True)
@@ -290,6 +297,7 @@ class InstanceRetry(Lifecycle):
             seed=snap.seed,
             generation=snap.generation,
             attempts=snap.attempts,
+            uncharged=snap.uncharged,
             deadline=snap.deadline,
             ready_since=snap.ready_since,
             clock=snap.clock,
@@ -321,6 +329,9 @@ class InstanceRetry(Lifecycle):
     def last_allowed_failure(self) -> bool:
         return budget_exhausted(self.attempts + 1, self.policy.max_retries)
 
+    def last_charged_failure(self, failure: Failure) -> bool:
+        return failure.charged and self.last_allowed_failure
+
     @staticmethod
     def non_retryable(failure: Failure) -> bool:
         return not failure.retryable
@@ -343,7 +354,10 @@ class InstanceRetry(Lifecycle):
         self.ready_since = self.clock
 
     def _count_failure(self, failure: Failure) -> None:
-        self.attempts += 1
+        if failure.charged:
+            self.attempts += 1
+        else:
+            self.uncharged += 1
         self.last_failure = failure
         self.ready_since = None
 
@@ -360,7 +374,7 @@ class InstanceRetry(Lifecycle):
 
     def _arm_timer(self) -> None:
         assert self.clock is not None
-        self.deadline = self.clock + self.retry_delay(self.attempts)
+        self.deadline = self.clock + self.retry_delay(self.attempts + self.uncharged)
 
     def _give_up_exhausted(self, failure: Failure | None = None) -> None:
         if failure is not None:
@@ -392,10 +406,10 @@ class InstanceRetry(Lifecycle):
         if (
             self.leaf == "ready"
             and self.ready_since is not None
-            and self.attempts
+            and (self.attempts or self.uncharged)
             and self.clock - self.ready_since >= self.policy.reset_after
         ):
-            self.attempts = 0
+            self.attempts = self.uncharged = 0
 
     # -- the typed door ---------------------------------------------------------
 
@@ -428,12 +442,12 @@ class InstanceRetry(Lifecycle):
                 raise IncarnationMismatch(
                     f"instance {self.instance_id!r} is at generation {self.generation}, event names {event.generation}"
                 )
-        clock, attempts = self.clock, self.attempts
+        clock, attempts, uncharged = self.clock, self.attempts, self.uncharged
         self._observe(event.now)
         try:
             return self._fire(event.name, **event.payload())
         except Exception:
-            self.clock, self.attempts = clock, attempts  # a refused event changes nothing
+            self.clock, self.attempts, self.uncharged = clock, attempts, uncharged  # a refused event changes nothing
             raise
 
     # -- views -------------------------------------------------------------------
@@ -455,6 +469,7 @@ class InstanceRetry(Lifecycle):
             leaf=self.leaf,
             generation=self.generation,
             attempts=self.attempts,
+            uncharged=self.uncharged,
             deadline=self.deadline,
             ready_since=self.ready_since,
             clock=self.clock,
@@ -463,6 +478,14 @@ class InstanceRetry(Lifecycle):
             delete_reason=self.delete_reason,
             last_failure=self.last_failure,
         )
+
+    @classmethod
+    def _upgrade(cls, body: dict[str, Any], version: int) -> dict[str, Any]:
+        if version == 1:
+            if "uncharged" in body:
+                raise SnapshotError("invalid instance snapshot: uncharged: version 1 has no such field")
+            return {**body, "uncharged": 0}  # version 1 charged every failure
+        return body
 
     @classmethod
     def from_snapshot(cls, snapshot: InstanceSnapshot, policy: RetryPolicy | None = None) -> InstanceRetry:
@@ -491,7 +514,10 @@ class InstanceRetry(Lifecycle):
             and type(gen) is int
             and gen >= 0
             and type(attempts) is int
-            and (attempts >= 1 or (attempts == 0 and s.leaf not in _AFTER_A_FAILURE))
+            and attempts >= 0
+            and type(s.uncharged) is int
+            and s.uncharged >= 0
+            and (attempts + s.uncharged >= 1 or s.leaf not in _AFTER_A_FAILURE)
             # a float is finite iff x - x == 0 (inf - inf and nan - nan are nan)
             and (s.deadline is None or (type(s.deadline) is float and s.deadline - s.deadline == 0.0))
             and (s.ready_since is None or (type(s.ready_since) is float and s.ready_since - s.ready_since == 0.0))
@@ -524,8 +550,10 @@ class InstanceRetry(Lifecycle):
             return f"generation must be an int >= 0, got {show(s.generation)}"
         if not is_count(s.attempts):
             return f"attempts must be an int >= 0, got {show(s.attempts)}"
-        if s.attempts == 0 and s.leaf in _AFTER_A_FAILURE:
-            return f"attempts must be >= 1 in {s.leaf} (a failure brought it there), got 0"
+        if not is_count(s.uncharged):
+            return f"uncharged must be an int >= 0, got {show(s.uncharged)}"
+        if s.attempts == 0 and s.uncharged == 0 and s.leaf in _AFTER_A_FAILURE:
+            return f"attempts or uncharged must be >= 1 in {s.leaf} (a failure brought it there), got 0 and 0"
         for name, value in (("deadline", s.deadline), ("ready_since", s.ready_since), ("clock", s.clock)):
             if not is_time(value):
                 return f"{name} must be a finite number or None, got {show(value)}"

@@ -91,6 +91,46 @@ def test_both_failed_without_the_failed_before_exception_is_found_as_a_deadlock(
     assert sum(e.startswith(("error", "crash")) for e in trace) >= 2  # both ranks had to fail
 
 
+# -- host failures: free, but never early ------------------------------------------------------------
+
+HOST_FAULTS = CheckConfig(ranks=2, policy=fsm.RetryPolicy(max_retries=2), faults=("crash", "host"), horizon=30.0)
+
+
+def test_host_failures_spend_no_retry_and_still_wait_the_backoff():
+    result = check(HOST_FAULTS)
+    assert result.ok, result.report()
+    assert result.exhaustive and {"ready", "deleted:retries_exhausted"} <= result.reached
+
+
+class ChargesNothing(fsm.InstanceRetry):
+    """An instance that counts every failure as uncharged, whoever caused it: the budget never runs out."""
+
+    def _count_failure(self, failure):
+        self.uncharged += 1
+        self.last_failure = failure
+        self.ready_since = None
+
+
+def ignores_the_backoff_plan(view, node_id, now):
+    """A planner that restarts a backing-off instance at once (what exo's tight loops did)."""
+    actions = fsm.plan(view, node_id, now)
+    for inst in view.instances.values():
+        alive = any(r is not None and r.alive for _, r in view.slot_runners(inst))
+        if inst.leader == node_id and inst.retry.state is fsm.InstanceState.BACKING_OFF and not alive:
+            actions.append(fsm.StartGeneration(inst.instance_id, inst.retry.generation + 1))
+    return actions
+
+
+def test_an_instance_that_charges_nothing_is_found_starting_too_many_generations():
+    trace = found(attrs.evolve(HOST_FAULTS, ranks=1, faults=("crash",), instance_cls=ChargesNothing), "4 creations")
+    assert sum(e.startswith("crash") for e in trace) == 3  # max_retries + 1 charged starts, then one too many
+
+
+def test_restarting_before_the_backoff_after_a_host_failure_is_found():
+    trace = found(attrs.evolve(HOST_FAULTS, ranks=1, faults=("host",), plan=ignores_the_backoff_plan), "5 no start")
+    assert any(e.startswith("host") for e in trace)
+
+
 # -- reload, the checker's shortcut, is from_snapshot ------------------------------------------
 
 EVENTS = st.sampled_from(

@@ -330,7 +330,9 @@ def test_snapshot_rejects_bad_input():
     good = started().to_dict()
     for bad in (
         {**good, "machine": "runner"},
-        {**good, "version": 2},
+        {**good, "version": 3},
+        {**good, "version": 0},
+        {**good, "version": 1},  # version 1 had no `uncharged`
         {**good, "leaf": "exploded"},
         {**good, "extra": 1},
         {k: v for k, v in good.items() if k != "instance_id"},
@@ -938,3 +940,79 @@ def test_starting_an_older_generation_is_ignored_and_the_hint_names_the_next_one
     with pytest.raises(fsm.InvalidEvent, match="next generation is 3, not 5"):
         i.apply(Start("inst", 50.0, 5))
     assert i.to_dict() == before
+
+
+# -- uncharged: the host's failures end a generation but spend no retry ------------------------------------
+
+PORT_TAKEN = fsm.Failure.host("[ring] Couldn't bind socket (error 98): address in use")
+
+
+def test_a_host_failure_ends_the_generation_waits_the_backoff_and_spends_no_retry():
+    i = started(world_size=2, policy=RetryPolicy(max_retries=1))
+    out = i.apply(RankFailed("inst", 1.0, 1, 1, failure=PORT_TAKEN))
+    assert out.steps == (fsm.Step("rank_failed", "starting", "recovering"),)
+    assert (i.attempts, i.uncharged, i.last_failure) == (0, 1, PORT_TAKEN)
+    fail_generation(i, 2.0, failures=())
+    assert (i.leaf, i.deadline) == ("backing_off", 4.0)  # the backoff of a first failure: 2 s
+    with pytest.raises(fsm.IllegalTransition, match="backoff deadline"):
+        i.apply(Start("inst", 3.0, 2))
+    next_generation(i)
+    i.apply(RankFailed("inst", 5.0, 2, 0, failure=PORT_TAKEN))  # max_retries=1: a charged one would give up
+    fail_generation(i, 5.0, failures=())
+    assert (i.leaf, i.attempts, i.uncharged, i.deadline) == ("backing_off", 0, 2, 9.0)  # the delay still grows
+    assert not i.budget_spent
+
+
+def test_a_charged_failure_after_host_ones_counts_alone_and_the_delay_counts_both():
+    i = started(world_size=1, policy=RetryPolicy(max_retries=2))
+    for now in (1.0, 10.0):
+        i.apply(RankFailed("inst", now, i.generation, 0, failure=PORT_TAKEN))
+        fail_generation(i, now, failures=())
+        next_generation(i)
+    i.apply(RankFailed("inst", 50.0, 3, 0, failure=CRASH))
+    fail_generation(i, 50.0, failures=())
+    assert (i.attempts, i.uncharged, i.deadline) == (1, 2, 58.0)  # the third failure of the streak: 8 s
+    next_generation(i)
+    i.apply(RankFailed("inst", 60.0, 4, 0, failure=CRASH))
+    assert (i.leaf, i.delete_reason, i.attempts) == ("deleted", fsm.DeleteReason.RETRIES_EXHAUSTED, 2)
+
+
+def test_a_ready_streak_refills_both_counts():
+    i = started(world_size=1, policy=RetryPolicy(reset_after=100.0))
+    i.apply(RankFailed("inst", 1.0, 1, 0, failure=PORT_TAKEN))
+    fail_generation(i, 1.0, failures=())
+    next_generation(i)
+    i.apply(RankFailed("inst", 5.0, 2, 0, failure=CRASH))
+    fail_generation(i, 5.0, failures=())
+    next_generation(i)
+    make_ready(i, 20.0)
+    i.apply(Tick("inst", 119.0))
+    assert (i.attempts, i.uncharged) == (1, 1)
+    i.apply(Tick("inst", 120.0))
+    assert (i.attempts, i.uncharged) == (0, 0)
+
+
+def test_a_version_1_snapshot_is_read_as_charging_every_failure():
+    i = started(world_size=1)
+    i.apply(RankFailed("inst", 1.0, 1, 0, failure=CRASH))
+    fail_generation(i, 1.0, failures=())
+    old = {k: v for k, v in i.to_dict().items() if k != "uncharged"} | {"version": 1}
+    restored = InstanceRetry.from_dict(old)
+    assert restored.snapshot() == i.snapshot() and restored.to_dict()["version"] == 2
+    with pytest.raises(fsm.SnapshotError, match="uncharged"):
+        InstanceRetry.from_dict({**i.to_dict(), "version": 1})
+
+
+@pytest.mark.parametrize("uncharged", [-1, 1.0, True, None])
+def test_a_snapshot_refuses_an_uncharged_count_that_is_no_count(uncharged):
+    snapshot = attrs.evolve(instance_in("backing_off").snapshot(), uncharged=uncharged)
+    with pytest.raises(fsm.SnapshotError, match="uncharged must be an int >= 0"):
+        InstanceRetry.from_snapshot(snapshot)
+
+
+def test_backing_off_after_host_failures_alone_is_a_snapshot_an_instance_could_be():
+    i = started(world_size=1)
+    i.apply(RankFailed("inst", 1.0, 1, 0, failure=PORT_TAKEN))
+    fail_generation(i, 1.0, failures=())
+    assert (i.leaf, i.attempts, i.uncharged) == ("backing_off", 0, 1)
+    assert InstanceRetry.from_dict(i.to_dict()).snapshot() == i.snapshot()

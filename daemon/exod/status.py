@@ -46,6 +46,7 @@ def status_of(cluster: Cluster, node_id: str = NODE) -> dict[str, Any]:
                 "state": m.instance_state.value,
                 "generation": m.generation,
                 "attempts": m.attempts,
+                "uncharged": m.uncharged,  # failures of the host (no fds, a port taken): they spend no retry
                 "max_retries": m.policy.max_retries,
                 "next_retry_at": m.deadline,
                 "delete_reason": None if m.delete_reason is None else m.delete_reason.value,
