@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import sqlite3
+import stat
 
 import pytest
 
 import fsm
+from daemon_harness import exod, start_daemon
 from exod.store import ProcessRecord, Store, StoreError
 from fsm.cluster import Cluster, LogEntry
 
@@ -75,3 +79,97 @@ def test_process_records(tmp_path):
     store.record_process(ProcessRecord("i/1", 1, 1235, 100))
     store.forget_process("i/0", 1)
     assert store.processes() == [ProcessRecord("i/1", 1, 1235, 100)]
+
+
+def test_a_new_database_and_its_directories_are_private(tmp_path):
+    old = os.umask(0)
+    try:
+        store = Store.open(tmp_path / "new" / "state" / "state.db")
+        store.save({"v": 1}, [LogEntry(0.0, "m", "k", "e", "a", "b")], now=0.0)
+    finally:
+        os.umask(old)
+    try:
+        made = [tmp_path / "new", *(tmp_path / "new").rglob("*")]
+        assert {p.name for p in made} >= {"state", "state.db", "state.db-wal", "state.db-shm"}
+        assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in made if p.stat().st_mode & 0o077} == {}
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [("{not json", "not JSON"), ("null", "expected a JSON object, got NoneType"), ("[]", "got list")],
+)
+def test_a_snapshot_that_is_not_a_json_object_is_refused_and_kept(tmp_path, body, reason):
+    store = Store.open(tmp_path / "state.db")
+    store.save({"v": 1}, [LogEntry(0.0, "m", "k", "e", "a", "b")], now=0.0)
+    store._db.execute("UPDATE snapshot SET body = ?", (body,))
+    with pytest.raises(StoreError, match=f"state.db holds a state snapshot that cannot be restored .*{reason}"):
+        store.load()
+    assert len(list(store.transitions())) == 1  # the log is still there for `exod replay`
+    store.close()
+
+
+def test_a_zero_byte_database_is_used_as_a_new_one_with_a_warning(tmp_path, caplog):
+    (tmp_path / "state.db").touch()
+    with caplog.at_level(logging.WARNING, logger="exod.store"):
+        store = Store.open(tmp_path / "state.db")
+    assert f"{tmp_path / 'state.db'} is empty (0 bytes): starting with no state" in caplog.text
+    assert store.load() is None
+    store.close()
+
+
+# -- `exod serve` on such files ---------------------------------------------------------------
+
+NO_PLACEMENT = """
+[daemon]
+host = "127.0.0.1"
+port = 0
+offline = true
+"""
+
+
+@pytest.fixture
+def env(tmp_path):
+    (tmp_path / "exod.toml").write_text(NO_PLACEMENT)
+    return {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+
+
+def test_serve_on_a_snapshot_of_the_wrong_shape_says_what_to_do_without_a_traceback(tmp_path, env):
+    state = tmp_path / "state"
+    store = Store.open(state / "state.db")
+    wrong = {"instances": 5, "runners": {}, "downloads": {}}  # valid JSON, not a cluster
+    store.save(wrong, [LogEntry(0.0, "runner", "i/0", "e", "a", "b")], now=0.0)
+    store.close()
+
+    result = exod("serve", "--config", str(tmp_path / "exod.toml"), "--state-dir", str(state), env=env, check=False)
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    message = " ".join(result.stderr.split())  # click does not wrap, but a terminal might
+    assert f"{state / 'state.db'} holds a state snapshot that cannot be restored" in message
+    assert "instances: expected a dict keyed by id, got int" in message  # what is wrong, from the machines
+    assert "move it into another directory" in message and "exod replay" in message  # what to do
+
+    offline = exod("status", "--state-dir", str(state), env=env, check=False)  # the CLI reads it the same way
+    assert offline.returncode != 0 and "Traceback" not in offline.stderr
+    assert "instances: expected a dict keyed by id, got int" in offline.stderr
+
+    kept = Store.open(state / "state.db")  # left untouched: snapshot and log
+    try:
+        assert kept.load() == wrong
+        assert len(list(kept.transitions())) == 1
+    finally:
+        kept.close()
+
+
+def test_serve_on_a_zero_byte_database_starts_empty_and_says_so(tmp_path, env):
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    (state / "state.db").touch()
+    daemon, url = start_daemon(tmp_path, env, "--no-place")
+    try:
+        assert "no instances" in exod("status", "--url", url, env=env).stdout
+        said = (tmp_path / "serve.log").read_text()
+        assert f"{state / 'state.db'} is empty (0 bytes): starting with no state" in said
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=30) == 0

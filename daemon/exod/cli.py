@@ -151,8 +151,8 @@ def serve(config_path, host, port, state_dir, hf_home, offline, no_place, api_ke
     import fsm
     from exod.config import ConfigError, load
     from exod.models import ModelNotFound
-    from exod.serve import AlreadyRunning
     from exod.serve import serve as run_daemon
+    from exod.statedir import StateDirError
     from exod.store import StoreError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -171,7 +171,7 @@ def serve(config_path, host, port, state_dir, hf_home, offline, no_place, api_ke
         raise click.ClickException(str(exc)) from exc
     try:
         trio.run(run_daemon, cfg)
-    except (AlreadyRunning, StoreError, ModelNotFound, fsm.InvalidConfig) as exc:
+    except (StateDirError, StoreError, ModelNotFound, fsm.InvalidConfig) as exc:
         raise click.ClickException(str(exc)) from exc
 
 
@@ -285,6 +285,7 @@ def status(url, state_dir, as_json: bool) -> None:
 def _offline_status(state_dir: Path) -> dict:
     from exod.status import status_of
     from exod.store import Store, StoreError
+    from fsm import SnapshotError
     from fsm.cluster import Cluster
 
     db = state_dir / "state.db"
@@ -296,9 +297,13 @@ def _offline_status(state_dir: Path) -> dict:
         raise click.ClickException(str(exc)) from exc
     try:
         snapshot = store.load()
+        return status_of(Cluster.from_dict(snapshot)) if snapshot else {"instances": []}
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from exc
+    except SnapshotError as exc:
+        raise click.ClickException(str(store.snapshot_error(str(exc)))) from exc
     finally:
         store.close()
-    return status_of(Cluster.from_dict(snapshot)) if snapshot else {"instances": []}
 
 
 @main.command()

@@ -1,7 +1,8 @@
 """The MLX ring of one generation: the ports its ranks listen on, in the hostfile every rank reads.
 
 MLX's ring backend takes a JSON hostfile, one ``["HOST:PORT"]`` per rank; every rank of a generation
-reads the same file, so it is written once, when the first rank of that generation is created.
+reads the same file, so it is written once, when the first rank of that generation is created. It is
+private (0600, in 0700 directories): it names the ports a peer would connect to.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import json
 import socket
 from pathlib import Path
+
+from exod.statedir import private_dir, write_private
 
 
 def free_ports(count: int) -> list[int]:
@@ -26,6 +29,6 @@ def free_ports(count: int) -> list[int]:
 def hostfile(path: Path, world_size: int) -> Path:
     """The generation's hostfile at ``path``, written on first use: every rank on loopback."""
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(world_size)]))
+        private_dir(path.parent)
+        write_private(path, json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(world_size)]))
     return path

@@ -7,19 +7,17 @@
     ├── hypercorn (trio)    the HTTP API
     └── signal watcher      SIGINT/SIGTERM → cancel all: every runner is stopped and reaped
 
-One daemon per state directory (an exclusive lock); its address is written to
-``daemon.json`` there so the CLI finds it.
+One daemon per state directory, which is private to its user (`exod.statedir`); the
+daemon's address is written to ``daemon.json`` there so the CLI finds it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
 import signal
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -31,26 +29,11 @@ import fsm
 from exod.api import create_app
 from exod.config import ServeConfig
 from exod.controller import Controller
+from exod.statedir import AlreadyRunning as AlreadyRunning  # re-exported: callers catch it from here too
+from exod.statedir import state_dir_lock, write_private
 from exod.store import Store
 
 log = logging.getLogger("exod.serve")
-
-
-class AlreadyRunning(RuntimeError):
-    """Another daemon holds this state directory."""
-
-
-@contextlib.contextmanager
-def state_dir_lock(state_dir: Path) -> Iterator[None]:
-    state_dir.mkdir(parents=True, exist_ok=True)
-    with (state_dir / "daemon.lock").open("a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise AlreadyRunning(
-                f"another exod daemon is using {state_dir}; stop it, or pass another --state-dir"
-            ) from None
-        yield
 
 
 def daemon_address(state_dir: Path) -> str | None:
@@ -69,7 +52,10 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
         store = Store.open(config.daemon.db_path)
         try:
             controller = Controller(config.daemon, store)
-            controller.restore()
+            try:
+                controller.restore()
+            except fsm.SnapshotError as exc:
+                raise store.snapshot_error(str(exc)) from exc
             if controller.reaped_orphans:
                 log.warning("reaped %d runner(s) left by a previous daemon", len(controller.reaped_orphans))
             wanted = [(p.model or controller.register_local_model(p.path), p.ranks) for p in config.placements]
@@ -89,7 +75,7 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                 )
                 urls = await nursery.start(partial(hypercorn_serve, app, hc, mode="asgi"))
                 url = urls[0]
-                (state_dir / "daemon.json").write_text(json.dumps({"pid": os.getpid(), "url": url}))
+                write_private(state_dir / "daemon.json", json.dumps({"pid": os.getpid(), "url": url}))
                 announce(f"exod serving on {url} (state in {state_dir})")
                 announce(
                     f"  try:  exod status --state-dir {state_dir}\n"

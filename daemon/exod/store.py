@@ -7,12 +7,17 @@ led to it. A reader of the log never sees a transition whose state was lost,
 and a restarted daemon resumes from exactly what was acknowledged.
 
 The store never repairs or overwrites a file it cannot read: a corrupt
-database is an operator's decision, so `open` refuses it with `StoreError`.
+database, or a snapshot that does not restore, is an operator's decision, so
+`open` and `load` refuse it with `StoreError` (and the daemon, whose machines
+find a snapshot of the wrong shape, says it with `snapshot_error`). The files
+are 0600, like everything in the state directory (`exod.statedir`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sqlite3
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -20,7 +25,10 @@ from typing import Any
 
 import attrs
 
+from exod.statedir import PRIVATE_FILE, private_dir
 from fsm.cluster import LogEntry
+
+log = logging.getLogger("exod.store")
 
 SCHEMA_VERSION = 1
 
@@ -60,13 +68,24 @@ class Store:
 
     @classmethod
     def open(cls, path: Path) -> Store:
+        """Open the database at ``path``, creating it (0600, its directory 0700) if there is none.
+
+        A 0-byte file is what a database becomes when its first write never happened (a crash between
+        creating the file and writing the schema) or when something truncated it; SQLite reads it as an
+        empty database. There is nothing in it to keep, so it is used as a new one, with a warning: the
+        operator learns that the state they may have expected is not there.
+        """
         path = Path(path)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(path.parent)
         except OSError as exc:
             raise StoreError(f"cannot create the state directory {path.parent}: {exc.strerror}") from exc
         existed = path.exists()
+        if existed and path.stat().st_size == 0:
+            log.warning("%s is empty (0 bytes): starting with no state", path)
         try:
+            # SQLite gives the -wal and -shm files the database's mode: create the database 0600 first.
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, PRIVATE_FILE))
             db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
@@ -74,7 +93,7 @@ class Store:
                 (check,) = db.execute("PRAGMA quick_check").fetchone()
                 if check != "ok":
                     raise sqlite3.DatabaseError(check)
-        except sqlite3.OperationalError as exc:
+        except (OSError, sqlite3.OperationalError) as exc:
             raise StoreError(f"cannot open {path}: {exc}. Check that the state directory is writable.") from exc
         except sqlite3.DatabaseError as exc:
             raise StoreError(
@@ -119,8 +138,25 @@ class Store:
         return seq
 
     def load(self) -> dict[str, Any] | None:
+        """The last saved snapshot (None if none was ever saved); `StoreError` if it is not a JSON object."""
         row = self._db.execute("SELECT body FROM snapshot WHERE id = 1").fetchone()
-        return None if row is None else json.loads(row[0])
+        if row is None:
+            return None
+        try:
+            snapshot = json.loads(row[0])
+        except ValueError as exc:
+            raise self.snapshot_error(f"not JSON: {exc}") from exc
+        if not isinstance(snapshot, dict):
+            raise self.snapshot_error(f"expected a JSON object, got {type(snapshot).__name__}")
+        return snapshot
+
+    def snapshot_error(self, reason: str) -> StoreError:
+        """The error for a saved snapshot that cannot be restored (``reason``): what is wrong, what to do."""
+        return StoreError(
+            f"{self.path} holds a state snapshot that cannot be restored ({reason}). It was left untouched. "
+            "To start from an empty state, move it into another directory (where `exod replay --state-dir DIR` "
+            "still reads its transition log), or pass another --state-dir."
+        )
 
     def transitions(self, after: int = 0, limit: int | None = None) -> Iterator[tuple[int, LogEntry]]:
         """Log entries with sequence number > ``after``, oldest first (for replay and event-stream resume)."""

@@ -27,6 +27,7 @@ import attrs
 import trio
 
 from exod import protocol as p
+from exod.statedir import private_dir, private_opener
 
 
 @attrs.frozen
@@ -207,9 +208,9 @@ class Supervisor:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Spawn, serve until the process ends, report the exit. Cancelling it kills and reaps the process."""
-        self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(self.spec.log_path.parent)  # a log holds the runner's output: 0700 dirs, a 0600 file
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        with parent, self.spec.log_path.open("ab") as log:
+        with parent, open(self.spec.log_path, "ab", opener=private_opener) as log:
             try:
                 process = await trio.lowlevel.open_process(
                     self._argv(child.fileno()),
