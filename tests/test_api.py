@@ -137,6 +137,166 @@ def test_malformed_json_invalid_utf8_and_huge_bodies(daemon):
     assert response.status_code == 413 and "body" in response.json()["error"]["message"]
 
 
+def raw_chat(content: str = "hi", model: str = MODEL, more: str = "") -> bytes:
+    """A chat request as the bytes a client sends; JSON escapes such as ``\\ud800`` stay escapes."""
+    return f'{{"model": "{model}", "messages": [{{"role": "user", "content": "{content}"}}]{more}}}'.encode()
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [  # "\\ud800" is valid JSON and not valid Unicode: a lone surrogate
+        (raw_chat(more=', "stop": "\\ud800"'), "stop"),
+        (raw_chat(more=', "stop": ["ok", "\\udc00"]'), "stop"),
+        (raw_chat(content="a\\ud800b"), "messages.0.content"),
+        (raw_chat(model="exod/\\ud800"), "model"),
+        (raw_chat(more=', "user": "\\udfff"'), "user"),
+        (raw_chat(more=', "\\ud800": 1'), None),  # a key: pydantic names no place
+    ],
+)
+def test_lone_surrogates_are_a_400_naming_the_parameter(daemon, raw, param):
+    url = daemon["url"]
+    response = httpx.post(f"{url}/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+    assert httpx.get(f"{url}/metrics").status_code == 200  # nothing unencodable reached a metric label
+
+
+def test_an_error_echoing_a_lone_surrogate_still_encodes():
+    from exod.errors import ApiError
+
+    response = ApiError(400, "no such thing: \ud800", param="x\udc00").response()
+    assert json.loads(response.body)["error"] == {
+        "message": "no such thing: \\ud800",
+        "type": "invalid_request_error",
+        "param": "x\\udc00",
+        "code": None,
+    }
+
+
+def test_a_lone_surrogate_in_a_placement_is_a_400(daemon):
+    raw = rb'{"model": "exod/\ud800", "ranks": 1}'
+    response = httpx.post(f"{daemon['url']}/instances", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "model"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/instances", {"model": MODEL, "ranks": True}, "ranks"),
+        ("/instances", {"model": MODEL, "ranks": "2"}, "ranks"),
+        ("/instances", {"model": MODEL, "ranks": 2.0}, "ranks"),
+        ("/instances", {"model": MODEL, "retry": {"max_retries": True}}, "retry.max_retries"),
+        ("/instances", {"model": MODEL, "retry": {"initial": "1.5"}}, "retry.initial"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": "5"}, "max_tokens"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": True}, "max_tokens"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "n": True}, "n"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "stream": 1}, "stream"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "stream": "true"}, "stream"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "temperature": "1"}, "temperature"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "seed": True}, "seed"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": MESSAGES, "stream_options": {"include_usage": "yes"}},
+            "stream_options.include_usage",
+        ),
+    ],
+)
+def test_numbers_and_booleans_are_not_coerced(daemon, path, body, param):
+    """OpenAI refuses a string for a number and a boolean for an int; a coerced `"ranks": true` would place 1."""
+    before = len(httpx.get(f"{daemon['url']}/instances").json()["instances"])
+    response = httpx.post(f"{daemon['url']}{path}", json=body, timeout=10)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert len(httpx.get(f"{daemon['url']}/instances").json()["instances"]) == before  # nothing placed
+
+
+def test_integral_floats_and_ints_for_floats_are_still_numbers(daemon, client):
+    done = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, temperature=0, top_p=1)
+    assert done.usage.completion_tokens == 1
+
+
+@pytest.mark.parametrize(
+    ("headers", "params", "param"),
+    [
+        ({"Last-Event-ID": str(2**63)}, {}, "last-event-id"),
+        ({"Last-Event-ID": "-1"}, {}, "last-event-id"),
+        ({"Last-Event-ID": "seven"}, {}, "last-event-id"),
+        ({}, {"after": str(2**63)}, "after"),
+    ],
+)
+def test_event_ids_beyond_int64_are_a_400_before_the_stream(daemon, headers, params, param):
+    response = httpx.get(f"{daemon['url']}/events", headers=headers, params=params, timeout=10)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_an_event_id_beyond_the_newest_waits_for_newer_events(daemon):
+    headers = {"Last-Event-ID": str(2**63 - 1)}
+    with httpx.stream("GET", f"{daemon['url']}/events", headers=headers, timeout=3) as response:
+        assert response.status_code == 200
+        with pytest.raises(httpx.ReadTimeout):  # nothing to send: no error either, the stream stays open
+            next(response.iter_lines())
+
+
+def test_openapi_documents_the_statuses_the_api_sends(daemon):
+    spec = httpx.get(f"{daemon['url']}/openapi.json").json()
+    error = {"$ref": "#/components/schemas/ErrorBody"}
+    assert "HTTPValidationError" not in spec["components"]["schemas"]
+    assert set(spec["components"]["schemas"]["ErrorBody"]["properties"]) == {"error"}
+    for path, operations in spec["paths"].items():
+        for method, operation in operations.items():
+            answers = operation["responses"]
+            assert "422" not in answers, (method, path)
+            assert "401" not in answers, (method, path)  # this daemon has no API key
+            assert {"408", "413"} <= set(answers), (method, path)
+            if operation.get("parameters") or operation.get("requestBody"):
+                assert answers["400"]["content"]["application/json"]["schema"] == error, (method, path)
+    paths = spec["paths"]
+    assert {"400", "404", "429", "502", "503"} <= set(paths["/v1/chat/completions"]["post"]["responses"])
+    assert "404" in paths["/instances/{instance_id}"]["get"]["responses"]
+    assert "404" in paths["/instances/{instance_id}"]["delete"]["responses"]
+    assert {"400", "404", "501"} <= set(paths["/diagrams/{machine}"]["get"]["responses"])
+    assert "503" in paths["/ready"]["get"]["responses"]
+
+
+KEYED_CONFIG = """
+[daemon]
+port = 0
+offline = true
+"""
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    """A daemon with an API key and nothing placed: the guard is all there is to test."""
+    tmp = tmp_path_factory.mktemp("keyed")
+    (tmp / "exod.toml").write_text(KEYED_CONFIG)
+    process, url = start_daemon(tmp, {**os.environ, "HF_HUB_OFFLINE": "1"}, "--no-place", "--api-key", "s3cret")
+    try:
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize(
+    "authorization",
+    ["Bearer s3crét".encode(), b"Bearer \xff\xfe", "Bearer ключ".encode(), b"\x80"],
+)
+def test_a_non_ascii_authorization_is_a_401_in_openai_shape(keyed, authorization):
+    response = httpx.get(f"{keyed}/instances", headers={"Authorization": authorization})
+    assert response.status_code == 401, response.text
+    assert response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{keyed}/instances", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_with_an_api_key_openapi_documents_401_everywhere_but_health(keyed):
+    spec = httpx.get(f"{keyed}/openapi.json", headers={"Authorization": "Bearer s3cret"}).json()
+    for path, operations in spec["paths"].items():
+        for method, operation in operations.items():
+            assert ("401" in operation["responses"]) == (path != "/health"), (method, path)
+
+
 def test_instances_create_list_get_and_503_before_ready_then_delete(daemon, client):
     url = daemon["url"]
     created = httpx.post(f"{url}/instances", json={"model": "exod/tiny-slow", "ranks": 1})
@@ -282,9 +442,12 @@ def test_schemathesis_finds_no_server_error_and_the_daemon_still_serves(daemon, 
 
 
 def _no_server_error(operation, url: str):
+    """No 5xx but the documented 501 (SVG without Graphviz), every status documented, every body as documented."""
     from hypothesis import HealthCheck, given, settings
+    from schemathesis.checks import not_a_server_error, response_schema_conformance, status_code_conformance
 
-    allowed = {501} if operation.path == "/diagrams/{machine}" else set()  # SVG without Graphviz installed
+    allowed = {501} if operation.path == "/diagrams/{machine}" else set()
+    checks = [status_code_conformance, response_schema_conformance]
 
     @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(case=operation.as_strategy())
@@ -293,6 +456,7 @@ def _no_server_error(operation, url: str):
         assert response.status_code < 500 or response.status_code in allowed, (
             f"{case.method} {case.formatted_path} -> {response.status_code}: {response.text[:300]}"
         )
+        case.validate_response(response, checks=checks if allowed else [not_a_server_error, *checks])
 
     return fuzz
 

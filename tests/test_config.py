@@ -70,3 +70,38 @@ def test_serve_place_option_takes_repo_ids_and_local_directories(tmp_path):
     for bad in ("../etc:1", "org/name:0", "org/name:x"):
         with pytest.raises(ValueError):
             _parse_place(bad)
+
+
+def test_a_fault_without_generation_applies_to_every_generation(tmp_path):
+    """As the README says: leaving out `generation` (or `rank`) means every one."""
+    from exod.faults import Fault, FaultSpec
+
+    cfg = load(write(tmp_path, '[[fault]]\nrank = 1\nphase = "loading"\nkind = "hang"\n'))
+    (spec,) = cfg.daemon.faults
+    assert spec.generation is None
+    assert all(spec.applies(1, generation) for generation in (1, 2, 7))
+    assert not spec.applies(0, 1)
+    pinned = load(write(tmp_path, '[[fault]]\ngeneration = 2\nphase = "loading"\nkind = "hang"\n')).daemon.faults[0]
+    assert [pinned.applies(rank, 2) for rank in (0, 3)] == [True, True] and not pinned.applies(0, 1)
+    assert FaultSpec(Fault.parse("busy:sigkill")).generation is None
+
+
+def test_connection_limits_have_defaults_and_come_from_limits(tmp_path):
+    default = load(None, state_dir=tmp_path)
+    assert (default.read_timeout, default.keep_alive_timeout, default.max_connections) == (30.0, 5.0, 256)
+    cfg = load(write(tmp_path, "[limits]\nread_timeout = 2\nkeep_alive_timeout = 0.5\nmax_connections = 8\n"))
+    assert (cfg.read_timeout, cfg.keep_alive_timeout, cfg.max_connections) == (2.0, 0.5, 8)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[limits]\nread_timeout = 0\n", "read_timeout must be a positive number"),
+        ("[limits]\nkeep_alive_timeout = -1\n", "keep_alive_timeout must be a positive number"),
+        ("[limits]\nmax_connections = 2.5\n", "max_connections must be a whole number"),
+        ('[limits]\nmax_connections = "many"\n', "max_connections must be a positive number"),
+    ],
+)
+def test_connection_limit_mistakes_are_named(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        load(write(tmp_path, text))

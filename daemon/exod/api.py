@@ -6,8 +6,8 @@ it runs on anyio, hence under trio. Every error has OpenAI's shape (`exod.errors
 
 from __future__ import annotations
 
+import hmac
 import json
-import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import fsm
 from exod import chat
 from exod.controller import Controller
-from exod.errors import ApiError, install
+from exod.errors import ApiError, install, responses
 from exod.metrics import Metrics
 from exod.models import InvalidModelId
 from exod.render import MEDIA_TYPES, Format, GraphvizMissing, render
@@ -30,10 +30,12 @@ from exod.requests import InstanceNotFound
 MAX_BODY_BYTES = 1 << 20
 MAX_TOKENS_CEILING = 4096
 KEEPALIVE_S = 15.0
+OPEN_PATHS = frozenset({"/health"})  # answered without the API key
+MAX_SEQ = 2**63 - 1  # the log's sequence numbers are SQLite INTEGERs: signed 64-bit
 
 
 class RetryOverrides(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # `"max_retries": true` is a mistake, not 1
 
     initial: float | None = Field(None, gt=0, le=3600)
     factor: float | None = Field(None, ge=1, le=100)
@@ -43,7 +45,7 @@ class RetryOverrides(BaseModel):
 
 
 class PlaceRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # `"ranks": "2"` or `true` is a mistake, not 2 or 1
 
     model: str = Field(..., min_length=3, max_length=200, description="a Hugging Face repo id, org/name")
     ranks: int = Field(1, ge=1, le=64)
@@ -82,9 +84,10 @@ class _Guard:
                 await send({"type": "websocket.close", "code": 1008})
             return
         headers = dict(scope.get("headers") or [])
-        if self.api_key and scope["path"] != "/health":
-            given = headers.get(b"authorization", b"").decode("latin-1")
-            if not secrets.compare_digest(given, f"Bearer {self.api_key}"):
+        if self.api_key and scope["path"] not in OPEN_PATHS:
+            # bytes, as they came: any header value compares (a non-ASCII str would make compare_digest raise)
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
                 denied = ApiError(
                     401,
                     "missing or wrong API key: send 'Authorization: Bearer <key>'",
@@ -125,7 +128,12 @@ def create_app(
     max_tokens_ceiling: int = MAX_TOKENS_CEILING,
 ) -> ASGIApp:
     app = FastAPI(title="exod", version=fsm.__version__, description="Explicit lifecycles for LLM runners.")
-    install(app)
+
+    def guarded(path: str) -> tuple[int, ...]:
+        """What can answer on ``path`` before any route runs: `_Guard` (401, 413), `exod.http_server` (408)."""
+        return (401, 408, 413) if api_key and path not in OPEN_PATHS else (408, 413)
+
+    install(app, everywhere=guarded)
     metrics = Metrics(controller)
     app.include_router(chat.router(controller, metrics, max_tokens_ceiling))
 
@@ -140,7 +148,7 @@ def create_app(
         """Liveness: the daemon answers."""
         return {"status": "ok"}
 
-    @app.get("/ready", responses={503: {"description": "no instance is Ready"}})
+    @app.get("/ready", responses=responses(503))
     async def ready() -> dict[str, Any]:
         """Readiness: at least one instance is Ready."""
         ready_state = fsm.InstanceState.READY.value
@@ -153,7 +161,7 @@ def create_app(
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/instances", status_code=201)
+    @app.post("/instances", status_code=201, responses=responses(400))
     async def place(body: PlaceRequest) -> dict[str, Any]:
         try:
             instance_id = controller.place(body.model, body.ranks, policy=_policy(controller.config.policy, body.retry))
@@ -165,11 +173,11 @@ def create_app(
     async def instances() -> dict[str, Any]:
         return controller.status()
 
-    @app.get("/instances/{instance_id}")
+    @app.get("/instances/{instance_id}", responses=responses(404))
     async def instance(instance_id: str) -> dict[str, Any]:
         return find(instance_id)
 
-    @app.delete("/instances/{instance_id}")
+    @app.delete("/instances/{instance_id}", responses=responses(404))
     async def delete(instance_id: str) -> dict[str, Any]:
         try:
             controller.delete(instance_id)
@@ -177,7 +185,7 @@ def create_app(
             raise ApiError(404, str(exc)) from exc
         return find(instance_id)
 
-    @app.get("/diagrams/{machine}", response_class=Response)
+    @app.get("/diagrams/{machine}", response_class=Response, responses=responses(400, 404, 501))
     async def machine_diagram(machine: str, format: Format = Format.MERMAID, state: str | None = None) -> Response:
         """A machine as Mermaid, DOT or SVG, optionally with one state highlighted."""
         cls = fsm.MACHINES.get(machine)
@@ -185,7 +193,7 @@ def create_app(
             raise ApiError(404, f"no machine {machine!r}; machines: {sorted(fsm.MACHINES)}")
         return await _diagram(cls, format, state)
 
-    @app.get("/instances/{instance_id}/diagram", response_class=Response)
+    @app.get("/instances/{instance_id}/diagram", response_class=Response, responses=responses(404, 501))
     async def instance_diagram(instance_id: str, format: Format = Format.MERMAID) -> Response:
         """The instance's retry machine with its live state highlighted."""
         try:
@@ -205,10 +213,14 @@ def create_app(
 
     @app.get("/events", response_class=StreamingResponse)
     async def events(
-        last_event_id: int | None = Header(None, ge=0, description="resume after this sequence number"),
-        after: int = Query(0, ge=0, description="resume after this sequence number (when no Last-Event-ID)"),
+        last_event_id: int | None = Header(None, ge=0, le=MAX_SEQ, description="resume after this sequence number"),
+        after: int = Query(0, ge=0, le=MAX_SEQ, description="resume after this sequence number, if no Last-Event-ID"),
     ) -> StreamingResponse:
-        """Server-sent events: every lifecycle transition, from the durable log, resumable."""
+        """Server-sent events: every lifecycle transition, from the durable log, resumable.
+
+        A resume point must be a sequence number the log could hold (0..2^63-1), or it is a 400 before the
+        stream starts. One beyond the newest entry is not an error: the stream waits for entries past it.
+        """
         start = last_event_id if last_event_id is not None else after
 
         async def stream() -> AsyncIterator[str]:

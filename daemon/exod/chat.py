@@ -6,30 +6,48 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from exod import protocol as p
 from exod.controller import Controller
-from exod.errors import ApiError
+from exod.errors import ApiError, responses
 from exod.requests import InstanceNotFound, InvalidRequest, ModelNotReady, Overloaded, QueueTimeout, RequestFailed
 
 MAX_MESSAGES = 256
 MAX_MESSAGE_CHARS = 100_000
 
+# Strict: OpenAI refuses `"max_tokens": "5"` and `"stream": 1`; so does exod, rather than guess what was meant.
+_REQUEST = ConfigDict(extra="forbid", strict=True)
+
+
+def unicode_text(value: str) -> str:
+    """Refuse a lone surrogate (JSON lets a client write ``"\\ud800"``): the runner's UTF-8 channel, the
+    log and the metrics labels cannot carry it, so it is the client's 400, not the daemon's 500."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"contains a lone surrogate ({value[exc.start]!r}) at character {exc.start}; send valid Unicode text"
+        ) from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(unicode_text)]
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _REQUEST
 
     role: Literal["system", "user", "assistant"]
-    content: str = Field(..., max_length=MAX_MESSAGE_CHARS)
+    content: Text = Field(..., max_length=MAX_MESSAGE_CHARS)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _REQUEST
 
     include_usage: bool = False
 
@@ -37,9 +55,9 @@ class StreamOptions(BaseModel):
 class ChatRequest(BaseModel):
     """The subset of OpenAI's request that exod honours; anything else is refused, not ignored."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _REQUEST
 
-    model: str = Field(..., min_length=1, max_length=200)
+    model: Text = Field(..., min_length=1, max_length=200)
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -50,7 +68,7 @@ class ChatRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
-    user: str | None = Field(None, max_length=256)
+    user: Text | None = Field(None, max_length=256)
 
     @field_validator("stop")
     @classmethod
@@ -58,7 +76,7 @@ class ChatRequest(BaseModel):
         stops = [value] if isinstance(value, str) else list(value or [])
         if len(stops) > 4 or any(not s or len(s) > 200 for s in stops):
             raise ValueError("stop takes up to 4 non-empty strings of at most 200 characters")
-        return stops
+        return [unicode_text(s) for s in stops]
 
 
 def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> APIRouter:
@@ -72,7 +90,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
             "data": [{"id": m, "object": "model", "created": 0, "owned_by": "exod"} for m in seen],
         }
 
-    @api.post("/v1/chat/completions", response_model=None)
+    @api.post("/v1/chat/completions", response_model=None, responses=responses(400, 404, 429, 502, 503))
     async def chat(body: ChatRequest, request: Request) -> JSONResponse | StreamingResponse:
         max_tokens = body.max_completion_tokens or body.max_tokens or min(256, max_tokens_ceiling)
 

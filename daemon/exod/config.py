@@ -59,6 +59,10 @@ class ServeConfig:
     insecure: bool = False
     max_tokens: int = 4096
     max_body_bytes: int = 1 << 20
+    # exod.http_server: what one client can hold
+    read_timeout: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))  # to wait for a body, in all
+    keep_alive_timeout: float = attrs.field(default=5.0, validator=attrs.validators.gt(0))  # idle, or for headers
+    max_connections: int = attrs.field(default=256, validator=attrs.validators.gt(0))  # more wait to be accepted
 
     def check_exposure(self) -> None:
         """Binding beyond loopback needs a bearer token, or an explicit --insecure."""
@@ -86,7 +90,15 @@ _SECTIONS = {
     "timeouts": {f.name for f in attrs.fields(Timeouts)},  # connect, load_progress, warm_up, generate, …
     "place": {"model", "path", "ranks"},
     "fault": {"rank", "generation", "phase", "kind"},  # fault injection, for tests: never set by default
-    "limits": {"max_requests_per_instance", "queue_timeout", "max_tokens", "max_body_bytes"},
+    "limits": {
+        "max_requests_per_instance",
+        "queue_timeout",
+        "max_tokens",
+        "max_body_bytes",
+        "read_timeout",
+        "keep_alive_timeout",
+        "max_connections",
+    },
 }
 
 
@@ -126,7 +138,7 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
         timeouts = Timeouts(**{k: float(v) for k, v in data.get("timeouts", {}).items()})
         placements = tuple(_placement(p) for p in data.get("place", []))
         faults = tuple(
-            FaultSpec(Fault.parse(f"{f['phase']}:{f['kind']}"), rank=f.get("rank"), generation=f.get("generation", 1))
+            FaultSpec(Fault.parse(f"{f['phase']}:{f['kind']}"), rank=f.get("rank"), generation=f.get("generation"))
             for f in data.get("fault", [])
         )
     except (ValueError, TypeError, KeyError) as exc:
@@ -138,6 +150,8 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
     for key, value in limits.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ConfigError(f"{where}: [limits] {key} must be a positive number, got {value!r}")
+    if not isinstance(connections := limits.get("max_connections", 256), int):
+        raise ConfigError(f"{where}: [limits] max_connections must be a whole number, got {connections!r}")
     daemon = DaemonConfig(
         state_dir=Path(d.get("state_dir") or default_state_dir()).expanduser(),
         hf_home=Path(d["hf_home"]).expanduser() if d.get("hf_home") else None,
@@ -155,6 +169,9 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
         placements=placements,
         max_tokens=int(limits.get("max_tokens", 4096)),
         max_body_bytes=int(limits.get("max_body_bytes", 1 << 20)),
+        read_timeout=float(limits.get("read_timeout", 30.0)),
+        keep_alive_timeout=float(limits.get("keep_alive_timeout", 5.0)),
+        max_connections=connections,
     )
 
 

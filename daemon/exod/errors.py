@@ -1,13 +1,21 @@
-"""HTTP errors in OpenAI's shape, so an OpenAI client reports them as it would OpenAI's own."""
+"""HTTP errors in OpenAI's shape, so an OpenAI client reports them as it would OpenAI's own.
+
+The OpenAPI document says the same as the wire: every error an operation can send is listed with this
+shape (`ErrorBody`), and FastAPI's default 422 (which this API never sends) is replaced by the 400 it does.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 # OpenAI's own names: everything a client got wrong is an invalid_request_error.
@@ -19,6 +27,13 @@ _TYPES = {
     422: "invalid_request_error",
     429: "rate_limit_error",
 }
+_LOCATIONS = {"body", "query", "header", "path", "cookie"}  # FastAPI's first `loc` part: not part of the name
+
+
+def _encodable(text: str) -> str:
+    """``text`` with anything UTF-8 cannot encode (a lone surrogate from a JSON ``\\ud800``) written as an escape,
+    so that echoing a client's bad input back can never turn a 400 into a 500."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class ApiError(Exception):
@@ -32,8 +47,10 @@ class ApiError(Exception):
         error_type: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        message = _encodable(message)
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.code = status, message, code
+        self.param = None if param is None else _encodable(param)
         self.error_type = error_type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
         self.headers = headers or {}
 
@@ -42,7 +59,31 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
-def install(app: FastAPI) -> None:
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every error response: OpenAI's shape."""
+
+    error: ErrorDetail
+
+
+def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The ``responses=`` of an operation that can send these error statuses."""
+    return {status: {"model": ErrorBody, "description": HTTPStatus(status).phrase} for status in statuses}
+
+
+def install(app: FastAPI, *, everywhere: Callable[[str], tuple[int, ...]] = lambda _path: ()) -> None:
+    """Answer every error in OpenAI's shape, and say so in the OpenAPI document.
+
+    ``everywhere(path)`` names the statuses a middleware can send on ``path`` before any route runs (401, 413):
+    routes cannot declare those themselves.
+    """
+
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
         return exc.response()
@@ -60,6 +101,35 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+        loc = list(first.get("loc", ()))
+        if loc and loc[0] in _LOCATIONS:
+            loc = loc[1:]
+        where = ".".join(str(part) for part in loc)
         message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
         return ApiError(400, message, param=where or None).response()
+
+    plain_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = _documented(plain_openapi(), everywhere)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to customise the document
+
+
+def _documented(schema: dict[str, Any], everywhere: Callable[[str], tuple[int, ...]]) -> dict[str, Any]:
+    """FastAPI's document with 422 (never sent) replaced by 400, and the middleware's statuses added."""
+    _, defs = models_json_schema([(ErrorBody, "serialization")], ref_template="#/components/schemas/{model}")
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components.update(defs["$defs"])
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+    for path, operations in schema.get("paths", {}).items():
+        for operation in operations.values():
+            answers = operation.setdefault("responses", {})
+            statuses = [400] if answers.pop("422", None) is not None else []
+            for status in (*statuses, *everywhere(path)):
+                answers.setdefault(str(status), {"description": HTTPStatus(status).phrase, **error})
+    return schema

@@ -65,7 +65,7 @@ class FaultSpec:
 
     fault: Fault
     rank: int | None = None
-    generation: int | None = 1
+    generation: int | None = None
 
     def applies(self, rank: int, generation: int) -> bool:
         return (self.rank is None or self.rank == rank) and (self.generation is None or self.generation == generation)

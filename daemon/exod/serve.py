@@ -4,7 +4,7 @@
 
     serve
     ├── controller.run      plan → act; one supervisor task per runner process
-    ├── hypercorn (trio)    the HTTP API
+    ├── exod.http_server    the HTTP API (hypercorn, with read timeouts and a connection limit)
     └── signal watcher      SIGINT/SIGTERM → cancel all: every runner is stopped and reaped
 
 One daemon per state directory, which is private to its user (`exod.statedir`); the
@@ -22,13 +22,12 @@ from functools import partial
 from pathlib import Path
 
 import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 
 import fsm
 from exod.api import create_app
 from exod.config import ServeConfig
 from exod.controller import Controller
+from exod.http_server import serve_http
 from exod.statedir import AlreadyRunning as AlreadyRunning  # re-exported: callers catch it from here too
 from exod.statedir import state_dir_lock, write_private
 from exod.store import Store
@@ -61,9 +60,6 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
             wanted = [(p.model or controller.register_local_model(p.path), p.ranks) for p in config.placements]
             for model_id, ranks in fsm.to_place(wanted, controller.placed_models()):
                 controller.place(model_id, ranks)
-            hc = HypercornConfig()
-            hc.bind = [f"{config.host}:{config.port}"]
-            hc.accesslog = None
             logging.getLogger("hypercorn.error").propagate = False  # it has its own handler
             async with trio.open_nursery() as nursery:
                 await nursery.start(controller.run)
@@ -73,7 +69,7 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                     max_body_bytes=config.max_body_bytes,
                     max_tokens_ceiling=config.max_tokens,
                 )
-                urls = await nursery.start(partial(hypercorn_serve, app, hc, mode="asgi"))
+                urls = await nursery.start(partial(serve_http, app, config))
                 url = urls[0]
                 write_private(state_dir / "daemon.json", json.dumps({"pid": os.getpid(), "url": url}))
                 announce(f"exod serving on {url} (state in {state_dir})")
