@@ -39,6 +39,7 @@ from typing import Any
 import attrs
 import trio
 
+import fsm
 from exod import protocol as p
 from exod.faults import SLOW_S, Fault, FaultKind, FaultPhase
 from exod.models import ModelFiles, ModelNotFound, ProgressCallback
@@ -301,6 +302,10 @@ class FakeModels(ModelFiles):
         if model_id not in self._paths:
             raise ModelNotFound(f"{model_id} is not in the fake cache")
         return self._paths[model_id]
+
+    def facts(self, model_id: str) -> fsm.ModelFacts | None:
+        """Every model is on the fake hub: fetchable, its facts unknown (admission checks the limits alone)."""
+        return None
 
     def defect(self, model_path: str) -> str | None:
         """What loading ``model_path`` fails with, if its model is defective."""

@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import fsm
 from exod import chat
-from exod.controller import Controller
+from exod.controller import Controller, PlacementRefused
 from exod.errors import ApiError, install, responses
 from exod.metrics import Metrics
 from exod.models import InvalidModelId
@@ -120,6 +120,16 @@ class _Guard:
         await self.app(scope, replay, send)
 
 
+# unknown model: not found; asking for more than the model or the limits allow: never satisfiable as asked;
+# a limit reached, or no memory: a conflict with what is placed now (deleting an instance may resolve it)
+_REFUSAL_STATUS = {
+    fsm.Refusal.UNKNOWN_MODEL: (404, "model"),
+    fsm.Refusal.TOO_MANY_RANKS: (422, "ranks"),
+    fsm.Refusal.LIMIT_REACHED: (409, None),
+    fsm.Refusal.NO_MEMORY: (409, "ranks"),
+}
+
+
 def create_app(
     controller: Controller,
     *,
@@ -161,12 +171,16 @@ def create_app(
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/instances", status_code=201, responses=responses(400))
+    @app.post("/instances", status_code=201, responses=responses(400, 404, 409, 422))
     async def place(body: PlaceRequest) -> dict[str, Any]:
+        """Place a model; `fsm.admit` decides up front, and a refusal stores nothing."""
         try:
             instance_id = controller.place(body.model, body.ranks, policy=_policy(controller.config.policy, body.retry))
         except (InvalidModelId, fsm.InvalidConfig) as exc:
-            raise ApiError(400, str(exc), param="model") from exc
+            raise ApiError(400, str(exc), param="ranks" if str(exc).startswith("ranks") else "model") from exc
+        except PlacementRefused as exc:
+            status, param = _REFUSAL_STATUS[exc.refusal]
+            raise ApiError(status, str(exc), param=param, code=exc.refusal.value) from exc
         return find(instance_id)
 
     @app.get("/instances")

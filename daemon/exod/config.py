@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tomllib
 from importlib import resources
 from pathlib import Path
@@ -14,6 +15,7 @@ import fsm
 from exod.faults import Fault, FaultSpec
 from exod.models import validate_model_id
 from exod.supervisor import Timeouts
+from fsm.admit import MIB
 
 
 @attrs.frozen
@@ -30,10 +32,17 @@ class DaemonConfig:
     max_requests_per_instance: int = 16  # in flight + queued; beyond it: Overloaded (HTTP 429)
     queue_timeout: float = 30.0  # a request no Ready runner took by then fails instead of waiting on
     faults: tuple[FaultSpec, ...] = ()  # injected faults, for tests (exod.faults); empty in production
+    memory_bytes: int = attrs.Factory(lambda: host_memory())  # what admission may reserve on this node
+    limits: fsm.Limits = attrs.Factory(lambda self: fsm.Limits.for_memory(self.memory_bytes), takes_self=True)
 
     @property
     def db_path(self) -> Path:
         return self.state_dir / "state.db"
+
+
+def host_memory() -> int:
+    """This machine's physical memory in bytes (Linux and macOS)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class ConfigError(ValueError):
@@ -98,6 +107,10 @@ _SECTIONS = {
         "read_timeout",
         "keep_alive_timeout",
         "max_connections",
+        "runners_per_node",
+        "ranks_per_instance",
+        "instances_per_model",
+        "runner_memory_mib",
     },
 }
 
@@ -150,8 +163,19 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
     for key, value in limits.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ConfigError(f"{where}: [limits] {key} must be a positive number, got {value!r}")
-    if not isinstance(connections := limits.get("max_connections", 256), int):
-        raise ConfigError(f"{where}: [limits] max_connections must be a whole number, got {connections!r}")
+    whole = ("max_connections", "runners_per_node", "ranks_per_instance", "instances_per_model", "runner_memory_mib")
+    for key in whole:
+        if key in limits and not isinstance(limits[key], int):
+            raise ConfigError(f"{where}: [limits] {key} must be a whole number, got {limits[key]!r}")
+    connections = limits.get("max_connections", 256)
+    memory = host_memory()
+    sized = fsm.Limits.for_memory(memory, runner_floor_bytes=limits.get("runner_memory_mib", 512) * MIB)
+    admission = fsm.Limits(
+        runners_per_node=limits.get("runners_per_node", sized.runners_per_node),
+        ranks_per_instance=limits.get("ranks_per_instance", sized.ranks_per_instance),
+        instances_per_model=limits.get("instances_per_model", sized.instances_per_model),
+        runner_floor_bytes=sized.runner_floor_bytes,
+    )
     daemon = DaemonConfig(
         state_dir=Path(d.get("state_dir") or default_state_dir()).expanduser(),
         hf_home=Path(d["hf_home"]).expanduser() if d.get("hf_home") else None,
@@ -161,6 +185,8 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
         max_requests_per_instance=int(limits.get("max_requests_per_instance", 16)),
         queue_timeout=float(limits.get("queue_timeout", 30.0)),
         faults=faults,
+        memory_bytes=memory,
+        limits=admission,
     )
     return ServeConfig(
         daemon=daemon,
@@ -179,8 +205,8 @@ def _placement(entry: dict[str, Any]) -> Placement:
     if ("model" in entry) == ("path" in entry):
         raise ValueError("each [[place]] needs exactly one of model = 'org/name' or path = '/a/model/dir'")
     ranks = entry.get("ranks", 1)
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= 64:
-        raise ValueError(f"[[place]] ranks must be an int in 1..64, got {ranks!r}")
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"[[place]] ranks must be an int >= 1, got {ranks!r}")
     if "model" in entry:
         return Placement(ranks, model=validate_model_id(entry["model"]))
     return Placement(ranks, path=Path(entry["path"]).expanduser())

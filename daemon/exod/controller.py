@@ -50,6 +50,14 @@ MAX_PLAN_ROUNDS = 64  # one change rarely needs more than a handful of plan → 
 KEEP_DELETED = 32  # deleted instances kept for `status` before they are forgotten
 
 
+class PlacementRefused(Exception):
+    """`fsm.admit` refused a placement; ``refusal`` says why (the API maps it to 404, 409 or 422)."""
+
+    def __init__(self, refusal: fsm.Refusal, message: str) -> None:
+        super().__init__(message)
+        self.refusal = refusal
+
+
 class Controller:
     def __init__(
         self,
@@ -141,19 +149,38 @@ class Controller:
     # -- the public surface of the daemon's front ends ---------------------------------------
 
     def place(self, model_id: str, ranks: int, *, policy: fsm.RetryPolicy | None = None) -> str:
-        """Place ``model_id`` on ``ranks`` local ranks; returns the instance id once it is on disk."""
+        """Place ``model_id`` on ``ranks`` ranks if `fsm.admit` admits it; returns the instance id once it is on
+        disk. Raises `PlacementRefused` (and stores nothing) if not."""
         if not self.models.placeable(model_id):
             raise fsm.InvalidConfig(
                 f"{model_id}: local model directories are placed from the config file or `exod serve --place` only"
             )
-        if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= 64:
-            raise fsm.InvalidConfig(f"ranks must be an int between 1 and 64, got {ranks!r}")
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+            raise fsm.InvalidConfig(f"ranks must be an int >= 1, got {ranks!r}")
+        answer = self.admission(model_id, ranks)
+        if not answer.admitted:
+            assert answer.refusal is not None
+            raise PlacementRefused(answer.refusal, answer.message)
         instance_id = f"{model_id.split('/')[-1]}-{secrets.token_hex(3)}"
-        slots = [fsm.Slot(rank, NODE, f"{instance_id}/{rank}") for rank in range(ranks)]
+        slots = [fsm.Slot(rank, node, f"{instance_id}/{rank}") for rank, node in enumerate(answer.nodes)]
         self.cluster.place(instance_id, model_id, slots, policy=policy or self.config.policy)
         self.cluster.log.append(LogEntry(self.now(), "instance", instance_id, "place", "", "pending"))
         self._changed()
         return instance_id
+
+    def admission(self, model_id: str, ranks: int) -> fsm.Admission:
+        """What `fsm.admit` answers for placing ``model_id`` on ``ranks`` ranks now (reads the models' files)."""
+        placed = {pl.model_id for pl in self.cluster.instances.values() if not pl.machine.is_deleted}
+        facts = {m: f for m in placed if isinstance(f := self.models.facts(m), fsm.ModelFacts)}
+        return fsm.admit(
+            model_id,
+            ranks,
+            model=self.models.facts(model_id),
+            view=self.cluster.view(),
+            nodes={NODE: self.config.memory_bytes},
+            limits=self.config.limits,
+            facts=facts,
+        )
 
     def register_local_model(self, directory: Path) -> str:
         """Name a local model directory ``local/NAME`` so it can be placed; never reachable from the API."""

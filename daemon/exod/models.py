@@ -8,6 +8,7 @@ module reads the environment itself at call time and passes ``cache_dir``/``loca
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import threading
@@ -18,6 +19,8 @@ from typing import Any
 
 import attrs
 
+import fsm
+
 __all__ = [
     "CachedModel",
     "InvalidModelId",
@@ -25,6 +28,7 @@ __all__ = [
     "ModelNotFound",
     "hub_cache_dir",
     "list_cached_models",
+    "read_facts",
     "resolve_local_dir",
     "resolve_model",
     "validate_model_id",
@@ -243,6 +247,42 @@ def list_cached_models(hf_home: Path | None = None) -> list[CachedModel]:
     return sorted(models, key=lambda m: (m.repo_id, m.revision))
 
 
+def read_facts(directory: Path) -> fsm.ModelFacts | None:
+    """A model directory's facts for admission, from config.json and the weights' sizes; None if unreadable
+    (admission then checks the limits alone, and loading the model says what is wrong with it)."""
+    try:
+        config = json.loads((directory / "config.json").read_text())
+        text = config.get("text_config") or config  # multimodal models keep the language model's shape there
+        heads = text["num_attention_heads"]
+        return fsm.ModelFacts(
+            layers=text["num_hidden_layers"],
+            attention_heads=heads,
+            kv_heads=text.get("num_key_value_heads") or heads,
+            pipeline=has_pipeline(str(text.get("model_type") or config.get("model_type"))),
+            weight_bytes=sum(f.stat().st_size for f in directory.glob("*.safetensors")),
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, fsm.InvalidConfig):
+        return None
+
+
+@functools.cache
+def has_pipeline(model_type: str) -> bool:
+    """Whether mlx-lm splits this architecture into pipeline stages (else: tensor parallel); by its code."""
+    import importlib
+
+    if not re.fullmatch(r"[a-z0-9_]+", model_type):  # it comes from a downloaded file: a module name only
+        return False
+    try:
+        from mlx_lm.models.pipeline import PipelineMixin
+
+        module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    except (ImportError, ValueError):
+        return False
+    return any(
+        isinstance(c, type) and issubclass(c, PipelineMixin) and c is not PipelineMixin for c in vars(module).values()
+    )
+
+
 class ModelFiles:
     """Where the controller's models come from: the HF cache (or the hub), and local directories.
 
@@ -254,6 +294,7 @@ class ModelFiles:
         self.hf_home, self.offline, self.timeout = hf_home, offline, timeout
         self.local: dict[str, Path] = {}  # "local/NAME" -> directory
         self._paths: dict[str, Path] = {}
+        self._facts: dict[str, fsm.ModelFacts | None] = {}  # read once per model directory
 
     def register_local(self, directory: Path) -> str:
         """Name a local model directory ``local/NAME`` so it can be placed."""
@@ -305,6 +346,20 @@ class ModelFiles:
             self._paths[model_id] = resolve_model(model_id, hf_home=self.hf_home, offline=True)
         return self._paths[model_id]
 
+    def facts(self, model_id: str) -> fsm.ModelFacts | fsm.UnknownModel | None:
+        """What admission needs: the model's facts if its files are here, `UnknownModel` if they can never
+        be (not cached while offline, a local directory gone), None if it is fetchable but not here yet."""
+        try:
+            directory = self.path(model_id)
+        except (ModelNotFound, InvalidModelId) as exc:
+            if model_id.startswith("local/") or self.offline or (self.offline is None and _offline_from_env()):
+                return fsm.UnknownModel(str(exc))
+            return None
+        if model_id not in self._facts:
+            self._facts[model_id] = read_facts(directory)
+        return self._facts[model_id]
+
     def forget(self, model_id: str) -> None:
         """The files vanished: the next `path` looks again."""
         self._paths.pop(model_id, None)
+        self._facts.pop(model_id, None)
