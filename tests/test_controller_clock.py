@@ -69,11 +69,12 @@ def simulate(
     *,
     models: FakeModels | None = None,
     timing: Timing | None = None,
+    fleet: FakeFleet | None = None,
     **overrides: Any,
 ) -> Any:
     """Run ``body`` against a controller with fake runners and models, on a MockClock that autojumps."""
     models = models or FakeModels()
-    fleet = FakeFleet(models, timing or Timing())
+    fleet = fleet or FakeFleet(models, timing or Timing())
     settings = {
         "timeouts": TIMEOUTS,
         "policy": POLICY,

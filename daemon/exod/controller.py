@@ -37,6 +37,7 @@ from exod.models import ModelFiles, ModelNotFound
 from exod.orphans import reap_orphans, start_ticks
 from exod.reports import Reports
 from exod.requests import InstanceNotFound, RequestBook
+from exod.runner import HOST_ERRNOS
 from exod.status import NODE, status_of
 from exod.store import ProcessRecord, Store
 from exod.supervisor import Process, RunnerSpec, Spawn, Supervisor
@@ -306,12 +307,17 @@ class Controller:
     def _start_runner(self, action: fsm.CreateRunner) -> None:
         assert self._nursery is not None
         rank, gen = action.rank, action.incarnation
+        try:  # the ring's ports and its hostfile: no fds or no disk is the host's failure, never the daemon's end
+            hostfile = self._hostfile(action.instance_id, gen, action.world_size)
+        except OSError as exc:
+            self._not_started(action.runner_id, gen, exc)
+            return
         spec = RunnerSpec(
             runner_id=action.runner_id,
             incarnation=gen,
             rank=rank,
             world_size=action.world_size,
-            hostfile=self._hostfile(action.instance_id, gen, action.world_size),
+            hostfile=hostfile,
             log_path=self.config.state_dir / "logs" / action.instance_id / f"rank{rank}-gen{gen}.log",
             fault=next((str(f.fault) for f in self.config.faults if f.applies(rank, gen)), None),
         )
@@ -350,15 +356,25 @@ class Controller:
             await process.run()
         except Exception as exc:  # the runner's failure, never the daemon's: spawn errors, I/O errors
             log.exception("supervisor of %s/%d failed", spec.runner_id, spec.incarnation)
-            kind = fsm.FailureKind.SPAWN if process.pid is None else fsm.FailureKind.EXCEPTION
-            what = "cannot start runner" if process.pid is None else "supervisor error"
-            failure = fsm.Failure(kind, f"{what}: {type(exc).__name__}: {exc}")  # retryable: usually transient
-            self.runner_event(rn.Fail(spec.runner_id, spec.incarnation, failure=failure))
-            self.runner_event(rn.Exited(spec.runner_id, spec.incarnation, exit_code=1))
+            if process.pid is None:
+                self._not_started(spec.runner_id, spec.incarnation, exc)
+            else:
+                failure = fsm.Failure(fsm.FailureKind.EXCEPTION, f"supervisor error: {type(exc).__name__}: {exc}")
+                self.runner_event(rn.Fail(spec.runner_id, spec.incarnation, failure=failure))
+                self.runner_event(rn.Exited(spec.runner_id, spec.incarnation, exit_code=1))
         finally:
             self._processes.pop((spec.runner_id, spec.incarnation), None)
             if self._stopping and not self._processes:
                 self._all_stopped.set()
+
+    def _not_started(self, runner_id: str, incarnation: int, exc: Exception) -> None:
+        """A runner whose process could not be started: Failed then gone. Out of fds or disk (or a port
+        taken) is the host's failure, uncharged; anything else is charged like any spawn failure."""
+        what = f"cannot start runner: {type(exc).__name__}: {exc}"
+        host = isinstance(exc, OSError) and exc.errno in HOST_ERRNOS
+        failure = fsm.Failure.host(what) if host else fsm.Failure(fsm.FailureKind.SPAWN, what)
+        self.runner_event(rn.Fail(runner_id, incarnation, failure=failure))
+        self.runner_event(rn.Exited(runner_id, incarnation, exit_code=1))
 
     # -- exod.reports.Sink: what the runners' reports became ------------------------------------
 

@@ -201,6 +201,7 @@ class Failed(Report):
     message: str
     traceback: str
     retryable: bool
+    host: bool = False  # the host's failure, not the model's (a ring port taken, no fds or disk): uncharged
 
 
 COMMANDS: tuple[type[Command], ...] = (Connect, Load, WarmUp, Generate, Shutdown)

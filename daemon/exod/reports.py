@@ -56,6 +56,9 @@ class Reports:
                 event(rn.Warmed(rid, inc))
             case p.Progress(layers_loaded=done, layers_total=total) if total > 0:
                 event(rn.Progress(rid, inc, layers_loaded=done, layers_total=total))
+            case p.Failed(host=True):
+                message = f"{report.exception_type}: {report.message}"
+                event(rn.Fail(rid, inc, failure=fsm.Failure.host(message, detail=report.traceback)))
             case p.Failed():
                 failure = fsm.Failure.exception(
                     report.exception_type, report.message, retryable=report.retryable, detail=report.traceback

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import logging
 import os
 import queue
+import re
 import select
 import signal
 import socket
@@ -196,12 +198,28 @@ def is_retryable(exc: BaseException, *, loading: bool = False) -> bool:
     return not (loading and isinstance(exc, ValueError | KeyError | TypeError))
 
 
+# The host's failures: they say nothing about the model, so they spend no retry (fsm.FailureKind.HOST).
+HOST_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOSPC, errno.EADDRINUSE})
+# MLX's ring reports a port it cannot bind as "[ring] Couldn't bind socket (error: 98)", errno in the text
+_RING_BIND = re.compile(r"\[ring\] Couldn't bind socket \(error: ?(\d+)\)")
+
+
+def is_host_failure(exc: BaseException) -> bool:
+    """No fds, no disk, a ring port another process took: the host's doing, whatever the model."""
+    if isinstance(exc, OSError) and exc.errno in HOST_ERRNOS:
+        return True
+    match = _RING_BIND.search(str(exc))
+    return match is not None and int(match.group(1)) in HOST_ERRNOS
+
+
 def _failure_fields(exc: BaseException, *, loading: bool = False) -> dict[str, Any]:
+    host = is_host_failure(exc)
     return {
         "exception_type": type(exc).__name__,
         "message": str(exc),
         "traceback": "".join(traceback.format_exception(exc)),
-        "retryable": is_retryable(exc, loading=loading),
+        "retryable": host or is_retryable(exc, loading=loading),
+        "host": host,
     }
 
 
