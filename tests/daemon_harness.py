@@ -117,9 +117,11 @@ def exod(*args: str, env: dict[str, str], check: bool = True) -> subprocess.Comp
     )
 
 
-def start_daemon(tmp_path: Path, env: dict[str, str], *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_daemon(
+    tmp_path: Path, env: dict[str, str], *extra: str, state: Path | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
     log = (tmp_path / "serve.log").open("ab")
-    state = tmp_path / "state"
+    state = state or tmp_path / "state"
     args = [sys.executable, "-m", "exod", "serve", "--config", str(tmp_path / "exod.toml"), "--state-dir", str(state)]
     args += extra
     daemon = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -173,17 +173,18 @@ def test_corrupt_model_is_deleted_as_non_retryable_with_zero_retries(tmp_path):
     assert "safetensors" in inst["last_failure"].lower() or "corrupt" in inst["last_failure"].lower()
 
 
-def test_unknown_model_download_fails_fast_and_says_what_to_do(tmp_path, hf_home):
-    async def body(controller):  # the retry after the download backoff: test_controller_clock
-        iid = controller.place("exod/not-there", 1)
-        status = await wait_for(controller, lambda s: (instance(s, iid)["download"] or {}).get("attempts", 0) >= 1)
-        return instance(status, iid)
+def test_an_unknown_model_offline_is_refused_up_front_and_says_what_to_do(tmp_path, hf_home):
+    from exod.controller import PlacementRefused
 
-    inst = with_controller(config(tmp_path, hf_home), body, limit=30)
-    assert inst["state"] == "starting"  # waiting, and it says why
-    assert inst["download"]["state"] in ("failed", "ongoing")
-    assert "exod model make-tiny" in inst["download"]["last_error"]  # the cause, and what to do
-    assert inst["runners"][0]["state"] == "idle"  # the runner process waits; it never loads without the model
+    async def body(controller):  # a fetchable model that fails to download: test_controller_clock
+        with pytest.raises(PlacementRefused) as refused:
+            controller.place("exod/not-there", 1)
+        return refused.value, controller.status(), list(controller.transitions())
+
+    refused, status, log = with_controller(config(tmp_path, hf_home), body, limit=30)
+    assert refused.refusal is fsm.Refusal.UNKNOWN_MODEL
+    assert "offline" in str(refused) and "exod model make-tiny" in str(refused)  # the cause, and what to do
+    assert status["instances"] == [] and log == []  # nothing stored
 
 
 def test_delete_ends_in_flight_requests_with_an_error(tmp_path, hf_home):
@@ -229,7 +230,9 @@ def test_download_progress_from_foreign_threads_reaches_the_machine(tmp_path, hf
 
     snapshot = resolve_model("exod/tiny-qwen2", hf_home=hf_home, offline=True)
 
-    def fake_resolve(model_id, *, progress, **kwargs):  # like huggingface_hub: progress from its own threads
+    def fake_resolve(model_id, *, progress=None, **kwargs):  # like huggingface_hub: progress from its own threads
+        if progress is None:  # admission looking for the model's files: not downloaded yet
+            raise exod.models.ModelNotFound(model_id)
         worker = threading.Thread(target=lambda: [progress(n, 300) for n in (100, 200, 300)])
         worker.start()
         worker.join()
@@ -272,7 +275,7 @@ def test_only_the_newest_deleted_instances_are_kept(tmp_path, hf_home, monkeypat
     monkeypatch.setattr(exod.controller, "KEEP_DELETED", 2)
 
     async def body(controller):
-        ids = [controller.place("exod/not-there", 1) for _ in range(4)]
+        ids = [controller.place("exod/tiny-qwen2", 1) for _ in range(4)]
         for iid in ids:
             controller.delete(iid)
         await wait_for(controller, lambda s: len(s["instances"]) == 2)

@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import fsm
 from exod import chat
-from exod.controller import Controller, PlacementRefused
+from exod.controller import WRITE_RETRY, Controller, PlacementRefused, StoreUnavailable
 from exod.errors import ApiError, install, responses
 from exod.metrics import Metrics
 from exod.models import InvalidModelId
@@ -155,12 +155,15 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict[str, str]:
-        """Liveness: the daemon answers."""
-        return {"status": "ok"}
+        """Liveness: the daemon answers; degraded (it serves, but cannot write its state) says why."""
+        degraded = controller.status()["degraded"]
+        return {"status": "ok"} if degraded is None else {"status": "degraded", "reason": degraded}
 
     @app.get("/ready", responses=responses(503))
     async def ready() -> dict[str, Any]:
-        """Readiness: at least one instance is Ready."""
+        """Readiness: at least one instance is Ready, and the state can be written."""
+        if (degraded := controller.status()["degraded"]) is not None:
+            raise ApiError(503, f"degraded: {degraded}", headers={"Retry-After": str(int(WRITE_RETRY))})
         ready_state = fsm.InstanceState.READY.value
         ready = [i["instance_id"] for i in controller.status()["instances"] if i["state"] == ready_state]
         if not ready:
@@ -171,7 +174,7 @@ def create_app(
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/instances", status_code=201, responses=responses(400, 404, 409, 422))
+    @app.post("/instances", status_code=201, responses=responses(400, 404, 409, 422, 503))
     async def place(body: PlaceRequest) -> dict[str, Any]:
         """Place a model; `fsm.admit` decides up front, and a refusal stores nothing."""
         try:
@@ -181,6 +184,8 @@ def create_app(
         except PlacementRefused as exc:
             status, param = _REFUSAL_STATUS[exc.refusal]
             raise ApiError(status, str(exc), param=param, code=exc.refusal.value) from exc
+        except StoreUnavailable as exc:
+            raise ApiError(503, str(exc), headers={"Retry-After": str(int(WRITE_RETRY))}) from exc
         return find(instance_id)
 
     @app.get("/instances")

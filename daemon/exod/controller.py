@@ -33,6 +33,7 @@ import fsm
 from exod import protocol as p
 from exod import ring
 from exod.config import DaemonConfig
+from exod.journal import Journal
 from exod.models import ModelFiles, ModelNotFound
 from exod.orphans import reap_orphans, start_ticks
 from exod.reports import Reports
@@ -49,6 +50,11 @@ log = logging.getLogger("exod.controller")
 
 MAX_PLAN_ROUNDS = 64  # one change rarely needs more than a handful of plan → execute rounds
 KEEP_DELETED = 32  # deleted instances kept for `status` before they are forgotten
+WRITE_RETRY = 2.0  # seconds between attempts to write the state again while the store refuses it
+
+
+class StoreUnavailable(Exception):
+    """The state cannot be written now (the daemon is degraded): new placements wait until it can."""
 
 
 class PlacementRefused(Exception):
@@ -87,6 +93,7 @@ class Controller:
         self._nursery: trio.Nursery | None = None
         self.reaped_orphans: list[ProcessRecord] = []
         self.failure_counts: collections.Counter[str] = collections.Counter()  # by FailureKind value
+        self.journal = Journal(store)  # degraded while the store refuses writes: see exod.journal
 
     def now(self) -> float:
         """Wall time, read from trio's clock."""
@@ -112,7 +119,7 @@ class Controller:
             self.requests = self._new_book()  # callers of the previous daemon are gone
         self.reaped_orphans = reap_orphans(self.store.processes())
         for record in self.store.processes():
-            self.store.forget_process(record.runner_id, record.incarnation)
+            self.journal.forget_process(record.runner_id, record.incarnation)
         now = self.now()
         self.cluster.recover(now)
         for (node, model_id), machine in self.cluster.downloads.items():
@@ -128,6 +135,8 @@ class Controller:
             while True:
                 self._act()
                 deadline = fsm.next_deadline(self._view(), NODE, self.now())
+                if self.journal.degraded is not None:  # try the store again soon, even if nothing else happens
+                    deadline = min(deadline or math.inf, self.now() + WRITE_RETRY)
                 with trio.move_on_at(math.inf if deadline is None else deadline - self._wall_offset):
                     await self._wake.wait()
                 self._wake = trio.Event()
@@ -158,6 +167,8 @@ class Controller:
             )
         if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
             raise fsm.InvalidConfig(f"ranks must be an int >= 1, got {ranks!r}")
+        if self.journal.degraded is not None:  # the caller would be told of a placement a crash could lose
+            raise StoreUnavailable(f"{self.journal.degraded}; new placements wait until it can be written again")
         answer = self.admission(model_id, ranks)
         if not answer.admitted:
             assert answer.refusal is not None
@@ -197,7 +208,7 @@ class Controller:
         self._changed()
 
     def status(self) -> dict[str, Any]:
-        return status_of(self.cluster)
+        return {**status_of(self.cluster), "degraded": self.journal.degraded}
 
     def placed_models(self) -> list[str]:
         """Models with a live (not deleted) instance, sorted."""
@@ -232,8 +243,10 @@ class Controller:
         self._wake.set()
 
     def _commit(self) -> None:
-        if self.cluster.log:
-            self.store.save(self.cluster.to_dict(), self.cluster.log, self.now())
+        """Write what changed; a refused write keeps the entries (in the journal or here) for the next one."""
+        if not self.cluster.log:
+            self.journal.flush()
+        elif self.journal.save(self.cluster.to_dict, self.cluster.log, self.now()):
             self.cluster.log.clear()
             self.log_written.set()  # wakes the event streams; each waits on a fresh Event next time
             self.log_written = trio.Event()
@@ -393,7 +406,7 @@ class Controller:
         self._changed()
 
     def process_started(self, spec: RunnerSpec, pid: int) -> None:
-        self.store.record_process(ProcessRecord(spec.runner_id, spec.incarnation, pid, start_ticks(pid) or 0))
+        self.journal.record_process(ProcessRecord(spec.runner_id, spec.incarnation, pid, start_ticks(pid) or 0))
 
     def process_ended(self, spec: RunnerSpec) -> None:
-        self.store.forget_process(spec.runner_id, spec.incarnation)
+        self.journal.forget_process(spec.runner_id, spec.incarnation)

@@ -26,7 +26,7 @@ import trio
 import fsm
 from exod.api import create_app
 from exod.config import ServeConfig
-from exod.controller import Controller
+from exod.controller import Controller, StoreUnavailable
 from exod.http_server import serve_http
 from exod.statedir import AlreadyRunning as AlreadyRunning  # re-exported: callers catch it from here too
 from exod.statedir import state_dir_lock, write_private
@@ -59,7 +59,10 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                 log.warning("reaped %d runner(s) left by a previous daemon", len(controller.reaped_orphans))
             wanted = [(p.model or controller.register_local_model(p.path), p.ranks) for p in config.placements]
             for model_id, ranks in fsm.to_place(wanted, controller.placed_models()):
-                controller.place(model_id, ranks)
+                try:
+                    controller.place(model_id, ranks)
+                except StoreUnavailable as exc:  # serve what is placed; the configuration places again next start
+                    log.error("%s not placed: %s", model_id, exc)
             logging.getLogger("hypercorn.error").propagate = False  # it has its own handler
             async with trio.open_nursery() as nursery:
                 await nursery.start(controller.run)
