@@ -85,3 +85,8 @@ class Failure:
     @classmethod
     def peer_failed(cls, rank: int) -> Failure:
         return cls(FailureKind.PEER, f"rank {rank} of the same generation failed")
+
+    @classmethod
+    def peer_lost(cls, message: str, detail: str = "") -> Failure:
+        """A rank that lost its connection to a peer: the consequence of another rank's failure, not a cause."""
+        return cls(FailureKind.PEER, message, detail=detail)

@@ -12,7 +12,9 @@ Theory of operation
   eventless transition: the joint condition "nothing alive" triggers it).
   The next generation starts from BackingOff, so two generations never coexist.
 * Several ranks failing in one generation cost **one** retry: further
-  failures of a generation already Recovering are absorbed.
+  failures of a generation already Recovering are absorbed. ``last_failure``
+  is the first *cause*: a consequence reported first (``FailureKind.PEER``: a
+  rank that lost its connection to the one that died) gives way to it.
 * Backoff before generation n+1 is ``policy.backoff.delay(n)``; the deadline
   is armed when the old generation is fully reaped, and ``start`` is refused
   before it.
@@ -232,7 +234,7 @@ class InstanceRetry(Lifecycle):
         | ready.to(deleted, cond="last_charged_failure", on="_give_up_exhausted")
         | starting.to(recovering, on="_count_failure")
         | ready.to(recovering, on="_count_failure")
-        | recovering.to.itself(internal=True)
+        | recovering.to.itself(internal=True, on="_another_failure")
         | backing_off.to.itself(internal=True)
     )
     rank_stopped = (
@@ -360,6 +362,13 @@ class InstanceRetry(Lifecycle):
             self.uncharged += 1
         self.last_failure = failure
         self.ready_since = None
+
+    def _another_failure(self, failure: Failure) -> None:
+        """The generation has failed already: this failure costs nothing more. But the first report may be a
+        consequence (a peer that lost its connection) of this one (the rank that was killed): keep the cause."""
+        consequence = self.last_failure is not None and self.last_failure.kind is FailureKind.PEER
+        if consequence and failure.kind is not FailureKind.PEER:
+            self.last_failure = failure
 
     def _rank_gone(self, rank: int) -> None:
         self.live_ranks.discard(rank)

@@ -303,6 +303,9 @@ class FakeModels(ModelFiles):
             raise ModelNotFound(f"{model_id} is not in the fake cache")
         return self._paths[model_id]
 
+    def present(self, model_id: str) -> bool:
+        return model_id in self._paths
+
     def facts(self, model_id: str) -> fsm.ModelFacts | None:
         """Every model is on the fake hub: fetchable, its facts unknown (admission checks the limits alone)."""
         return None

@@ -283,3 +283,54 @@ def test_only_the_newest_deleted_instances_are_kept(tmp_path, hf_home, monkeypat
 
     ids, kept = with_controller(config(tmp_path, hf_home), body, limit=30)
     assert kept == ids[2:]
+
+
+def test_a_model_removed_from_the_cache_while_it_runs_is_fetched_again_not_deleted(tmp_path):
+    """README: a model that vanished is resolved again. The runner that dies of it is not the model's defect."""
+    import shutil
+
+    from daemon_harness import runner_pids
+
+    home = tmp_path / "hf"
+    make_tiny_model("exod/tiny-qwen2", hf_home=home)
+    cfg = config(tmp_path, home)
+
+    async def body(controller):
+        iid = controller.place("exod/tiny-qwen2", 1)
+        await wait_for(controller, is_ready(iid))
+        shutil.rmtree(home / "hub")  # `huggingface-cli delete-cache` while it serves
+        (pid,) = runner_pids()
+        os.kill(pid, signal.SIGKILL)
+        waiting = await wait_for(
+            controller, lambda s: (instance(s, iid)["download"] or {}).get("last_error", "") and True
+        )
+        make_tiny_model("exod/tiny-qwen2", hf_home=home)  # the model comes back (offline: into the cache)
+        ready = await wait_for(controller, lambda s: instance(s, iid)["state"] == "ready", timeout=90)
+        return instance(waiting, iid), instance(ready, iid)
+
+    waiting, ready = with_controller(cfg, body, limit=120)
+    assert waiting["state"] == "starting" and waiting["waiting_for"] == "download"
+    assert "neither cached" in waiting["download"]["last_error"]
+    assert ready["delete_reason"] is None and ready["generation"] >= 2
+
+
+def test_a_rank_killed_mid_generation_is_blamed_not_the_peer_that_lost_it(tmp_path, hf_home):
+    """Rank 0 sees '[ring] connection to a peer was lost', maybe before rank 1's exit is seen: the cause wins."""
+    from daemon_harness import runner_pid
+
+    async def body(controller):
+        iid = controller.place("exod/tiny-qwen2", 2)
+        await wait_for(controller, is_ready(iid))
+        victim = runner_pid(1)
+        with pytest.raises(RequestFailed):
+            async for _ in controller.requests.generate(iid, MESSAGES, max_tokens=100_000):
+                if victim is not None:
+                    os.kill(victim, signal.SIGKILL)  # at the first token: both ranks are in the ring's collectives
+                    victim = None
+        status = await wait_for(controller, lambda s: instance(s, iid)["state"] in ("backing_off", "starting", "ready"))
+        return instance(status, iid), [e for _, e in controller.transitions() if e.machine == "runner"]
+
+    inst, runner_log = with_controller(config(tmp_path, hf_home), body)
+    assert inst["attempts"] == 1 and inst["last_failure"] == "runner killed by SIGKILL"
+    causes = {e.key.rsplit("/", 1)[1]: e.cause for e in runner_log if e.target == "failed"}
+    assert "SIGKILL" in causes["1"]

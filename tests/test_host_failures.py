@@ -1,5 +1,6 @@
 """Failures of the host, not the model — no fds or disk to start a runner, a ring port another process took —
-end the generation and wait out the backoff, but spend no retry: the instance is never deleted by them."""
+end the generation and wait out the backoff, but spend no retry: the instance is never deleted by them.
+And a model whose files vanish from the cache is fetched again: that is no defect of the model either."""
 
 from __future__ import annotations
 
@@ -156,3 +157,36 @@ def test_a_squatted_ring_port_costs_nothing_and_the_next_generation_picks_new_po
     assert (inst["state"], inst["generation"], inst["attempts"], inst["uncharged"]) == ("ready", 3, 0, 2)
     assert "Couldn't bind socket" in inst["last_failure"]
     assert runner_pids() == []
+
+
+# -- a model whose files vanish as a runner loads it ---------------------------------------------------------
+
+
+class VanishingOnce(FakeModels):
+    """The first load finds the model's files gone from the cache (removed between the check and the read)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vanished = False
+
+    def defect(self, model_path: str) -> str | None:
+        if self.vanished:
+            return None
+        self.vanished = True
+        self._paths.clear()  # what `huggingface-cli delete-cache` did meanwhile
+        return "FileNotFoundError: No such file or directory: 'model.safetensors'"
+
+
+def test_a_load_that_finds_the_model_gone_fetches_it_again_instead_of_deleting_the_instance(tmp_path):
+    models = VanishingOnce()
+
+    async def body(sim: Sim):
+        iid = sim.controller.place(MODEL, 2)
+        return await until(sim.controller, ready_at(iid, 2)), sim.log("download")
+
+    status, downloads = simulate(tmp_path, body, models=models)
+    inst = status["instances"][0]
+    assert inst["delete_reason"] is None and inst["attempts"] == 1  # retried, not deleted as non-retryable
+    assert "vanished from the cache" in inst["last_failure"]
+    assert len([f for f in models.fetches if f[2] == "ok"]) == 2  # fetched again
+    assert ("completed", "pending") in [(e.source, e.target) for e in downloads]

@@ -1016,3 +1016,27 @@ def test_backing_off_after_host_failures_alone_is_a_snapshot_an_instance_could_b
     fail_generation(i, 1.0, failures=())
     assert (i.leaf, i.attempts, i.uncharged) == ("backing_off", 0, 1)
     assert InstanceRetry.from_dict(i.to_dict()).snapshot() == i.snapshot()
+
+
+# -- the first cause, not its consequence ---------------------------------------------------------------------
+
+PEER_LOST = fsm.Failure.peer_lost("RuntimeError: [ring] connection to a peer was lost")
+KILLED = fsm.Failure.signalled(9)
+
+
+@pytest.mark.parametrize("first", ["peer", "cause"])
+def test_last_failure_is_the_cause_whichever_report_came_first(first):
+    i = started(world_size=2)
+    make_ready(i, 1.0)
+    reports = [(0, PEER_LOST), (1, KILLED)] if first == "peer" else [(1, KILLED), (0, PEER_LOST)]
+    for rank, failure in reports:
+        i.apply(RankFailed("inst", 2.0, 1, rank, failure=failure))
+    assert (i.leaf, i.attempts, i.last_failure) == ("recovering", 1, KILLED)  # one retry, blamed on the kill
+
+
+def test_the_first_cause_stays_when_another_cause_follows():
+    i = started(world_size=3)
+    i.apply(RankFailed("inst", 2.0, 1, 0, failure=PEER_LOST))
+    i.apply(RankFailed("inst", 2.0, 1, 1, failure=KILLED))
+    i.apply(RankFailed("inst", 2.0, 1, 2, failure=fsm.Failure.exited(1)))
+    assert i.last_failure == KILLED

@@ -19,6 +19,7 @@ stored and must mean the same after a restart.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
 import secrets
@@ -27,6 +28,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import trio
 
 import fsm
@@ -395,6 +397,8 @@ class Controller:
         if self._stopping:  # the machines keep their state as of the shutdown; `restore` takes it from there
             return
         entry = self.cluster.runners.get(event.runner_id)
+        if isinstance(event, rn.Fail) and not event.failure.retryable and entry is not None:
+            event = self._unless_the_model_vanished(event, entry.instance_id)
         failed_before = entry is not None and entry.machine.failure is not None
         try:
             self.cluster.runner_event(event, self.now())
@@ -404,6 +408,19 @@ class Controller:
             log.warning("runner event %s refused: %s", event, exc)
         self.requests.fail_orphaned()
         self._changed()
+
+    def _unless_the_model_vanished(self, event: rn.Fail, instance_id: str) -> rn.Fail:
+        """A non-retryable failure is the model's defect, unless its files are gone from the cache: then it is
+        fetched again (the download back to Pending) and the failure retried like any other."""
+        model_id = self.cluster.instances[instance_id].model_id
+        if self.models.present(model_id):
+            return event
+        log.warning("the files of %s vanished while it ran: fetching it again", model_id)
+        self.models.forget(model_id)
+        with contextlib.suppress(fsm.FsmError):  # already being fetched again
+            self.cluster.download_event(NODE, dl.Invalidate(model_id, self.now()))
+        message = f"{event.failure.message} (the model's files vanished from the cache: fetching it again)"
+        return attrs.evolve(event, failure=attrs.evolve(event.failure, message=message, retryable=True))
 
     def process_started(self, spec: RunnerSpec, pid: int) -> None:
         self.journal.record_process(ProcessRecord(spec.runner_id, spec.incarnation, pid, start_ticks(pid) or 0))

@@ -247,6 +247,14 @@ def list_cached_models(hf_home: Path | None = None) -> list[CachedModel]:
     return sorted(models, key=lambda m: (m.repo_id, m.revision))
 
 
+def is_complete(directory: Path) -> bool:
+    """A model directory with its config and every weight file readable (the cache's symlinks not dangling)."""
+    try:
+        return (directory / "config.json").is_file() and all(f.is_file() for f in directory.glob("*.safetensors"))
+    except OSError:
+        return False
+
+
 def read_facts(directory: Path) -> fsm.ModelFacts | None:
     """A model directory's facts for admission, from config.json and the weights' sizes; None if unreadable
     (admission then checks the limits alone, and loading the model says what is wrong with it)."""
@@ -339,12 +347,25 @@ class ModelFiles:
         return path
 
     def path(self, model_id: str) -> Path:
-        """The model's directory once fetched (after a restart: found in the cache); `ModelNotFound` if gone."""
+        """The model's directory once fetched (after a restart: found in the cache); `ModelNotFound` if gone.
+
+        A directory found before is looked at again: files removed from the cache while the model ran
+        (``huggingface-cli delete-cache``, a full disk's cleanup) make it fetched again, not a runner failure.
+        """
         if model_id in self.local:
             return self.local[model_id]
+        if model_id in self._paths and not is_complete(self._paths[model_id]):
+            self.forget(model_id)
         if model_id not in self._paths:
             self._paths[model_id] = resolve_model(model_id, hf_home=self.hf_home, offline=True)
         return self._paths[model_id]
+
+    def present(self, model_id: str) -> bool:
+        """Whether the model's files are all on this node now."""
+        try:
+            return is_complete(self.path(model_id))
+        except (ModelNotFound, InvalidModelId):
+            return False
 
     def facts(self, model_id: str) -> fsm.ModelFacts | fsm.UnknownModel | None:
         """What admission needs: the model's facts if its files are here, `UnknownModel` if they can never

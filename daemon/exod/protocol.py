@@ -202,6 +202,7 @@ class Failed(Report):
     traceback: str
     retryable: bool
     host: bool = False  # the host's failure, not the model's (a ring port taken, no fds or disk): uncharged
+    peer: bool = False  # the ring lost a peer: the consequence of another rank's failure, not its cause
 
 
 COMMANDS: tuple[type[Command], ...] = (Connect, Load, WarmUp, Generate, Shutdown)

@@ -59,6 +59,9 @@ class Reports:
             case p.Failed(host=True):
                 message = f"{report.exception_type}: {report.message}"
                 event(rn.Fail(rid, inc, failure=fsm.Failure.host(message, detail=report.traceback)))
+            case p.Failed(peer=True):
+                message = f"{report.exception_type}: {report.message}"
+                event(rn.Fail(rid, inc, failure=fsm.Failure.peer_lost(message, detail=report.traceback)))
             case p.Failed():
                 failure = fsm.Failure.exception(
                     report.exception_type, report.message, retryable=report.retryable, detail=report.traceback

@@ -212,14 +212,25 @@ def is_host_failure(exc: BaseException) -> bool:
     return match is not None and int(match.group(1)) in HOST_ERRNOS
 
 
+# MLX's ring, when another rank died: "[ring] connection to a peer was lost" (after "closed by the peer")
+_PEER_LOST = ("connection to a peer was lost", "was closed by the peer")
+
+
+def is_peer_lost(exc: BaseException) -> bool:
+    """The ring lost a peer: this rank fails because another one did."""
+    return any(marker in str(exc) for marker in _PEER_LOST)
+
+
 def _failure_fields(exc: BaseException, *, loading: bool = False) -> dict[str, Any]:
     host = is_host_failure(exc)
+    peer = is_peer_lost(exc)
     return {
         "exception_type": type(exc).__name__,
         "message": str(exc),
         "traceback": "".join(traceback.format_exception(exc)),
-        "retryable": host or is_retryable(exc, loading=loading),
+        "retryable": host or peer or is_retryable(exc, loading=loading),
         "host": host,
+        "peer": peer,
     }
 
 
