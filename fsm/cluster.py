@@ -188,11 +188,17 @@ class Cluster:
     def recover(self, now: float) -> None:
         """After a daemon restart whose orphaned runners were all killed: make the machines say so.
 
-        Starting/Ready instances resume with a new generation (no retry charged); then every runner
-        that was alive is stopped and reaped, which a Recovering instance counts as reaped ranks.
+        Starting/Ready instances whose generation had runners resume with a new generation (no retry
+        charged; one with none yet lost nothing, and keeps its generation: a graceful stop, which says the
+        same, followed by a restart resumes once, not twice); then every runner that was alive is stopped
+        and reaped, which a Recovering instance counts as reaped ranks.
         """
         for instance_id, placement in self.instances.items():
-            if placement.machine.instance_state in (inst.InstanceState.STARTING, inst.InstanceState.READY):
+            m = placement.machine
+            had_runners = any(
+                e.instance_id == instance_id and e.machine.incarnation == m.generation for e in self.runners.values()
+            )
+            if m.instance_state in (inst.InstanceState.STARTING, inst.InstanceState.READY) and had_runners:
                 self.instance_event(inst.Resume(instance_id, now))
         for machine in [entry.machine for entry in self.runners.values()]:
             if not machine.alive:

@@ -397,3 +397,18 @@ def test_a_slot_whose_incarnation_already_ran_is_not_created_again_even_from_a_s
     with pytest.raises(fsm.InvalidEvent, match="still alive or newer"):
         cluster.execute(fsm.CreateRunner("i", "i/0", "a", 0, 2, 1, "org/m"), 2.0)
     assert cluster.to_dict() == before
+
+
+def test_recover_resumes_only_a_generation_that_had_runners():
+    """A graceful stop recovers (the runners stopped, the instance resumed): a restart then resumes nothing more."""
+    cluster = two_rank_cluster()
+    cluster.recover(now=5.0)  # the graceful stop
+    assert cluster.instance("i").generation == 2
+    again = Cluster.from_dict(cluster.to_dict())
+    again.recover(now=9.0)  # the restart: generation 2 has no runner yet, so it lost nothing
+    assert (again.instance("i").generation, again.instance("i").instance_state) == (2, fsm.InstanceState.STARTING)
+    fresh = Cluster()
+    fresh.place("j", "org/m", SLOTS)
+    fresh.execute(fsm.StartGeneration("j", 1), 0.0)
+    fresh.recover(now=1.0)  # started, no runner created yet: keeps its generation
+    assert fresh.instance("j").generation == 1

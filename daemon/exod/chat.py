@@ -14,8 +14,17 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from exod import protocol as p
 from exod.controller import Controller
+from exod.drain import unavailable
 from exod.errors import ApiError, responses
-from exod.requests import InstanceNotFound, InvalidRequest, ModelNotReady, Overloaded, QueueTimeout, RequestFailed
+from exod.requests import (
+    InstanceNotFound,
+    InvalidRequest,
+    ModelNotReady,
+    Overloaded,
+    QueueTimeout,
+    RequestFailed,
+    ShuttingDown,
+)
 
 MAX_MESSAGES = 256
 MAX_MESSAGE_CHARS = 100_000
@@ -119,6 +128,8 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
             raise rejected(ApiError(400, str(exc), param="messages")) from exc
         except Overloaded as exc:
             raise rejected(ApiError(429, str(exc), headers={"Retry-After": "1"}, code="rate_limit_exceeded")) from exc
+        except ShuttingDown as exc:
+            raise rejected(unavailable(str(exc))) from exc
         try:  # errors before the first token are still real HTTP errors, streaming or not
             await stream.wait_forwarded()
         except QueueTimeout as exc:
@@ -152,6 +163,9 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                         final = item
                 assert final is not None
                 done("ok", final.completion_tokens)
+            except ShuttingDown as exc:
+                done("error")
+                raise unavailable(str(exc)) from exc  # 503, not 502: nothing failed
             except RequestFailed as exc:
                 done("error")
                 raise ApiError(502, str(exc), error_type="server_error") from exc

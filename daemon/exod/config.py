@@ -72,6 +72,8 @@ class ServeConfig:
     read_timeout: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))  # to wait for a body, in all
     keep_alive_timeout: float = attrs.field(default=5.0, validator=attrs.validators.gt(0))  # idle, or for headers
     max_connections: int = attrs.field(default=256, validator=attrs.validators.gt(0))  # more wait to be accepted
+    # exod.drain: on SIGTERM/SIGINT, how long requests in progress may take to finish before they are ended
+    drain_timeout: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
 
     def check_exposure(self) -> None:
         """Binding beyond loopback needs a bearer token, or an explicit --insecure."""
@@ -107,6 +109,7 @@ _SECTIONS = {
         "read_timeout",
         "keep_alive_timeout",
         "max_connections",
+        "drain_timeout",
         "runners_per_node",
         "ranks_per_instance",
         "instances_per_model",
@@ -198,6 +201,7 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
         read_timeout=float(limits.get("read_timeout", 30.0)),
         keep_alive_timeout=float(limits.get("keep_alive_timeout", 5.0)),
         max_connections=connections,
+        drain_timeout=float(limits.get("drain_timeout", 30.0)),
     )
 
 

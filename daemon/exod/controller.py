@@ -144,19 +144,21 @@ class Controller:
                 self._wake = trio.Event()
 
     async def shutdown(self) -> None:
-        """Stop every runner the graceful way (ask → grace → SIGTERM → SIGKILL) and wait for them all.
+        """Stop every runner the graceful way (ask → grace → SIGTERM → SIGKILL), wait for them all, and log it.
 
-        The machines are left as they were: at the next start, `restore` resumes each live instance with a
-        fresh generation, charging no retry, exactly as after a crash.
+        Then the machines say what happened, in the words `restore` uses after a crash (`Cluster.recover`):
+        each live instance resumes with a fresh generation, charging no retry (the daemon ended it, not the
+        model), and each runner is stopped and reaped. The transition log records it when it happened.
         """
-        self._stopping = True
-        if not self._processes:
-            return
+        self._stopping = True  # from here the runners' own reports are not heard: `recover` says it all
         for process in list(self._processes.values()):
             process.stop()
-        t = self.config.timeouts
-        with trio.move_on_after(t.stop_grace + t.term_grace + 2.0):
-            await self._all_stopped.wait()
+        if self._processes:
+            t = self.config.timeouts
+            with trio.move_on_after(t.stop_grace + t.term_grace + 2.0):
+                await self._all_stopped.wait()
+        self.cluster.recover(self.now())
+        self._commit()
 
     # -- the public surface of the daemon's front ends ---------------------------------------
 

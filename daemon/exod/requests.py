@@ -41,6 +41,10 @@ class QueueTimeout(RequestFailed):
     """No Ready runner took the request in time (HTTP 503)."""
 
 
+class ShuttingDown(RequestFailed):
+    """The daemon is shutting down: it ended the request, or refused it, before it finished (HTTP 503)."""
+
+
 class Overloaded(Exception):
     """The instance's request queue is full."""
 
@@ -132,6 +136,7 @@ class RequestBook:
         self._now = now
         self._max_per_instance = max_per_instance
         self._requests: dict[str, _Request] = {}
+        self._closed: str | None = None  # why, once `fail_all` ended the book: every later submit is refused
 
     # -- callers -----------------------------------------------------------------------------
 
@@ -167,6 +172,8 @@ class RequestBook:
         stop: list[str] | None = None,
     ) -> RequestStream:
         """Queue a chat completion on an instance; refuses at once (not later) when it cannot take it."""
+        if self._closed is not None:
+            raise ShuttingDown(self._closed)
         placement = self.cluster.instances.get(instance_id)
         if placement is None or placement.machine.is_deleted:
             raise InstanceNotFound(f"no live instance {instance_id!r}")
@@ -227,6 +234,16 @@ class RequestBook:
 
     def cancel(self, request_id: str, reason: str) -> None:
         """End a request with an error (its caller sees `RequestFailed`), never a hang."""
+        self._fail(request_id, RequestFailed(reason))
+
+    def fail_all(self, reason: str) -> None:
+        """The daemon is going away: end every request, queued or in flight, with `ShuttingDown`, and refuse
+        new ones. A caller gets what was generated so far, then the error: its stream is never cut silently."""
+        self._closed = reason
+        for request_id in list(self._requests):
+            self._fail(request_id, ShuttingDown(reason))
+
+    def _fail(self, request_id: str, error: RequestFailed) -> None:
         request = self._requests.get(request_id)
         if request is None:
             return
@@ -234,7 +251,7 @@ class RequestBook:
             self.forget(request_id)
         elif not request.failed:
             request.failed = True
-            request.channel.send_nowait(RequestFailed(reason))
+            request.channel.send_nowait(error)
             request.answered.set()  # a queued request learns it at once, not at its queue timeout
 
     def deliver(self, runner_id: str, report: p.Token | p.Done) -> None:

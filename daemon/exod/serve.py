@@ -5,7 +5,8 @@
     serve
     ├── controller.run      plan → act; one supervisor task per runner process
     ├── exod.http_server    the HTTP API (hypercorn, with read timeouts and a connection limit)
-    └── signal watcher      SIGINT/SIGTERM → cancel all: every runner is stopped and reaped
+    └── signal watcher      SIGINT/SIGTERM → drain the requests (exod.drain; a second signal: end them now),
+                            then stop and reap every runner, then cancel all
 
 One daemon per state directory, which is private to its user (`exod.statedir`); the
 daemon's address is written to ``daemon.json`` there so the CLI finds it.
@@ -18,6 +19,7 @@ import json
 import logging
 import os
 import signal
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from pathlib import Path
 
@@ -27,6 +29,7 @@ import fsm
 from exod.api import create_app
 from exod.config import ServeConfig
 from exod.controller import Controller, StoreUnavailable
+from exod.drain import Drain, Gate
 from exod.http_server import serve_http
 from exod.statedir import AlreadyRunning as AlreadyRunning  # re-exported: callers catch it from here too
 from exod.statedir import state_dir_lock, write_private
@@ -72,6 +75,8 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                     max_body_bytes=config.max_body_bytes,
                     max_tokens_ceiling=config.max_tokens,
                 )
+                drain = Drain()
+                app = Gate(app, drain)
                 urls = await nursery.start(partial(serve_http, app, config))
                 url = urls[0]
                 write_private(state_dir / "daemon.json", json.dumps({"pid": os.getpid(), "url": url}))
@@ -80,15 +85,32 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                     f"  try:  exod status --state-dir {state_dir}\n"
                     f"        exod place exod/tiny-qwen2 --ranks 1 --url {url}\n"
                     f"        curl {url}/instances\n"
-                    "  stop: Ctrl-C (every runner is stopped and reaped)"
+                    "  stop: Ctrl-C (requests in progress finish, then every runner is stopped and reaped)"
                 )
                 with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                     async for signum in signals:
-                        announce(f"exod: {signal.Signals(signum).name} received, stopping runners")
+                        announce(
+                            f"exod: {signal.Signals(signum).name} received: taking no new requests, letting those "
+                            f"in progress finish (at most {config.drain_timeout:g} s; signal again to end them now)"
+                        )
                         break
-                await controller.shutdown()
+                    async with trio.open_nursery() as stopping:  # signals stay caught until the runners are reaped
+                        stopping.start_soon(_hurry_on_signal, signals, drain, announce)
+                        ended = await drain.run(config.drain_timeout, controller.requests.fail_all)
+                        if ended:
+                            announce(f"exod: ended {ended} request(s) still in progress with an error")
+                        announce("exod: stopping runners")
+                        await controller.shutdown()
+                        stopping.cancel_scope.cancel()
                 nursery.cancel_scope.cancel()
         finally:
             with contextlib.suppress(OSError):
                 (state_dir / "daemon.json").unlink()
             store.close()
+
+
+async def _hurry_on_signal(signals: AsyncIterator[int], drain: Drain, announce: Callable[[str], object]) -> None:
+    """A second SIGINT/SIGTERM: stop waiting for the requests in progress (the runners' stop has its own bound)."""
+    async for signum in signals:
+        announce(f"exod: {signal.Signals(signum).name} received again: not waiting for requests any longer")
+        drain.hurry()
