@@ -8,6 +8,10 @@ compound sources and targets resolved to their leaves. The first step that is
 not is reported with what was expected; everything else becomes coverage:
 which states and transitions of each machine the log exercised.
 
+A log may begin mid-way (a daemon prunes the oldest entries of its log), so a
+machine is taken to be where its first entry says, and followed from there: a
+suffix of a conforming log conforms.
+
 Markers that are not transitions: ``create`` (a runner process was started:
 its machine begins again in its initial state), ``place`` (an instance was
 placed) and ``forget`` (a deleted instance was dropped).

@@ -54,7 +54,7 @@ def with_controller(
     """
 
     async def main() -> Any:
-        store = Store.open(cfg.db_path)
+        store = Store.open(cfg.db_path, retention=cfg.retention)
         try:
             controller = Controller(cfg, store, **controller_args)
             controller.restore()
@@ -118,13 +118,17 @@ def exod(*args: str, env: dict[str, str], check: bool = True) -> subprocess.Comp
 
 
 def start_daemon(
-    tmp_path: Path, env: dict[str, str], *extra: str, state: Path | None = None
+    tmp_path: Path, env: dict[str, str], *extra: str, state: Path | None = None, nofile: int | None = None
 ) -> tuple[subprocess.Popen[bytes], str]:
+    """`exod serve` with ``tmp_path/exod.toml``; ``nofile``: its RLIMIT_NOFILE (an attacker's target)."""
+    import resource
+
     log = (tmp_path / "serve.log").open("ab")
     state = state or tmp_path / "state"
     args = [sys.executable, "-m", "exod", "serve", "--config", str(tmp_path / "exod.toml"), "--state-dir", str(state)]
     args += extra
-    daemon = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
+    limit = None if nofile is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
+    daemon = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:

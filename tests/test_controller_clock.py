@@ -40,7 +40,7 @@ DOWNLOADS = fsm.Backoff(initial=5.0, factor=2.0, cap=60.0)
 TIMEOUTS = Timeouts(connect=60, load_progress=120, warm_up=120, generate=300, stop_grace=5, term_grace=3)
 QUEUE_TIMEOUT = 30.0
 LIMIT = 86_400.0  # virtual seconds; with autojump a deadlock fails at once, never after a (real) day
-REAL_SECONDS = 5.0  # each simulation takes well under a second of real time; more means real waiting
+REAL_SECONDS = 30.0  # each takes well under a second of real time (more under load); real waiting takes far longer
 MODEL = "exod/tiny-qwen2"
 MESSAGES = [{"role": "user", "content": "What is a state machine?"}]
 

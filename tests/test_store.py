@@ -12,6 +12,7 @@ import pytest
 
 import fsm
 from daemon_harness import exod, start_daemon
+from exod.retention import Retention
 from exod.store import ProcessRecord, Store, StoreError
 from fsm.cluster import Cluster, LogEntry
 
@@ -117,6 +118,80 @@ def test_a_zero_byte_database_is_used_as_a_new_one_with_a_warning(tmp_path, capl
     assert f"{tmp_path / 'state.db'} is empty (0 bytes): starting with no state" in caplog.text
     assert store.load() is None
     store.close()
+
+
+# -- retention: the log stays bounded ---------------------------------------------------------
+
+DAY = 86_400.0
+
+
+def entry(time: float) -> LogEntry:
+    return LogEntry(time, "runner", "i/0", "e", "a", "b")
+
+
+def rows(store: Store) -> list[int]:
+    return [seq for seq, _ in store.transitions()]
+
+
+def test_the_log_keeps_at_most_max_log_rows_pruning_to_nine_tenths(tmp_path):
+    store = Store.open(tmp_path / "s.db", retention=Retention(max_log_rows=20))
+    counts = []
+    for seq in range(1, 61):
+        assert store.save({"v": seq}, [entry(float(seq))], now=float(seq)) == seq
+        kept = rows(store)
+        assert kept == list(range(kept[0], seq + 1))  # the newest, without gaps
+        assert store.log_start() == kept[0]
+        counts.append(len(kept))
+    assert max(counts) == 20 and min(counts[20:]) == 18  # past 20, pruned to 18: not at every save
+    assert counts[19:23] == [20, 18, 19, 20]
+    assert store.load() == {"v": 60}  # the state is the snapshot's, whatever the log keeps
+    store.close()
+    reopened = Store.open(tmp_path / "s.db")
+    assert reopened.log_start() == rows(reopened)[0] > 1  # readers learn where the log starts after a restart
+    reopened.close()
+
+
+def test_one_save_of_more_than_max_log_rows_keeps_the_newest(tmp_path):
+    store = Store.open(tmp_path / "s.db", retention=Retention(max_log_rows=10))
+    store.save({}, [entry(float(t)) for t in range(25)], now=25.0)
+    assert rows(store) == list(range(17, 26)) and store.log_start() == 17
+
+
+def test_the_log_keeps_nothing_older_than_max_log_age_days(tmp_path):
+    store = Store.open(tmp_path / "s.db", retention=Retention(max_log_age_days=10))
+    times = [0.0, 0.5 * DAY, 1.5 * DAY, 5 * DAY, 9.5 * DAY]
+    store.save({}, [entry(t) for t in times], now=9.5 * DAY)
+    assert rows(store) == [1, 2, 3, 4, 5] and store.log_start() == 1  # none is 10 days old yet
+    store.save({}, [entry(10.2 * DAY)], now=10.2 * DAY)  # entry 1 is past 10 days: prune to 9 days
+    assert [e.time for _, e in store.transitions()] == [1.5 * DAY, 5 * DAY, 9.5 * DAY, 10.2 * DAY]
+    assert store.log_start() == 3
+    store.save({}, [], now=30 * DAY)  # a save with nothing new, long after: the whole log is past the age
+    assert rows(store) == [] and store.log_start() == 7
+
+
+def test_a_log_within_its_bounds_is_not_touched(tmp_path):
+    store = Store.open(tmp_path / "s.db")  # the defaults: 100,000 rows, 30 days
+    store.save({}, [entry(float(t)) for t in range(1000)], now=1000.0)
+    assert rows(store) == list(range(1, 1001)) and store.log_start() == 1
+    assert store._db.execute("SELECT value FROM meta WHERE key = 'log_start'").fetchone() is None
+
+
+def test_pruning_reads_and_deletes_only_the_head_of_the_log(tmp_path):
+    store = Store.open(tmp_path / "s.db", retention=Retention(max_log_rows=10, max_log_age_days=1))
+    store.save({}, [entry(float(t)) for t in range(10)], now=10.0)
+    statements: list[str] = []
+    store._db.set_trace_callback(statements.append)
+    store.save({}, [entry(DAY + 20)], now=DAY + 20)  # past both bounds
+    store._db.set_trace_callback(None)
+    assert rows(store) == [11]
+    plans = {
+        sql: " ".join(row[-1] for row in store._db.execute("EXPLAIN QUERY PLAN " + sql))
+        for sql in statements
+        if "FROM transitions" in sql
+    }
+    deletes = [plan for sql, plan in plans.items() if sql.startswith("DELETE")]
+    assert deletes and all("USING INTEGER PRIMARY KEY (rowid<?)" in plan for plan in deletes), plans
+    assert not any("TEMP B-TREE" in plan for plan in plans.values()), plans  # nothing sorted: rowid order
 
 
 # -- `exod serve` on such files ---------------------------------------------------------------

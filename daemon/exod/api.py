@@ -239,6 +239,8 @@ def create_app(
 
         A resume point must be a sequence number the log could hold (0..2^63-1), or it is a 400 before the
         stream starts. One beyond the newest entry is not an error: the stream waits for entries past it.
+        One older than the log's start (`exod.retention` pruned what came after it) gets a ``truncated``
+        event first, whose id is the last pruned entry's, then the stream from the oldest entry kept.
         """
         start = last_event_id if last_event_id is not None else after
 
@@ -246,6 +248,10 @@ def create_app(
             seen = start
             while True:
                 written = controller.log_written  # taken before reading: a commit in between is not missed
+                if seen < (oldest := controller.log_start()) - 1:  # also when a slow reader is overtaken
+                    doc = {"oldest_seq": oldest, "after": seen}
+                    yield f"id: {oldest - 1}\nevent: truncated\ndata: {json.dumps(doc)}\n\n"
+                    seen = oldest - 1
                 batch = list(controller.transitions(after=seen, limit=500))
                 for seq, e in batch:
                     seen = seq

@@ -518,7 +518,10 @@ def check(
     help="Also write the log as JSONL to this file.",
 )
 def replay(state_dir, jsonl, export) -> None:
-    """Replay a transition log against the machines: first divergence, and coverage. Exits 1 on divergence."""
+    """Replay a transition log against the machines: first divergence, and coverage. Exits 1 on divergence.
+
+    A log that [retention] pruned is replayed from its oldest entry kept, and says so.
+    """
     import json
 
     from fsm.cluster import LogEntry
@@ -541,9 +544,18 @@ def replay(state_dir, jsonl, export) -> None:
         except StoreError as exc:
             raise click.ClickException(str(exc)) from exc
         try:
+            start = store.log_start()
             entries = [entry for _, entry in store.transitions()]
         finally:
             store.close()
+        if start > 1:
+            from datetime import datetime
+
+            when = f" ({datetime.fromtimestamp(entries[0].time).astimezone():%Y-%m-%d %H:%M:%S %z})" if entries else ""
+            click.echo(
+                f"history before seq {start}{when} was pruned by the [retention] settings of the config; "
+                "replaying from there"
+            )
     if export is not None:
         export.write_text("".join(json.dumps(e.as_record()) + "\n" for e in entries))
     report = run_replay(entries)

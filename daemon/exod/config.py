@@ -14,6 +14,7 @@ import platformdirs
 import fsm
 from exod.faults import Fault, FaultSpec
 from exod.models import validate_model_id
+from exod.retention import Retention
 from exod.supervisor import Timeouts
 from fsm.admit import MIB
 
@@ -34,6 +35,7 @@ class DaemonConfig:
     faults: tuple[FaultSpec, ...] = ()  # injected faults, for tests (exod.faults); empty in production
     memory_bytes: int = attrs.Factory(lambda: host_memory())  # what admission may reserve on this node
     limits: fsm.Limits = attrs.Factory(lambda self: fsm.Limits.for_memory(self.memory_bytes), takes_self=True)
+    retention: Retention = attrs.Factory(Retention)  # what the transition log and the runner files keep
 
     @property
     def db_path(self) -> Path:
@@ -101,6 +103,7 @@ _SECTIONS = {
     "timeouts": {f.name for f in attrs.fields(Timeouts)},  # connect, load_progress, warm_up, generate, …
     "place": {"model", "path", "ranks"},
     "fault": {"rank", "generation", "phase", "kind"},  # fault injection, for tests: never set by default
+    "retention": {f.name for f in attrs.fields(Retention)},  # max_log_rows, max_log_age_days, keep_runner_logs
     "limits": {
         "max_requests_per_instance",
         "queue_timeout",
@@ -170,6 +173,12 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
     for key in whole:
         if key in limits and not isinstance(limits[key], int):
             raise ConfigError(f"{where}: [limits] {key} must be a whole number, got {limits[key]!r}")
+    kept = data.get("retention", {})
+    for key, value in kept.items():  # whole numbers, but for the age: a day and a half is fine
+        number = (int, float) if key == "max_log_age_days" else int
+        if isinstance(value, bool) or not isinstance(value, number) or value <= 0:
+            what = "a positive number" if key == "max_log_age_days" else "a whole number >= 1"
+            raise ConfigError(f"{where}: [retention] {key} must be {what}, got {value!r}")
     connections = limits.get("max_connections", 256)
     memory = host_memory()
     sized = fsm.Limits.for_memory(memory, runner_floor_bytes=limits.get("runner_memory_mib", 512) * MIB)
@@ -190,6 +199,7 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
         faults=faults,
         memory_bytes=memory,
         limits=admission,
+        retention=Retention(**kept),
     )
     return ServeConfig(
         daemon=daemon,

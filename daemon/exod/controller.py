@@ -33,7 +33,7 @@ import trio
 
 import fsm
 from exod import protocol as p
-from exod import ring
+from exod import retention, ring
 from exod.config import DaemonConfig
 from exod.journal import Journal
 from exod.models import ModelFiles, ModelNotFound
@@ -95,6 +95,7 @@ class Controller:
         self._nursery: trio.Nursery | None = None
         self.reaped_orphans: list[ProcessRecord] = []
         self.failure_counts: collections.Counter[str] = collections.Counter()  # by FailureKind value
+        self._generation_processes: collections.Counter[tuple[str, int]] = collections.Counter()  # (instance, gen)
         self.journal = Journal(store)  # degraded while the store refuses writes: see exod.journal
 
     def now(self) -> float:
@@ -234,6 +235,10 @@ class Controller:
         """The durable transition log after sequence number ``after``; `log_written` is set when it grows."""
         return self.store.transitions(after=after, limit=limit)
 
+    def log_start(self) -> int:
+        """The first sequence number the log still holds: the entries before it were pruned (`exod.retention`)."""
+        return self.store.log_start()
+
     # -- plan → execute ------------------------------------------------------------------
 
     def _view(self) -> fsm.ClusterView:
@@ -285,6 +290,7 @@ class Controller:
         ]
         for iid in done[: max(0, len(done) - KEEP_DELETED)]:
             self.cluster.forget(iid)
+            retention.forget_instance(self.config.state_dir, iid)
             self.cluster.log.append(LogEntry(now, "instance", iid, "forget", "deleted", ""))
 
     def _execute(self, action: fsm.Action, now: float) -> None:
@@ -335,12 +341,13 @@ class Controller:
             rank=rank,
             world_size=action.world_size,
             hostfile=hostfile,
-            log_path=self.config.state_dir / "logs" / action.instance_id / f"rank{rank}-gen{gen}.log",
+            log_path=retention.runner_log_path(self.config.state_dir, action.instance_id, rank, gen),
             fault=next((str(f.fault) for f in self.config.faults if f.applies(rank, gen)), None),
         )
         process = self._spawn(spec, self._reports, self.config.timeouts)
         self._processes[(action.runner_id, gen)] = process
-        self._nursery.start_soon(self._supervise, process)
+        self._generation_processes[(action.instance_id, gen)] += 1
+        self._nursery.start_soon(self._supervise, process, action.instance_id)
 
     def _post(self, runner_id: str, incarnation: int, command: p.Command) -> None:
         if (process := self._processes.get((runner_id, incarnation))) is not None:
@@ -349,7 +356,7 @@ class Controller:
     def _hostfile(self, instance_id: str, generation: int, world_size: int) -> Path | None:
         if world_size == 1:
             return None
-        return ring.hostfile(self.config.state_dir / "run" / instance_id / f"gen{generation}.hostfile.json", world_size)
+        return ring.hostfile(retention.hostfile_path(self.config.state_dir, instance_id, generation), world_size)
 
     async def _download(self, model_id: str) -> None:
         try:
@@ -367,7 +374,7 @@ class Controller:
         except fsm.FsmError as exc:  # e.g. a late callback after the download ended
             log.debug("download progress for %s ignored: %s", model_id, exc)
 
-    async def _supervise(self, process: Process) -> None:
+    async def _supervise(self, process: Process, instance_id: str) -> None:
         spec = process.spec
         try:
             await process.run()
@@ -381,6 +388,12 @@ class Controller:
                 self.runner_event(rn.Exited(spec.runner_id, spec.incarnation, exit_code=1))
         finally:
             self._processes.pop((spec.runner_id, spec.incarnation), None)
+            generation = (instance_id, spec.incarnation)
+            self._generation_processes[generation] -= 1
+            if not self._generation_processes[generation]:  # its last process is reaped: the generation is over
+                del self._generation_processes[generation]
+                keep = self.config.retention.keep_runner_logs
+                retention.forget_generation(self.config.state_dir, instance_id, spec.incarnation, keep)
             if self._stopping and not self._processes:
                 self._all_stopped.set()
 

@@ -51,7 +51,7 @@ def daemon_address(state_dir: Path) -> str | None:
 async def serve(config: ServeConfig, *, announce=print) -> None:
     state_dir = config.daemon.state_dir
     with state_dir_lock(state_dir):
-        store = Store.open(config.daemon.db_path)
+        store = Store.open(config.daemon.db_path, retention=config.daemon.retention)
         try:
             controller = Controller(config.daemon, store)
             try:

@@ -6,6 +6,11 @@ step), so it is written whole, in the same transaction as the log entries that
 led to it. A reader of the log never sees a transition whose state was lost,
 and a restarted daemon resumes from exactly what was acknowledged.
 
+The log is bounded (`exod.retention.Retention`): each save prunes its oldest rows once there are more
+than ``max_log_rows`` or the oldest is older than ``max_log_age_days``, down to nine tenths of the bound
+so that pruning runs now and then, not at every save. Only a prefix is ever deleted, so what remains is
+the log from `log_start` on, without gaps; the meta key ``log_start`` records where that is.
+
 The store never repairs or overwrites a file it cannot read: a corrupt
 database, or a snapshot that does not restore, is an operator's decision, so
 `open` and `load` refuse it with `StoreError` (and the daemon, whose machines
@@ -25,12 +30,15 @@ from typing import Any
 
 import attrs
 
+from exod.retention import Retention
 from exod.statedir import PRIVATE_FILE, private_dir
 from fsm.cluster import LogEntry
 
 log = logging.getLogger("exod.store")
 
 SCHEMA_VERSION = 1
+DEFAULT_RETENTION = Retention()
+PRUNE_TO = 0.9  # a bound passed, the log is pruned to this fraction of it (a tenth of the rows, or of the age)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -62,13 +70,15 @@ class ProcessRecord:
 
 
 class Store:
-    def __init__(self, connection: sqlite3.Connection, path: Path) -> None:
+    def __init__(self, connection: sqlite3.Connection, path: Path, retention: Retention = DEFAULT_RETENTION) -> None:
         self._db = connection
         self.path = path
+        self.retention = retention
 
     @classmethod
-    def open(cls, path: Path) -> Store:
-        """Open the database at ``path``, creating it (0600, its directory 0700) if there is none.
+    def open(cls, path: Path, *, retention: Retention = DEFAULT_RETENTION) -> Store:
+        """Open the database at ``path``, creating it (0600, its directory 0700) if there is none; each save
+        prunes the log to ``retention``.
 
         A 0-byte file is what a database becomes when its first write never happened (a crash between
         creating the file and writing the schema) or when something truncated it; SQLite reads it as an
@@ -100,7 +110,7 @@ class Store:
                 f"{path} is not a usable exod state database ({exc}). It was left untouched: "
                 "move it aside to start from an empty state, or pass another --state-dir."
             ) from exc
-        store = cls(db, path)
+        store = cls(db, path, retention)
         store._check_version()
         return store
 
@@ -121,7 +131,8 @@ class Store:
     # -- state and log ----------------------------------------------------------------
 
     def save(self, snapshot: dict[str, Any], entries: Iterable[LogEntry], now: float) -> int:
-        """Write the snapshot and append ``entries`` atomically; returns the last log sequence number."""
+        """Write the snapshot, append ``entries`` and prune the log (`retention`) atomically; returns the last log
+        sequence number."""
         body = json.dumps(snapshot, sort_keys=True)
         with self._db:
             self._db.execute("BEGIN IMMEDIATE")
@@ -135,7 +146,36 @@ class Store:
                 (body, now),
             )
             (seq,) = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM transitions").fetchone()
+            self._prune(seq, now)
         return seq
+
+    def _prune(self, last: int, now: float) -> None:
+        """Delete the log's oldest rows if a bound is passed. Cheap when none is: one look at the oldest row."""
+        retention = self.retention
+        oldest = self._db.execute("SELECT seq, time FROM transitions ORDER BY seq LIMIT 1").fetchone()
+        if oldest is None:
+            return
+        oldest_seq, oldest_time = oldest
+        through = 0  # delete the rows with seq <= through
+        if oldest_seq <= last - retention.max_log_rows:
+            through = last - max(1, int(retention.max_log_rows * PRUNE_TO))
+        if oldest_time < now - retention.max_log_age:
+            # the first row young enough, scanning from the oldest: time follows seq, so this reads what goes
+            young = self._db.execute(
+                "SELECT seq FROM transitions WHERE time >= ? ORDER BY seq LIMIT 1",
+                (now - retention.max_log_age * PRUNE_TO,),
+            ).fetchone()
+            through = max(through, last if young is None else young[0] - 1)
+        if through < oldest_seq:
+            return
+        self._db.execute("DELETE FROM transitions WHERE seq <= ?", (through,))
+        self._db.execute("INSERT OR REPLACE INTO meta VALUES ('log_start', ?)", (str(through + 1),))
+        log.info("transition log pruned: entries before %d deleted (see [retention] in the config)", through + 1)
+
+    def log_start(self) -> int:
+        """The sequence number the log starts at: 1, unless retention pruned the entries before it."""
+        row = self._db.execute("SELECT value FROM meta WHERE key = 'log_start'").fetchone()
+        return 1 if row is None else int(row[0])
 
     def load(self) -> dict[str, Any] | None:
         """The last saved snapshot (None if none was ever saved); `StoreError` if it is not a JSON object."""
