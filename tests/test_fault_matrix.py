@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import attrs
 import pytest
 import trio
+from reliability_report import WRITE, write_section
 
 import fsm
 from daemon_harness import (
@@ -153,7 +153,7 @@ def test_fault(tmp_path, hf_home, phase: FaultPhase, kind: FaultKind):
 def reliability_report():
     """`make reliability`: once the whole matrix ran, what it observed becomes specs/reliability.md."""
     yield
-    if os.environ.get("EXOD_WRITE_RELIABILITY") == "1" and len(OBSERVED) == len(FaultPhase) * len(FaultKind):
+    if WRITE and len(OBSERVED) == len(FaultPhase) * len(FaultKind):
         write_report()
 
 
@@ -170,7 +170,7 @@ def write_report() -> None:
             f"{'yes' if o.get('served_after') else 'no'} | {o['seconds']} |"
         )
     text = (
-        "# Reliability: the fault-injection matrix\n\n"
+        "## The fault-injection matrix\n\n"
         "Written by `make reliability` (tests/test_fault_matrix.py) from what the run observed, not by hand. "
         "Each row: a real 2-rank instance of the tiny model, a fault armed on rank 1 of generation 1 at that "
         "phase, of that kind. Every row also asserted: one_for_all (every generation-1 runner stopped before "
@@ -179,4 +179,4 @@ def write_report() -> None:
         "Dying or stalling while being stopped is how a stop ends, so those rows record no failure; a slow phase "
         "is survived without one.\n\n" + "\n".join(rows) + "\n"
     )
-    (Path(__file__).resolve().parent.parent / "specs" / "reliability.md").write_text(text)
+    write_section("matrix", text)

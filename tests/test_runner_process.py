@@ -403,3 +403,18 @@ def test_closing_the_control_channel_ends_a_runner_stuck_in_ring_init(spawn, tmp
     runner.sock.close()
     assert runner.wait(timeout=10) == -signal.SIGKILL  # no Python thread can run: killed, not exited
     assert time.monotonic() - started < 5
+
+
+def test_a_runner_imports_mlx_lm_under_a_hard_descriptor_limit_below_what_mlx_lm_asks():
+    """mlx_lm.utils asks for RLIMIT_NOFILE (2048, 4096) at import: under a lower hard limit that raised."""
+    import subprocess
+    import sys
+
+    code = (
+        "import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))\n"
+        "from exod.runner import import_mlx_lm; import_mlx_lm()\n"
+        "from mlx_lm.utils import load_model; print(resource.getrlimit(resource.RLIMIT_NOFILE))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "(256, 256)"

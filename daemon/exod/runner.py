@@ -31,6 +31,7 @@ import logging
 import os
 import queue
 import re
+import resource
 import select
 import signal
 import socket
@@ -296,6 +297,7 @@ class Runner:
 
     def load(self, model_path: Path) -> None:
         import mlx.core as mx
+        import_mlx_lm()
         from mlx_lm.utils import load_model, load_tokenizer
 
         if self.world_size > 1 and self.group is None:
@@ -406,6 +408,7 @@ class Runner:
 
     def _stream(self, prompt: list[int], max_tokens: int, temperature: float, top_p: float, seed: int) -> Iterator[Any]:
         import mlx.core as mx
+        import_mlx_lm()
         from mlx_lm import stream_generate
         from mlx_lm.sample_utils import make_sampler
 
@@ -435,6 +438,30 @@ def _stop_prefix_len(text: str, stops: list[str]) -> int:
 
 
 # -- entry point ------------------------------------------------------------------
+
+
+def import_mlx_lm() -> None:
+    """Import mlx_lm within this process's descriptor limit.
+
+    ``mlx_lm.utils`` sets RLIMIT_NOFILE to (2048, 4096) when imported, which raises ValueError wherever the
+    hard limit is lower (containers, systemd units, a daemon started with ``ulimit -Hn 1024``): every runner
+    would fail, every generation. The call is clamped to the hard limit for that one import.
+    """
+    if "mlx_lm.utils" in sys.modules:
+        return
+    real = resource.setrlimit
+
+    def clamped(which: int, limits: tuple[int, int]) -> None:
+        hard = resource.getrlimit(which)[1]
+        if which == resource.RLIMIT_NOFILE and hard != resource.RLIM_INFINITY:
+            limits = (min(limits[0], hard), min(limits[1], hard))
+        real(which, limits)
+
+    resource.setrlimit = clamped  # type: ignore[assignment]
+    try:
+        import mlx_lm.utils  # noqa: F401
+    finally:
+        resource.setrlimit = real
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

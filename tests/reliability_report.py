@@ -1,0 +1,68 @@
+"""specs/reliability.md, written by the test run from what it observed (`make reliability`), never by hand.
+
+Two sections, each rewritten only when every row of it was observed in the run, so that running one part
+of the suite leaves the other as the last complete run wrote it: the fault-injection matrix
+(tests/test_fault_matrix.py) and the attacks (the abuse tests of issue #10, each with real processes).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+SPEC = Path(__file__).resolve().parent.parent / "specs" / "reliability.md"
+WRITE = os.environ.get("EXOD_WRITE_RELIABILITY") == "1"
+
+TITLE = "# Reliability\n\nWritten by `make reliability` from what the test run observed, not by hand.\n"
+
+# attack -> what must happen; the tests fill in what did
+ATTACKS: dict[str, str] = {
+    "admission flood": "refusals up front (404/409/422), nothing stored, runners within the limits; "
+    "a restart restores what was admitted and nothing more",
+    "fd exhaustion": "connections beyond max_connections wait unaccepted; the daemon keeps the fds to "
+    "restart a runner; the API answers once the attacker lets go",
+    "slow clients": "half-sent requests are closed after the header/body timeouts; nothing stays open",
+    "disk full": "degraded, never a crash: serving goes on, placements 503, /health says why; "
+    "the log is written once space returns, nothing lost",
+    "port squatting": "a ring port taken is the host's failure: no retry spent, the backoff waited, "
+    "new ports next generation, never deleted",
+    "lock deleted": "a second daemon on the same state dir is refused even with daemon.lock deleted; "
+    "the first one's runners are untouched",
+    "SIGTERM under load": "requests in progress finish (streams end with [DONE]); new ones get 503; "
+    "runners stopped and their shutdown logged; exit 0",
+    "growth over a crash loop": "at least 20 generations of real processes; log rows, runner logs and "
+    "hostfiles stay within the retention setting",
+}
+OBSERVED: dict[str, str] = {}
+
+
+def attack(name: str, observed: str) -> None:
+    """What the test of ``name`` observed, in one line, for the attacks table."""
+    assert name in ATTACKS, f"unknown attack {name!r}: add it to ATTACKS"
+    OBSERVED[name] = observed.replace("|", "/").replace("\n", " ")
+
+
+def write_section(name: str, body: str) -> None:
+    """Replace section ``name`` of the spec (``<!-- NAME -->`` … ``<!-- /NAME -->``), keeping the others."""
+    text = SPEC.read_text() if SPEC.exists() else TITLE
+    block = f"<!-- {name} -->\n{body.strip()}\n<!-- /{name} -->"
+    pattern = re.compile(rf"<!-- {re.escape(name)} -->.*?<!-- /{re.escape(name)} -->", re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    if not text.startswith(TITLE):
+        text = TITLE + "\n" + text[text.index("<!--") :]
+    SPEC.write_text(text)
+
+
+def write_attacks() -> bool:
+    """The attacks table, if every attack was observed in this run; True if written."""
+    if set(OBSERVED) != set(ATTACKS):
+        return False
+    rows = ["| attack | expected | observed |", "|---|---|---|"]
+    rows += [f"| {name} | {expected} | {OBSERVED[name]} |" for name, expected in ATTACKS.items()]
+    write_section(
+        "attacks",
+        "## Attacks\n\nAs an adversary on this machine would (a local client, no special rights): each row a "
+        "test with real processes (tests/test_attacks.py and the tests it names).\n\n" + "\n".join(rows),
+    )
+    return True
