@@ -32,9 +32,11 @@ specs: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
 
-## reliability: run the fault-injection matrix and write what it observed to specs/reliability.md
+## reliability: run the fault-injection matrix and the attacks, and write what they observed to specs/reliability.md
+ATTACK_TESTS := tests/test_attacks.py tests/test_admission.py tests/test_degraded.py tests/test_host_failures.py \
+                tests/test_state_dir.py tests/test_drain.py tests/test_retention.py
 reliability: $(STAMP)
-	EXOD_WRITE_RELIABILITY=1 $(BIN)/python -m pytest -q tests/test_fault_matrix.py
+	EXOD_WRITE_RELIABILITY=1 $(BIN)/python -m pytest -q tests/test_fault_matrix.py $(ATTACK_TESTS)
 
 ## mutation: mutation testing of fsm's machines and planner with the fast unit tests (by hand, not in CI; ~20 min on 2 cores)
 ##           MUTATION_ARGS="backoff download" for some modules; see tools/mutation.py

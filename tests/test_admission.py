@@ -9,6 +9,7 @@ import sqlite3
 
 import httpx
 import pytest
+from reliability_report import attack
 
 from daemon_harness import runner_pids, start_daemon
 from exod.tiny_model import make_tiny_model
@@ -86,9 +87,16 @@ def test_a_flood_of_placements_is_held_to_the_limits_and_a_restart_multiplies_no
         assert sorted(i["instance_id"] for i in restored) == admitted  # restored as admitted, nothing added
         assert len(runner_pids()) <= 2
         assert place(url, "exod/tiny-qwen2", 1).status_code == 409  # the restored ones still count
+        runners = len(runner_pids())
     finally:
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(timeout=60) == 0
+    attack(
+        "admission flood",
+        f"30 placements of 1 rank: {codes.count(201)} admitted, {codes.count(409)} refused 409 (instances_per_model "
+        "= 2); an unknown model 404, 3 ranks of a 2-layer model and 64 ranks 422, nothing stored for them; "
+        f"at most 2 runner processes; after a restart {len(restored)} instances, {runners} runners",
+    )
 
 
 def test_a_configuration_asking_for_what_admission_refuses_does_not_start(tmp_path, env):

@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 import trio
+from reliability_report import attack
 from test_controller_clock import MODEL, Sim, chat, instance, ready_at, simulate, until
 
 from daemon_harness import start_daemon, wait_instance
@@ -131,5 +132,10 @@ def test_a_daemon_whose_disk_fills_keeps_serving_and_writes_again_when_space_ret
             "SELECT count(*) FROM transitions WHERE machine = 'runner' AND target = 'busy' AND time > ?", (filled_at,)
         ).fetchone()[0]
     assert busy >= 2 * 2  # both requests, both ranks: written once space returned, nothing lost
+    attack(
+        "disk full",
+        f"a 4 MiB tmpfs state dir filled up: /health said '{health['reason']}', /ready 503, placements 503, "
+        f"chat 200 throughout; {busy} transitions of the outage written once space returned",
+    )
     assert ready["state"] == "ready"
     shutil.rmtree(small_disk / "state", ignore_errors=True)

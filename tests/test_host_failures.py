@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import trio
 from fake_runners import FakeFleet, FakeModels, FakeRunner
+from reliability_report import attack
 from test_controller_clock import MODEL, POLICY, Sim, instance, ready_at, simulate, until
 
 import fsm
@@ -157,6 +158,11 @@ def test_a_squatted_ring_port_costs_nothing_and_the_next_generation_picks_new_po
     assert (inst["state"], inst["generation"], inst["attempts"], inst["uncharged"]) == ("ready", 3, 0, 2)
     assert "Couldn't bind socket" in inst["last_failure"]
     assert runner_pids() == []
+    attack(
+        "port squatting",
+        f"rank 0's ring port taken for 2 generations (max_retries = 1): '{inst['last_failure']}' twice, "
+        f"{inst['attempts']} retries spent, {inst['uncharged']} uncharged, Ready at generation 3 on new ports",
+    )
 
 
 # -- a model whose files vanish as a runner loads it ---------------------------------------------------------

@@ -17,6 +17,7 @@ import httpx
 import pytest
 import trio
 from click.testing import CliRunner
+from reliability_report import attack
 from test_conformance import recorded_log
 from test_controller_clock import Sim, settled, simulate, until
 
@@ -305,3 +306,10 @@ def test_a_crash_loop_of_real_runners_stays_within_the_retention_bounds(tmp_path
         store.close()
     assert kept <= RETENTION.max_log_rows and start > 1
     assert_log_conforms(cfg.db_path)  # what is kept still replays through the machines
+    attack(
+        "growth over a crash loop",
+        f"{last} generations, a rank SIGKILLed in each (max_log_rows = {RETENTION.max_log_rows}, keep_runner_logs"
+        f" = {keep}): at most {max(s[1] for s in samples)} runner logs, {max(s[2] for s in samples)} hostfile(s) "
+        f"and {max(s[3] for s in samples)} log rows at any time; at the end {len(logs)} logs, no hostfile, "
+        f"{kept} rows from seq {start}, and the log replays",
+    )

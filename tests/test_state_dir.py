@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from reliability_report import attack
 
 from daemon_harness import runner_pids, start_daemon, wait_instance
 from exod import ring
@@ -180,6 +181,11 @@ def test_deleting_the_lock_file_does_not_let_a_second_daemon_in(tmp_path, env):
     finally:
         assert stop(first) == 0
     assert runner_pids() == []
+    attack(
+        "lock deleted",
+        f"daemon.lock deleted under a running daemon: a second `exod serve` exited {second.returncode} with "
+        f"'another exod daemon is using …'; the first's {len(runners)} runners untouched, still Ready at generation 1",
+    )
 
 
 def test_nothing_in_the_state_dir_is_open_to_other_users(tmp_path, env):

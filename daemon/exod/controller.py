@@ -40,7 +40,6 @@ from exod.models import ModelFiles, ModelNotFound
 from exod.orphans import reap_orphans, start_ticks
 from exod.reports import Reports
 from exod.requests import InstanceNotFound, RequestBook
-from exod.runner import HOST_ERRNOS
 from exod.status import NODE, status_of
 from exod.store import ProcessRecord, Store
 from exod.supervisor import Process, RunnerSpec, Spawn, Supervisor
@@ -95,7 +94,7 @@ class Controller:
         self._nursery: trio.Nursery | None = None
         self.reaped_orphans: list[ProcessRecord] = []
         self.failure_counts: collections.Counter[str] = collections.Counter()  # by FailureKind value
-        self._generation_processes: collections.Counter[tuple[str, int]] = collections.Counter()  # (instance, gen)
+        self._generations = retention.Generations(config.state_dir, config.retention)  # forgets their files
         self.journal = Journal(store)  # degraded while the store refuses writes: see exod.journal
 
     def now(self) -> float:
@@ -333,7 +332,7 @@ class Controller:
         try:  # the ring's ports and its hostfile: no fds or no disk is the host's failure, never the daemon's end
             hostfile = self._hostfile(action.instance_id, gen, action.world_size)
         except OSError as exc:
-            self._not_started(action.runner_id, gen, exc)
+            self._reports.on_not_started(action.runner_id, gen, exc)
             return
         spec = RunnerSpec(
             runner_id=action.runner_id,
@@ -346,7 +345,7 @@ class Controller:
         )
         process = self._spawn(spec, self._reports, self.config.timeouts)
         self._processes[(action.runner_id, gen)] = process
-        self._generation_processes[(action.instance_id, gen)] += 1
+        self._generations.started(action.instance_id, gen)
         self._nursery.start_soon(self._supervise, process, action.instance_id)
 
     def _post(self, runner_id: str, incarnation: int, command: p.Command) -> None:
@@ -381,30 +380,14 @@ class Controller:
         except Exception as exc:  # the runner's failure, never the daemon's: spawn errors, I/O errors
             log.exception("supervisor of %s/%d failed", spec.runner_id, spec.incarnation)
             if process.pid is None:
-                self._not_started(spec.runner_id, spec.incarnation, exc)
+                self._reports.on_not_started(spec.runner_id, spec.incarnation, exc)
             else:
-                failure = fsm.Failure(fsm.FailureKind.EXCEPTION, f"supervisor error: {type(exc).__name__}: {exc}")
-                self.runner_event(rn.Fail(spec.runner_id, spec.incarnation, failure=failure))
-                self.runner_event(rn.Exited(spec.runner_id, spec.incarnation, exit_code=1))
+                self._reports.on_supervisor_error(spec, exc)
         finally:
             self._processes.pop((spec.runner_id, spec.incarnation), None)
-            generation = (instance_id, spec.incarnation)
-            self._generation_processes[generation] -= 1
-            if not self._generation_processes[generation]:  # its last process is reaped: the generation is over
-                del self._generation_processes[generation]
-                keep = self.config.retention.keep_runner_logs
-                retention.forget_generation(self.config.state_dir, instance_id, spec.incarnation, keep)
+            self._generations.ended(instance_id, spec.incarnation)
             if self._stopping and not self._processes:
                 self._all_stopped.set()
-
-    def _not_started(self, runner_id: str, incarnation: int, exc: Exception) -> None:
-        """A runner whose process could not be started: Failed then gone. Out of fds or disk (or a port
-        taken) is the host's failure, uncharged; anything else is charged like any spawn failure."""
-        what = f"cannot start runner: {type(exc).__name__}: {exc}"
-        host = isinstance(exc, OSError) and exc.errno in HOST_ERRNOS
-        failure = fsm.Failure.host(what) if host else fsm.Failure(fsm.FailureKind.SPAWN, what)
-        self.runner_event(rn.Fail(runner_id, incarnation, failure=failure))
-        self.runner_event(rn.Exited(runner_id, incarnation, exit_code=1))
 
     # -- exod.reports.Sink: what the runners' reports became ------------------------------------
 

@@ -14,6 +14,7 @@ from typing import Protocol
 import fsm
 from exod import protocol as p
 from exod.requests import RequestBook
+from exod.runner import HOST_ERRNOS
 from exod.supervisor import RunnerSpec
 from fsm import runner as rn
 
@@ -38,6 +39,21 @@ class Reports:
 
     def on_spawned(self, spec: RunnerSpec, pid: int) -> None:
         self.sink.process_started(spec, pid)
+
+    def on_not_started(self, runner_id: str, incarnation: int, exc: Exception) -> None:
+        """A runner whose process could not be started: Failed, then gone. Out of fds or disk is the host's
+        failure (uncharged); anything else is charged like any spawn failure."""
+        what = f"cannot start runner: {type(exc).__name__}: {exc}"
+        host = isinstance(exc, OSError) and exc.errno in HOST_ERRNOS
+        failure = fsm.Failure.host(what) if host else fsm.Failure(fsm.FailureKind.SPAWN, what)
+        self.sink.runner_event(rn.Fail(runner_id, incarnation, failure=failure))
+        self.sink.runner_event(rn.Exited(runner_id, incarnation, exit_code=1))
+
+    def on_supervisor_error(self, spec: RunnerSpec, exc: Exception) -> None:
+        """The supervisor of a started process failed (an I/O error): the runner's failure, never the daemon's."""
+        failure = fsm.Failure(fsm.FailureKind.EXCEPTION, f"supervisor error: {type(exc).__name__}: {exc}")
+        self.sink.runner_event(rn.Fail(spec.runner_id, spec.incarnation, failure=failure))
+        self.sink.runner_event(rn.Exited(spec.runner_id, spec.incarnation, exit_code=1))
 
     def on_report(self, spec: RunnerSpec, report: p.Report) -> None:
         try:

@@ -21,6 +21,7 @@ because the caller is the controller's cleanup of a reaped process, which must n
 
 from __future__ import annotations
 
+import collections
 import logging
 import re
 import shutil
@@ -108,3 +109,25 @@ def _delete(directory: Path, pattern: re.Pattern[str], *, through: int) -> None:
             (directory / name).unlink(missing_ok=True)
         except OSError as exc:
             log.warning("cannot delete %s (%s); delete it by hand to reclaim the space", directory / name, exc)
+
+
+class Generations:
+    """Counts each generation's live processes, to forget its files when its last one is reaped.
+
+    Keyed by instance and generation, not by machine: by the time a process's end is seen, its runner
+    machine, or its whole instance, may already be forgotten.
+    """
+
+    def __init__(self, state_dir: Path, retention: Retention) -> None:
+        self.state_dir, self.retention = state_dir, retention
+        self._alive: collections.Counter[tuple[str, int]] = collections.Counter()
+
+    def started(self, instance_id: str, generation: int) -> None:
+        self._alive[(instance_id, generation)] += 1
+
+    def ended(self, instance_id: str, generation: int) -> None:
+        key = (instance_id, generation)
+        self._alive[key] -= 1
+        if self._alive[key] <= 0:  # its last process is reaped: the generation is over
+            del self._alive[key]
+            forget_generation(self.state_dir, instance_id, generation, self.retention.keep_runner_logs)
