@@ -7,8 +7,10 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
+import sys
 import time
 
 import httpx
@@ -103,10 +105,7 @@ def test_a_daemon_whose_disk_fills_keeps_serving_and_writes_again_when_space_ret
 
     try:
         ready = wait_instance(url, lambda i: i["state"] == "ready")
-        with contextlib.suppress(OSError), filler.open("wb") as f:  # fill the disk to the last byte
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
+        fill(filler)
         filled_at = time.time()
         assert chat().status_code == 200  # its runners' busy/available transitions cannot be written
         deadline = time.monotonic() + 60
@@ -138,4 +137,50 @@ def test_a_daemon_whose_disk_fills_keeps_serving_and_writes_again_when_space_ret
         f"chat 200 throughout; {busy} transitions of the outage written once space returned",
     )
     assert ready["state"] == "ready"
+
+    # A restart on a full disk: degraded from the start, never a traceback; whole again once space returns.
+    fill(filler)
+    port = free_port()
+    log = (tmp_path / "restart.log").open("wb")
+    args = ["--config", str(tmp_path / "exod.toml"), "--state-dir", str(small_disk / "state"), "--port", str(port)]
+    daemon = subprocess.Popen([sys.executable, "-m", "exod", "serve", *args], env=env, stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        health = poll(lambda: httpx.get(f"{url}/health", timeout=5).json(), lambda h: h["status"] == "degraded")
+        assert "disk is full" in health["reason"] or "disk I/O error" in health["reason"]
+        filler.unlink()
+        poll(lambda: httpx.get(f"{url}/instances", timeout=5).json()["instances"][0], lambda i: i["state"] == "ready")
+        assert httpx.get(f"{url}/health", timeout=5).json()["status"] == "ok"
+        assert chat().status_code == 200
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=60) == 0
+    assert "Traceback" not in (tmp_path / "restart.log").read_text()
     shutil.rmtree(small_disk / "state", ignore_errors=True)
+
+
+def fill(path) -> None:
+    """Write zeros to ``path`` until the disk refuses another byte."""
+    with contextlib.suppress(OSError), path.open("wb") as f:
+        while True:
+            f.write(b"\0" * 65536)
+            f.flush()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def poll(read, done, timeout: float = 60.0):
+    """``read()`` until ``done(value)``; connection errors while the daemon starts are waited out."""
+    deadline = time.monotonic() + timeout
+    value = None
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, IndexError, KeyError):
+            value = read()
+            if done(value):
+                return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out; last: {value}")

@@ -79,7 +79,10 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                 app = Gate(app, drain)
                 urls = await nursery.start(partial(serve_http, app, config))
                 url = urls[0]
-                write_private(state_dir / "daemon.json", json.dumps({"pid": os.getpid(), "url": url}))
+                try:  # how the CLI finds the daemon; on a full disk it serves all the same
+                    write_private(state_dir / "daemon.json", json.dumps({"pid": os.getpid(), "url": url}))
+                except OSError as exc:
+                    log.error("cannot write %s (%s): pass --url %s to the CLI", state_dir / "daemon.json", exc, url)
                 announce(f"exod serving on {url} (state in {state_dir})")
                 announce(
                     f"  try:  exod status --state-dir {state_dir}\n"
