@@ -196,3 +196,27 @@ def test_a_load_that_finds_the_model_gone_fetches_it_again_instead_of_deleting_t
     assert "vanished from the cache" in inst["last_failure"]
     assert len([f for f in models.fetches if f[2] == "ok"]) == 2  # fetched again
     assert ("completed", "pending") in [(e.source, e.target) for e in downloads]
+
+
+def test_exod_status_shows_the_hosts_failures_apart_and_what_an_instance_waits_for(tmp_path):
+    from click.testing import CliRunner
+
+    from exod.cli import main
+    from exod.store import Store
+    from fsm import instance as inst
+    from fsm.cluster import Cluster
+
+    cluster = Cluster()
+    cluster.place("i", MODEL, [fsm.Slot(0, "local", "i/0")])
+    cluster.execute(fsm.StartGeneration("i", 1), 1.0)
+    port_taken = fsm.Failure.host("RuntimeError: [ring] Couldn't bind socket (error: 98)")
+    cluster.instance_event(inst.RankFailed("i", 2.0, 1, 0, failure=port_taken))
+    cluster.instance_event(inst.RankStopped("i", 2.0, 1, 0))
+    cluster.execute(fsm.StartGeneration("i", 2), 10.0)
+    store = Store.open(tmp_path / "state" / "state.db")
+    store.save(cluster.to_dict(), cluster.log, 10.0)
+    store.close()
+    out = CliRunner().invoke(main, ["status", "--state-dir", str(tmp_path / "state")])
+    assert out.exit_code == 0, out.output
+    assert "attempts=0/5 (+1 the host's, uncharged)" in out.output
+    assert "waiting for: download" in out.output and "Couldn't bind socket" in out.output

@@ -261,6 +261,8 @@ def status(url, state_dir, as_json: bool) -> None:
         click.echo(json.dumps(doc, indent=2))
         return
     click.echo(f"# {source}")
+    if doc.get("degraded"):
+        click.echo(f"DEGRADED: {doc['degraded']} (serving goes on; placements wait)")
     if not doc["instances"]:
         click.echo("no instances; place one with: exod place MODEL --ranks N")
     for inst in doc["instances"]:
@@ -270,8 +272,12 @@ def status(url, state_dir, as_json: bool) -> None:
         state = inst["state"] + (f" ({inst['delete_reason']})" if inst["delete_reason"] else "")
         click.echo(
             f"{inst['instance_id']}  {inst['model_id']}  ranks={inst['ranks']}  {state}  gen={inst['generation']}"
-            f"  attempts={inst['attempts']}/{inst['max_retries']}  next retry: {retry}"
+            f"  attempts={inst['attempts']}/{inst['max_retries']}"
+            + (f" (+{inst['uncharged']} the host's, uncharged)" if inst.get("uncharged") else "")
+            + f"  next retry: {retry}"
         )
+        if inst.get("waiting_for"):
+            click.echo(f"  waiting for: {inst['waiting_for']}")
         if inst["last_failure"]:
             click.echo(f"  last failure: {inst['last_failure']}")
         download = inst.get("download")
