@@ -149,7 +149,7 @@ def test_instance_eventless_rows_and_tie_order() -> None:
     ]
     # same (source, event, target) twice: declaration order decides
     ties = [r.guard for r in table if (r.source, r.event, r.target) == ("starting", "rank_failed", "deleted")]
-    assert ties == ["non_retryable", "last_allowed_failure"]
+    assert ties == ["non_retryable", "last_charged_failure"]
 
 
 def test_markdown_table() -> None:
