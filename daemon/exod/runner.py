@@ -297,6 +297,7 @@ class Runner:
 
     def load(self, model_path: Path) -> None:
         import mlx.core as mx
+
         import_mlx_lm()
         from mlx_lm.utils import load_model, load_tokenizer
 
@@ -408,6 +409,7 @@ class Runner:
 
     def _stream(self, prompt: list[int], max_tokens: int, temperature: float, top_p: float, seed: int) -> Iterator[Any]:
         import mlx.core as mx
+
         import_mlx_lm()
         from mlx_lm import stream_generate
         from mlx_lm.sample_utils import make_sampler
