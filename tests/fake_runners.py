@@ -303,8 +303,9 @@ class FakeModels(ModelFiles):
             raise ModelNotFound(f"{model_id} is not in the fake cache")
         return self._paths[model_id]
 
-    def present(self, model_id: str) -> bool:
-        return model_id in self._paths
+    def vanished(self, model_id: str) -> bool:
+        fetched = {m for _, m, outcome in self.fetches if outcome == "ok"}
+        return model_id in fetched and model_id not in self._paths
 
     def facts(self, model_id: str) -> fsm.ModelFacts | None:
         """Every model is on the fake hub: fetchable, its facts unknown (admission checks the limits alone)."""

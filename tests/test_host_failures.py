@@ -173,12 +173,12 @@ class VanishingOnce(FakeModels):
 
     def __init__(self) -> None:
         super().__init__()
-        self.vanished = False
+        self.gone_once = False
 
     def defect(self, model_path: str) -> str | None:
-        if self.vanished:
+        if self.gone_once:
             return None
-        self.vanished = True
+        self.gone_once = True
         self._paths.clear()  # what `huggingface-cli delete-cache` did meanwhile
         return "FileNotFoundError: No such file or directory: 'model.safetensors'"
 

@@ -411,7 +411,7 @@ class Controller:
         """A non-retryable failure is the model's defect, unless its files are gone from the cache: then it is
         fetched again (the download back to Pending) and the failure retried like any other."""
         model_id = self.cluster.instances[instance_id].model_id
-        if self.models.present(model_id):
+        if not self.models.vanished(model_id):
             return event
         log.warning("the files of %s vanished while it ran: fetching it again", model_id)
         self.models.forget(model_id)

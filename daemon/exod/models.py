@@ -303,6 +303,7 @@ class ModelFiles:
         self.local: dict[str, Path] = {}  # "local/NAME" -> directory
         self._paths: dict[str, Path] = {}
         self._facts: dict[str, fsm.ModelFacts | None] = {}  # read once per model directory
+        self._was_whole: set[str] = set()  # models found with every file: a later gap means files vanished
 
     def register_local(self, directory: Path) -> str:
         """Name a local model directory ``local/NAME`` so it can be placed."""
@@ -343,8 +344,7 @@ class ModelFiles:
                 progress=report,
             )
             path = await trio.to_thread.run_sync(resolve, abandon_on_cancel=True)
-        self._paths[model_id] = path
-        return path
+        return self._found(model_id, path)
 
     def path(self, model_id: str) -> Path:
         """The model's directory once fetched (after a restart: found in the cache); `ModelNotFound` if gone.
@@ -354,18 +354,23 @@ class ModelFiles:
         """
         if model_id in self.local:
             return self.local[model_id]
-        if model_id in self._paths and not is_complete(self._paths[model_id]):
+        if model_id in self._paths and self.vanished(model_id):
             self.forget(model_id)
         if model_id not in self._paths:
-            self._paths[model_id] = resolve_model(model_id, hf_home=self.hf_home, offline=True)
+            self._found(model_id, resolve_model(model_id, hf_home=self.hf_home, offline=True))
         return self._paths[model_id]
 
-    def present(self, model_id: str) -> bool:
-        """Whether the model's files are all on this node now."""
-        try:
-            return is_complete(self.path(model_id))
-        except (ModelNotFound, InvalidModelId):
-            return False
+    def vanished(self, model_id: str) -> bool:
+        """Whether files of the model were removed since it was found whole: not a defect of the model (one
+        that was never whole, a repository without config.json, say, is, and stays non-retryable)."""
+        path = self._paths.get(model_id) or self.local.get(model_id)
+        return model_id in self._was_whole and (path is None or not is_complete(path))
+
+    def _found(self, model_id: str, path: Path) -> Path:
+        self._paths[model_id] = path
+        if is_complete(path):
+            self._was_whole.add(model_id)
+        return path
 
     def facts(self, model_id: str) -> fsm.ModelFacts | fsm.UnknownModel | None:
         """What admission needs: the model's facts if its files are here, `UnknownModel` if they can never
