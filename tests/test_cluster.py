@@ -412,3 +412,13 @@ def test_recover_resumes_only_a_generation_that_had_runners():
     fresh.execute(fsm.StartGeneration("j", 1), 0.0)
     fresh.recover(now=1.0)  # started, no runner created yet: keeps its generation
     assert fresh.instance("j").generation == 1
+
+
+def test_recover_looks_only_at_the_runners_of_each_instance():
+    cluster = Cluster()
+    for iid in ("a", "i", "z"):
+        cluster.place(iid, "org/m", [fsm.Slot(0, "n", f"{iid}/0")])
+        cluster.execute(fsm.StartGeneration(iid, 1), 0.0)
+    cluster.execute(fsm.CreateRunner("i", "i/0", "n", 0, 1, 1, "org/m"), 0.0)
+    cluster.recover(now=1.0)
+    assert [cluster.instance(iid).generation for iid in ("a", "i", "z")] == [1, 2, 1]  # only i had runners

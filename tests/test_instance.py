@@ -437,6 +437,7 @@ BAD_INSTANCE_SNAPSHOTS = [
     ("ready", {"delete_reason": fsm.DeleteReason.REQUESTED}, "delete_reason"),
     ("pending", {"delete_reason": fsm.DeleteReason.NON_RETRYABLE}, "delete_reason"),
     ("backing_off", {"delete_reason": fsm.DeleteReason.REQUESTED}, "delete_reason"),
+    ("backing_off", {"attempts": 3, "uncharged": -1}, "uncharged"),
     ("ready", {"last_failure": "boom"}, "last_failure"),
 ]
 
@@ -813,6 +814,13 @@ def snapshots_of_a_long_life() -> list[fsm.InstanceSnapshot]:
     send(three, RankFailed("inst", 41.0, 2, 2, failure=CORRUPT))
     send(three, Delete("inst", 42.0))
 
+    host = InstanceRetry("h", world_size=1, policy=RetryPolicy(max_retries=2))  # the host's failures, then a crash
+    for generation, failure in ((1, PORT_TAKEN), (2, CRASH)):
+        send(host, Start("h", 10.0 * generation, generation))
+        send(host, RankCreated("h", 10.0 * generation, generation, 0))
+        send(host, RankFailed("h", 10.0 * generation + 1, generation, 0, failure=failure))
+        send(host, RankStopped("h", 10.0 * generation + 2, generation, 0))
+
     asked = InstanceRetry("b", world_size=2)
     send(asked, Start("b", 0.25, 1))
     send(asked, RankCreated("b", 0.25, 1, 0))
@@ -827,6 +835,8 @@ def test_every_snapshot_a_living_instance_takes_passes_the_cheap_check(monkeypat
     assert {leaf for leaf, *_ in seen} == set(LEAVES)
     assert {(1, False), (2, False), (0, True)} <= {(a, d) for _, _, a, d, _ in seen}
     assert {reason for reason in (s.delete_reason for s in snapshots) if reason} == set(fsm.DeleteReason)
+    after_failures = {(s.attempts, s.uncharged) for s in snapshots if s.leaf in ("recovering", "backing_off")}
+    assert {(0, 1), (1, 1), (1, 0), (2, 0)} <= after_failures
 
     def slow(cls, snapshot):
         raise AssertionError(f"took the slow check: {snapshot}")
@@ -1040,3 +1050,23 @@ def test_the_first_cause_stays_when_another_cause_follows():
     i.apply(RankFailed("inst", 2.0, 1, 1, failure=KILLED))
     i.apply(RankFailed("inst", 2.0, 1, 2, failure=fsm.Failure.exited(1)))
     assert i.last_failure == KILLED
+
+
+def test_the_delay_after_a_charged_and_an_uncharged_failure_is_the_second_of_the_streak():
+    i = started(world_size=1)
+    i.apply(RankFailed("inst", 1.0, 1, 0, failure=PORT_TAKEN))
+    fail_generation(i, 1.0, failures=())
+    next_generation(i)
+    i.apply(RankFailed("inst", 5.0, 2, 0, failure=CRASH))
+    fail_generation(i, 5.0, failures=())
+    assert (i.attempts, i.uncharged, i.deadline) == (1, 1, 9.0)  # delay(2) = 4 s: the streak's second failure
+
+
+def test_the_slow_check_takes_a_generation_ended_by_the_host_alone():
+    i = started(world_size=1)
+    i.apply(RankFailed("inst", 1.0, 1, 0, failure=PORT_TAKEN))
+    plain = i.snapshot()
+    assert (plain.leaf, plain.attempts, plain.uncharged) == ("recovering", 0, 1)
+    slow = attrs.evolve(plain, uncharged=Count(1))  # an int subclass leaves the cheap check
+    assert not InstanceRetry._snapshot_plainly_fine(slow)
+    assert InstanceRetry.from_snapshot(slow).snapshot() == plain
