@@ -105,3 +105,17 @@ def test_connection_limits_have_defaults_and_come_from_limits(tmp_path):
 def test_connection_limit_mistakes_are_named(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):
         load(write(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[[limits]]\nmax_tokens = 5\n", r"limits must be written \[limits\] \(once\)"),
+        ("[[retention]]\nmax_log_rows = 5\n", r"retention must be written \[retention\] \(once\)"),
+        ('[place]\nmodel = "exod/tiny-qwen2"\n', r"place must be written \[\[place\]\] \(one per entry\)"),
+        ("daemon = 5\n", r"daemon must be written \[daemon\] \(once\)"),
+    ],
+)
+def test_a_section_written_in_the_wrong_form_is_named(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        load(write(tmp_path, text))

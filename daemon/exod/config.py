@@ -121,6 +121,13 @@ _SECTIONS = {
 }
 
 
+_LISTS = frozenset({"place", "fault"})  # the sections written [[...]], once per entry
+
+
+def _listed(body: Any) -> list[Any]:
+    return body if isinstance(body, list) else [body]
+
+
 def default_state_dir() -> Path:
     return Path(platformdirs.user_data_dir("exod"))
 
@@ -138,7 +145,10 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
     for section, body in data.items():
         if section not in _SECTIONS:
             raise ConfigError(f"{where}: unknown section [{section}]; known: {sorted(_SECTIONS)}")
-        for entry in body if isinstance(body, list) else [body]:
+        if isinstance(body, list) != (section in _LISTS) or not all(isinstance(e, dict) for e in _listed(body)):
+            form = f"[[{section}]] (one per entry)" if section in _LISTS else f"[{section}] (once)"
+            raise ConfigError(f"{where}: {section} must be written {form}")
+        for entry in _listed(body):
             if unknown := set(entry) - _SECTIONS[section]:
                 raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)} in [{section}]")
     d = {**data.get("daemon", {}), **{k: v for k, v in overrides.items() if v is not None}}
