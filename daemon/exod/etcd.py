@@ -1,0 +1,252 @@
+"""A small etcd v3 client over etcd's JSON gateway, on httpx, for trio.
+
+Why our own: ``etcd3`` breaks on protobuf >= 4 and ``aetcd`` is asyncio-only; etcd documents its v3 JSON
+gateway (``POST /v3/kv/range`` …, keys and values base64, 64-bit numbers as strings, zero values left
+out), and httpx speaks it under trio, streaming included. So this module is the gateway's operations and
+nothing else: it decides nothing about exod's keys (that is the cluster store's business).
+
+Errors: `EtcdUnavailable` when etcd cannot be reached or answers 5xx (the caller degrades and retries);
+`EtcdError` when etcd refused the request (a bug of ours, or an expired lease: `LeaseExpired`).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+
+class EtcdError(Exception):
+    """etcd refused the request; the message is etcd's."""
+
+
+class EtcdUnavailable(EtcdError):
+    """etcd cannot be reached, or failed to answer (5xx, a timeout): try again later."""
+
+
+class LeaseExpired(EtcdError):
+    """The lease is gone (expired, or revoked): whatever was attached to it is gone too."""
+
+
+@attrs.frozen
+class KeyValue:
+    key: bytes
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    lease: int = 0
+
+
+@attrs.frozen
+class Event:
+    """One change seen by a watch: a put (``kv`` is the new value) or a delete (``kv.value`` is empty)."""
+
+    deleted: bool
+    kv: KeyValue
+
+
+# -- transactions ----------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Compare:
+    """``key``'s ``target`` (value, version, create or mod revision, lease) compared with ``value``."""
+
+    key: bytes
+    target: str  # "VALUE" | "VERSION" | "CREATE" | "MOD" | "LEASE"
+    result: str  # "EQUAL" | "NOT_EQUAL" | "GREATER" | "LESS"
+    value: bytes | int
+
+    def body(self) -> dict[str, Any]:
+        field = {"VALUE": "value", "VERSION": "version", "CREATE": "create_revision", "MOD": "mod_revision"}
+        field |= {"LEASE": "lease"}
+        value = _b64(self.value) if self.target == "VALUE" else str(self.value)
+        return {"key": _b64(self.key), "target": self.target, "result": self.result, field[self.target]: value}
+
+
+@attrs.frozen
+class Put:
+    key: bytes
+    value: bytes
+    lease: int = 0
+
+    def body(self) -> dict[str, Any]:
+        request = {"key": _b64(self.key), "value": _b64(self.value)}
+        return {"request_put": request | ({"lease": str(self.lease)} if self.lease else {})}
+
+
+@attrs.frozen
+class Delete:
+    key: bytes
+    prefix: bool = False
+
+    def body(self) -> dict[str, Any]:
+        request = {"key": _b64(self.key)} | ({"range_end": _b64(_prefix_end(self.key))} if self.prefix else {})
+        return {"request_delete_range": request}
+
+
+@attrs.frozen
+class TxnResult:
+    succeeded: bool
+    revision: int
+
+
+def version_is(key: bytes, version: int) -> Compare:
+    """The key has been written ``version`` times since it was created (0: it does not exist)."""
+    return Compare(key, "VERSION", "EQUAL", version)
+
+
+def value_is(key: bytes, value: bytes) -> Compare:
+    return Compare(key, "VALUE", "EQUAL", value)
+
+
+# -- the client ----------------------------------------------------------------------------------------
+
+
+class Etcd:
+    """One etcd endpoint (``http://HOST:2379``); every call is one HTTP request with a timeout."""
+
+    def __init__(self, url: str, *, timeout: float = 5.0, client: httpx.AsyncClient | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self._client = client or httpx.AsyncClient(timeout=timeout)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def put(self, key: bytes, value: bytes, *, lease: int = 0) -> int:
+        """Write; returns the revision of the write."""
+        body = Put(key, value, lease).body()["request_put"]
+        return _int(_header(await self._call("/v3/kv/put", body)).get("revision"))
+
+    async def get(self, key: bytes) -> KeyValue | None:
+        kvs, _ = await self._range({"key": _b64(key)})
+        return kvs[0] if kvs else None
+
+    async def get_prefix(self, prefix: bytes) -> tuple[list[KeyValue], int]:
+        """Every key under ``prefix``, sorted by key, and the store's revision they were read at."""
+        return await self._range({"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))})
+
+    async def delete(self, key: bytes, *, prefix: bool = False) -> int:
+        """Delete ``key`` (or every key under it); returns how many keys were deleted."""
+        answer = await self._call("/v3/kv/deleterange", Delete(key, prefix).body()["request_delete_range"])
+        return _int(answer.get("deleted"))
+
+    async def txn(
+        self, compare: Sequence[Compare], success: Sequence[Put | Delete], failure: Sequence[Put | Delete] = ()
+    ) -> TxnResult:
+        """If every comparison holds, ``success`` is applied, else ``failure``: atomically, at one revision."""
+        body = {
+            "compare": [c.body() for c in compare],
+            "success": [op.body() for op in success],
+            "failure": [op.body() for op in failure],
+        }
+        answer = await self._call("/v3/kv/txn", body)
+        return TxnResult(bool(answer.get("succeeded", False)), _int(_header(answer).get("revision")))
+
+    async def grant(self, ttl: int) -> int:
+        """A new lease of ``ttl`` seconds; returns its id."""
+        answer = await self._call("/v3/lease/grant", {"TTL": str(ttl)})
+        return _int(answer["ID"])
+
+    async def keep_alive(self, lease: int) -> int:
+        """Renew ``lease``; returns its TTL. `LeaseExpired` if it is gone."""
+        answer = await self._call("/v3/lease/keepalive", {"ID": str(lease)})
+        ttl = _int(answer.get("result", {}).get("TTL"))
+        if ttl <= 0:
+            raise LeaseExpired(f"lease {lease:x} has expired")
+        return ttl
+
+    async def revoke(self, lease: int) -> None:
+        """End ``lease`` now: every key attached to it is deleted."""
+        try:
+            await self._call("/v3/lease/revoke", {"ID": str(lease)})
+        except EtcdError as exc:
+            if "not found" not in str(exc):
+                raise
+
+    async def watch(self, prefix: bytes, *, start_revision: int = 0) -> AsyncIterator[Event]:
+        """Every change under ``prefix`` from ``start_revision`` (0: from now), as it happens, in order.
+
+        Runs until cancelled; `EtcdUnavailable` if the stream breaks (resume from the last revision seen + 1).
+        """
+        create = {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))}
+        if start_revision:
+            create["start_revision"] = str(start_revision)
+        try:
+            timeout = httpx.Timeout(self.timeout, read=None)  # a watch waits as long as nothing changes
+            url = f"{self.url}/v3/watch"
+            async with self._client.stream("POST", url, json={"create_request": create}, timeout=timeout) as response:
+                if response.status_code != 200:
+                    raise EtcdUnavailable(f"etcd at {self.url} refused the watch: HTTP {response.status_code}")
+                async for line in response.aiter_lines():
+                    if not line.strip():
+                        continue
+                    message = json.loads(line)
+                    if "error" in message:
+                        raise EtcdUnavailable(f"etcd watch at {self.url} failed: {message['error']}")
+                    for raw in message.get("result", {}).get("events", []):
+                        yield Event(raw.get("type") == "DELETE", _kv(raw.get("kv", {})))
+        except (httpx.HTTPError, trio.BrokenResourceError) as exc:
+            raise EtcdUnavailable(f"etcd watch at {self.url} broke: {type(exc).__name__}: {exc}") from exc
+
+    # -- the gateway ------------------------------------------------------------------------------------
+
+    async def _range(self, body: dict[str, Any]) -> tuple[list[KeyValue], int]:
+        answer = await self._call("/v3/kv/range", body)
+        return [_kv(raw) for raw in answer.get("kvs", [])], _int(_header(answer).get("revision"))
+
+    async def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            response = await self._client.post(f"{self.url}{path}", json=body)
+        except httpx.HTTPError as exc:
+            raise EtcdUnavailable(f"cannot reach etcd at {self.url}: {type(exc).__name__}: {exc}") from exc
+        if response.status_code >= 500:
+            raise EtcdUnavailable(f"etcd at {self.url} failed: HTTP {response.status_code}: {response.text[:200]}")
+        answer = response.json()
+        if response.status_code != 200 or "error" in answer:
+            message = answer.get("message") or answer.get("error") or response.text[:200]
+            if "lease not found" in str(message):
+                raise LeaseExpired(str(message))
+            raise EtcdError(f"etcd refused {path}: {message}")
+        return answer
+
+
+def _b64(data: bytes | int) -> str:
+    raw = data if isinstance(data, bytes) else str(data).encode()
+    return base64.b64encode(raw).decode()
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The first key after every key starting with ``prefix`` (etcd's range_end for a prefix)."""
+    end = bytearray(prefix)
+    for i in reversed(range(len(end))):
+        if end[i] < 0xFF:
+            end[i] += 1
+            return bytes(end[: i + 1])
+    return b"\0"  # every key
+
+
+def _int(value: Any) -> int:
+    return int(value) if value not in (None, "") else 0
+
+
+def _header(answer: dict[str, Any]) -> dict[str, Any]:
+    return answer.get("header", {})
+
+
+def _kv(raw: dict[str, Any]) -> KeyValue:
+    return KeyValue(
+        key=base64.b64decode(raw.get("key", "")),
+        value=base64.b64decode(raw.get("value", "")),
+        create_revision=_int(raw.get("create_revision")),
+        mod_revision=_int(raw.get("mod_revision")),
+        version=_int(raw.get("version")),
+        lease=_int(raw.get("lease")),
+    )
