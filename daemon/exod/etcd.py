@@ -163,6 +163,11 @@ class Etcd:
             raise LeaseExpired(f"lease {lease:x} has expired")
         return ttl
 
+    async def time_to_live(self, lease: int) -> tuple[int, int]:
+        """(seconds left, TTL granted) of ``lease``; (-1, 0) if it is gone."""
+        answer = await self._call("/v3/lease/timetolive", {"ID": str(lease)})
+        return (_int(answer.get("TTL")) if "TTL" in answer else -1), _int(answer.get("grantedTTL"))
+
     async def revoke(self, lease: int) -> None:
         """End ``lease`` now: every key attached to it is deleted."""
         try:

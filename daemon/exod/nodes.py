@@ -1,0 +1,126 @@
+"""The nodes of a cluster: each daemon's record in etcd, alive for as long as its lease is renewed.
+
+Each daemon keeps ``PREFIX/nodes/<node_id>`` — who it is, where to reach it, what memory and models it has —
+under a lease of its own (`NodeRecord`, `Presence`). A daemon that stops renewing (killed, partitioned)
+vanishes from the cluster once its lease expires, with no one having to decide it: that is the failure
+detector (DESIGN §5). Any node lists them all (`list_nodes`), with each lease's age.
+
+Time is etcd's: a lease's remaining TTL comes from etcd, so no two clocks are compared.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import attrs
+import trio
+
+from exod.etcd import Etcd, EtcdError, EtcdUnavailable, LeaseExpired
+
+log = logging.getLogger("exod.nodes")
+
+DEFAULT_TTL = 10  # seconds; tests use >= 5: two busy cores must not let a lease expire falsely
+
+
+@attrs.frozen
+class NodeRecord:
+    node_id: str
+    address: str  # what the other nodes reach it at (the MLX ring's host)
+    api_url: str
+    memory_total: int
+    memory_free: int
+    models: tuple[str, ...] = ()
+    version: str = ""
+
+    def to_json(self) -> bytes:
+        return json.dumps(attrs.asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> NodeRecord:
+        data: dict[str, Any] = json.loads(raw)
+        data["models"] = tuple(data.get("models", ()))
+        return cls(**data)
+
+
+@attrs.frozen
+class NodeStatus:
+    """A node as any node sees it: its record, and its lease (age = granted TTL - what is left)."""
+
+    record: NodeRecord
+    lease: int
+    lease_ttl: int  # granted
+    lease_left: int  # seconds before it expires unless renewed
+
+    @property
+    def lease_age(self) -> int:
+        return self.lease_ttl - self.lease_left
+
+
+def node_key(prefix: bytes, node_id: str) -> bytes:
+    return prefix + b"nodes/" + node_id.encode()
+
+
+async def list_nodes(etcd: Etcd, prefix: bytes) -> list[NodeStatus]:
+    """Every node whose lease is alive, sorted by id."""
+    kvs, _ = await etcd.get_prefix(prefix + b"nodes/")
+    nodes = []
+    for kv in kvs:
+        left, granted = await etcd.time_to_live(kv.lease)
+        if left > 0:
+            nodes.append(NodeStatus(NodeRecord.from_json(kv.value), kv.lease, granted, left))
+    return sorted(nodes, key=lambda n: n.record.node_id)
+
+
+class Presence:
+    """This daemon's node record, kept alive: renewed every third of the TTL, re-created if it expired.
+
+    `run` belongs in the daemon's nursery; `lease` is the lease the node's keys hang on (the controller
+    election's key too). `lost` is set while etcd cannot be reached: the daemon is then degraded.
+    """
+
+    def __init__(self, etcd: Etcd, prefix: bytes, record: NodeRecord, *, ttl: int = DEFAULT_TTL) -> None:
+        if ttl < 2:
+            raise ValueError(f"a lease TTL must be at least 2 s, got {ttl}")
+        self.etcd, self.prefix, self.record, self.ttl = etcd, prefix, record, ttl
+        self.lease = 0
+        self.lost: str | None = None  # why etcd cannot be reached, while it cannot
+        self.renewed = trio.Event()  # set (and replaced) whenever the lease was renewed or re-created
+
+    async def join(self) -> None:
+        """Grant a lease and write the record on it (raises if etcd cannot be reached)."""
+        self.lease = await self.etcd.grant(self.ttl)
+        await self.etcd.put(node_key(self.prefix, self.record.node_id), self.record.to_json(), lease=self.lease)
+
+    async def update(self, record: NodeRecord) -> None:
+        self.record = record
+        await self.etcd.put(node_key(self.prefix, record.node_id), record.to_json(), lease=self.lease)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        await self.join()
+        task_status.started()
+        while True:
+            await trio.sleep(self.ttl / 3)
+            try:
+                try:
+                    await self.etcd.keep_alive(self.lease)
+                except LeaseExpired:
+                    log.warning("the lease of node %s expired: joining again", self.record.node_id)
+                    await self.join()
+            except EtcdUnavailable as exc:
+                self.lost = str(exc)
+                log.error("cannot renew the lease of node %s: %s", self.record.node_id, exc)
+                continue
+            except EtcdError as exc:  # refused: log it, try again at the next renewal
+                log.error("etcd refused to renew node %s: %s", self.record.node_id, exc)
+                continue
+            self.lost = None
+            self.renewed.set()
+            self.renewed = trio.Event()
+
+    async def leave(self) -> None:
+        """Revoke the lease: the record (and every key on the lease) goes at once."""
+        if self.lease:
+            await self.etcd.revoke(self.lease)
+            self.lease = 0

@@ -1,0 +1,102 @@
+"""Nodes and the controller election on a real etcd: records live with their leases, one controller at a
+time, another one elected once its lease expires, and a deposed controller's writes refused by etcd."""
+
+from __future__ import annotations
+
+import trio
+
+from exod.election import Deposed, campaign, guarded_write, leader, wait_for_term
+from exod.etcd import Etcd, Put
+from exod.nodes import NodeRecord, Presence, list_nodes
+
+PREFIX = b"/exod-test/"
+TTL = 5  # the shortest the cluster tests use: two busy cores must not expire a lease falsely
+
+
+def record(node_id: str, address: str) -> NodeRecord:
+    return NodeRecord(node_id, address, f"http://{address}:8420", memory_total=8 << 30, memory_free=6 << 30)
+
+
+def run(url: str, body) -> object:
+    async def main():
+        client = Etcd(url)
+        try:
+            return await body(client)
+        finally:
+            await client.aclose()
+
+    return trio.run(main)
+
+
+def test_three_nodes_list_each_other_and_a_node_that_leaves_is_gone(etcd):
+    async def body(client: Etcd):
+        presences = [Presence(client, PREFIX, record(f"node-{n}", f"127.0.0.{n}"), ttl=TTL) for n in (1, 2, 3)]
+        async with trio.open_nursery() as nursery:
+            for presence in presences:
+                await nursery.start(presence.run)
+            seen = await list_nodes(client, PREFIX)
+            await presences[1].renewed.wait()  # renewed at least once: the lease outlives its first TTL
+            await presences[1].leave()
+            after = await list_nodes(client, PREFIX)
+            nursery.cancel_scope.cancel()
+        return seen, after
+
+    seen, after = run(etcd, body)
+    assert [n.record.node_id for n in seen] == ["node-1", "node-2", "node-3"]
+    assert seen[0].record == record("node-1", "127.0.0.1") and all(0 <= n.lease_age <= TTL for n in seen)
+    assert [n.record.node_id for n in after] == ["node-1", "node-3"]
+
+
+def test_one_controller_and_another_once_its_lease_expires(etcd):
+    async def body(client: Etcd):
+        a, b = await client.grant(TTL), await client.grant(TTL)
+        first = await campaign(client, PREFIX, "node-a", a)
+        second = await campaign(client, PREFIX, "node-b", b)
+        again = await campaign(client, PREFIX, "node-a", a)  # the holder campaigning again keeps its term
+        written = await guarded_write(client, first, [Put(PREFIX + b"state", b"from a")])
+
+        async def renew_b():  # node-b's daemon renews its lease; node-a's was killed and renews nothing
+            while True:
+                await trio.sleep(1)
+                await client.keep_alive(b)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(renew_b)
+            with trio.fail_after(3 * TTL):  # node-b is elected once node-a's lease expires
+                term_b = await wait_for_term(client, PREFIX, "node-b", b)
+            nursery.cancel_scope.cancel()
+        try:
+            await guarded_write(client, first, [Put(PREFIX + b"state", b"from the deposed a")])
+        except Deposed as exc:
+            refused = str(exc)
+        else:
+            refused = None
+        await guarded_write(client, term_b, [Put(PREFIX + b"state", b"from b")])
+        state = (await client.get(PREFIX + b"state")).value
+        return first, second, again, written, term_b, refused, state, await leader(client, PREFIX)
+
+    first, second, again, written, term_b, refused, state, holder = run(etcd, body)
+    assert first is not None and second is None and again == first and written > first.revision
+    assert term_b.node_id == "node-b" and term_b.revision > first.revision
+    assert refused is not None and "no longer the controller" in refused  # etcd refused the deposed write
+    assert state == b"from b" and holder == "node-b"
+
+
+def test_a_controller_reelected_under_a_new_term_cannot_write_with_its_old_one(etcd):
+    async def body(client: Etcd):
+        lease = await client.grant(TTL)
+        old = await campaign(client, PREFIX, "node-a", lease)
+        await client.revoke(lease)  # its lease ended (a partition, say)...
+        lease = await client.grant(TTL)
+        new = await campaign(client, PREFIX, "node-a", lease)  # ...and it was elected again, same name
+        try:
+            await guarded_write(client, old, [Put(PREFIX + b"x", b"stale")])
+        except Deposed:
+            stale_refused = True
+        else:
+            stale_refused = False
+        await guarded_write(client, new, [Put(PREFIX + b"x", b"fresh")])
+        return old, new, stale_refused, (await client.get(PREFIX + b"x")).value
+
+    old, new, stale_refused, value = run(etcd, body)
+    assert new.revision > old.revision and stale_refused and value == b"fresh"
