@@ -22,10 +22,13 @@ import fsm
 from exod import chat
 from exod.controller import WRITE_RETRY, Controller, PlacementRefused, StoreUnavailable
 from exod.errors import ApiError, install, responses
+from exod.etcd import EtcdUnavailable
+from exod.membership import Membership
 from exod.metrics import Metrics
 from exod.models import InvalidModelId
 from exod.render import MEDIA_TYPES, Format, GraphvizMissing, render
 from exod.requests import InstanceNotFound
+from exod.status import NODE
 
 MAX_BODY_BYTES = 1 << 20
 MAX_TOKENS_CEILING = 4096
@@ -136,6 +139,7 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     max_tokens_ceiling: int = MAX_TOKENS_CEILING,
+    membership: Membership | None = None,
 ) -> ASGIApp:
     app = FastAPI(title="exod", version=fsm.__version__, description="Explicit lifecycles for LLM runners.")
 
@@ -191,6 +195,17 @@ def create_app(
     @app.get("/instances")
     async def instances() -> dict[str, Any]:
         return controller.status()
+
+    @app.get("/nodes", responses=responses(503))
+    async def nodes() -> dict[str, Any]:
+        """The cluster's live nodes and its controller, as etcd has them; one host is a cluster of one."""
+        if membership is None:
+            local = {"node_id": NODE, "api_url": None, "controller": True, "lease_age": None}
+            return {"cluster": None, "node_id": NODE, "controller": NODE, "nodes": [local]}
+        try:
+            return await membership.nodes()
+        except EtcdUnavailable as exc:
+            raise ApiError(503, f"the cluster's store cannot be reached: {exc}", headers={"Retry-After": "1"}) from exc
 
     @app.get("/instances/{instance_id}", responses=responses(404))
     async def instance(instance_id: str) -> dict[str, Any]:

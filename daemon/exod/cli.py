@@ -134,6 +134,9 @@ def _state_dir(state_dir: Path | None) -> Path:
     "--api-key", envvar="EXOD_API_KEY", default=None, help="Bearer token required on every endpoint but /health."
 )
 @click.option("--insecure", is_flag=True, help="Allow binding beyond loopback without an API key.")
+@click.option("--cluster", "cluster_url", default=None, metavar="URL", help="Join the etcd cluster at URL.")
+@click.option("--node-id", default=None, help="This node's name in the cluster (default: the host name).")
+@click.option("--advertise", default=None, help="The address the other nodes reach this one at (default: --host).")
 @click.option(
     "--place",
     "extra",
@@ -141,7 +144,21 @@ def _state_dir(state_dir: Path | None) -> Path:
     metavar="MODEL_OR_DIR[:RANKS]",
     help="Also keep this placed: a repo id, or a local model directory (the CLI and config only). Repeatable.",
 )
-def serve(config_path, host, port, state_dir, hf_home, offline, no_place, api_key, insecure, extra) -> None:
+def serve(
+    config_path,
+    host,
+    port,
+    state_dir,
+    hf_home,
+    offline,
+    no_place,
+    api_key,
+    insecure,
+    cluster_url,
+    node_id,
+    advertise,
+    extra,
+) -> None:
     """Run the daemon: restore state, reap orphans, place, serve the API until SIGINT/SIGTERM."""
     import logging
 
@@ -152,6 +169,7 @@ def serve(config_path, host, port, state_dir, hf_home, offline, no_place, api_ke
     from exod.config import ConfigError, load
     from exod.controller import PlacementRefused
     from exod.models import ModelNotFound
+    from exod.serve import ClusterUnavailable
     from exod.serve import serve as run_daemon
     from exod.statedir import StateDirError
     from exod.store import StoreError
@@ -166,13 +184,28 @@ def serve(config_path, host, port, state_dir, hf_home, offline, no_place, api_ke
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--place") from exc
     cfg = attrs.evolve(cfg, placements=(() if no_place else cfg.placements) + added, api_key=api_key, insecure=insecure)
+    if cluster_url or cfg.cluster:
+        import socket
+
+        from exod.membership import ClusterConfig
+
+        base = cfg.cluster or ClusterConfig(cluster_url, node_id or socket.gethostname(), advertise or cfg.host)
+        cfg = attrs.evolve(
+            cfg,
+            cluster=attrs.evolve(
+                base,
+                url=cluster_url or base.url,
+                node_id=node_id or base.node_id,
+                advertise=advertise or base.advertise,
+            ),
+        )
     try:
         cfg.check_exposure()
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     try:
         trio.run(run_daemon, cfg)
-    except (StateDirError, StoreError, ModelNotFound, fsm.InvalidConfig) as exc:
+    except (StateDirError, StoreError, ModelNotFound, fsm.InvalidConfig, ClusterUnavailable) as exc:
         raise click.ClickException(str(exc)) from exc
     except PlacementRefused as exc:
         raise click.ClickException(f"cannot place what the configuration asks: {exc}") from exc
@@ -253,7 +286,10 @@ def status(url, state_dir, as_json: bool) -> None:
     if url or daemon_address(_state_dir(state_dir)):
         with _client(url, state_dir) as client:
             doc = _call(client, "GET", "/instances")
+            cluster = _call(client, "GET", "/nodes")
         source = "live"
+        if cluster["cluster"] is not None:
+            doc = {**doc, "cluster": cluster}
     else:
         doc = _offline_status(_state_dir(state_dir))
         source = "stopped daemon: last saved state"
@@ -261,6 +297,14 @@ def status(url, state_dir, as_json: bool) -> None:
         click.echo(json.dumps(doc, indent=2))
         return
     click.echo(f"# {source}")
+    if cluster_doc := doc.get("cluster"):
+        click.echo(
+            f"cluster {cluster_doc['cluster']}: {len(cluster_doc['nodes'])} node(s), this one {cluster_doc['node_id']}"
+        )
+        for node in cluster_doc["nodes"]:
+            role = "controller" if node["controller"] else "agent"
+            where = f"{node['address']}  {node['api_url']}"
+            click.echo(f"  node {node['node_id']}  {where}  {role}  lease age {node['lease_age']} s")
     if doc.get("degraded"):
         click.echo(f"DEGRADED: {doc['degraded']} (serving goes on; placements wait)")
     if not doc["instances"]:

@@ -13,6 +13,7 @@ import platformdirs
 
 import fsm
 from exod.faults import Fault, FaultSpec
+from exod.membership import ClusterConfig
 from exod.models import validate_model_id
 from exod.retention import Retention
 from exod.supervisor import Timeouts
@@ -74,6 +75,7 @@ class ServeConfig:
     read_timeout: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))  # to wait for a body, in all
     keep_alive_timeout: float = attrs.field(default=5.0, validator=attrs.validators.gt(0))  # idle, or for headers
     max_connections: int = attrs.field(default=256, validator=attrs.validators.gt(0))  # more wait to be accepted
+    cluster: ClusterConfig | None = None  # `exod serve --cluster`: a node of an etcd cluster (exod.membership)
     # exod.drain: on SIGTERM/SIGINT, how long requests in progress may take to finish before they are ended
     drain_timeout: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
 
@@ -102,6 +104,7 @@ _SECTIONS = {
     "retry": {"initial", "factor", "cap", "max_retries", "reset_after"},
     "timeouts": {f.name for f in attrs.fields(Timeouts)},  # connect, load_progress, warm_up, generate, …
     "place": {"model", "path", "ranks"},
+    "cluster": {f.name for f in attrs.fields(ClusterConfig)},  # url, node_id, advertise, lease_ttl, prefix
     "fault": {"rank", "generation", "phase", "kind"},  # fault injection, for tests: never set by default
     "retention": {f.name for f in attrs.fields(Retention)},  # max_log_rows, max_log_age_days, keep_runner_logs
     "limits": {
@@ -222,7 +225,20 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
         keep_alive_timeout=float(limits.get("keep_alive_timeout", 5.0)),
         max_connections=connections,
         drain_timeout=float(limits.get("drain_timeout", 30.0)),
+        cluster=_cluster(data.get("cluster"), where),
     )
+
+
+def _cluster(section: dict[str, Any] | None, where: str) -> ClusterConfig | None:
+    if not section:
+        return None
+    missing = sorted({"url", "node_id", "advertise"} - set(section))
+    if missing:
+        raise ConfigError(f"{where}: [cluster] needs {missing} (or pass --cluster, --node-id and --advertise)")
+    try:
+        return ClusterConfig(**section)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: [cluster]: {exc}") from exc
 
 
 def _placement(entry: dict[str, Any]) -> Placement:

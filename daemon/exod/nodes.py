@@ -98,7 +98,8 @@ class Presence:
         await self.etcd.put(node_key(self.prefix, record.node_id), record.to_json(), lease=self.lease)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        await self.join()
+        if not self.lease:  # not joined yet (the daemon joins first, to fail early if etcd is not there)
+            await self.join()
         task_status.started()
         while True:
             await trio.sleep(self.ttl / 3)

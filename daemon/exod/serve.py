@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from functools import partial
 from pathlib import Path
 
+import attrs
 import trio
 
 import fsm
@@ -30,12 +31,19 @@ from exod.api import create_app
 from exod.config import ServeConfig
 from exod.controller import Controller, StoreUnavailable
 from exod.drain import Drain, Gate
+from exod.etcd import Etcd, EtcdError
 from exod.http_server import serve_http
+from exod.membership import Membership
+from exod.nodes import NodeRecord
 from exod.statedir import AlreadyRunning as AlreadyRunning  # re-exported: callers catch it from here too
 from exod.statedir import state_dir_lock, write_private
 from exod.store import Store
 
 log = logging.getLogger("exod.serve")
+
+
+class ClusterUnavailable(RuntimeError):
+    """``--cluster`` names an etcd that cannot be reached."""
 
 
 def daemon_address(state_dir: Path) -> str | None:
@@ -67,6 +75,7 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                 except StoreUnavailable as exc:  # serve what is placed; the configuration places again next start
                     log.error("%s not placed: %s", model_id, exc)
             logging.getLogger("hypercorn.error").propagate = False  # it has its own handler
+            membership = await _join(config, controller)
             async with trio.open_nursery() as nursery:
                 await nursery.start(controller.run)
                 app = create_app(
@@ -74,6 +83,7 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                     api_key=config.api_key,
                     max_body_bytes=config.max_body_bytes,
                     max_tokens_ceiling=config.max_tokens,
+                    membership=membership,
                 )
                 drain = Drain()
                 app = Gate(app, drain)
@@ -83,6 +93,10 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                     write_private(state_dir / "daemon.json", json.dumps({"pid": os.getpid(), "url": url}))
                 except OSError as exc:
                     log.error("cannot write %s (%s): pass --url %s to the CLI", state_dir / "daemon.json", exc, url)
+                if membership is not None:  # the record gets the API's address once it is bound
+                    await membership.presence.update(attrs.evolve(membership.presence.record, api_url=url))
+                    await nursery.start(membership.run)
+                    announce(f"exod: node {membership.node_id} of the cluster at {membership.config.url}")
                 announce(f"exod serving on {url} (state in {state_dir})")
                 announce(
                     f"  try:  exod status --state-dir {state_dir}\n"
@@ -104,12 +118,38 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                             announce(f"exod: ended {ended} request(s) still in progress with an error")
                         announce("exod: stopping runners")
                         await controller.shutdown()
+                        if membership is not None:  # at once, rather than when the lease runs out
+                            await membership.leave()
                         stopping.cancel_scope.cancel()
                 nursery.cancel_scope.cancel()
         finally:
             with contextlib.suppress(OSError):
                 (state_dir / "daemon.json").unlink()
             store.close()
+
+
+async def _join(config: ServeConfig, controller: Controller) -> Membership | None:
+    """With ``--cluster``: this node's record in etcd, under its lease (`ClusterUnavailable` if etcd is not there)."""
+    if config.cluster is None:
+        return None
+    from exod.models import list_cached_models
+
+    c = config.cluster
+    record = NodeRecord(
+        node_id=c.node_id,
+        address=c.advertise,
+        api_url="",
+        memory_total=controller.config.memory_bytes,
+        memory_free=controller.config.memory_bytes,
+        models=tuple(sorted({m.repo_id for m in list_cached_models(controller.config.hf_home)})),
+        version=fsm.__version__,
+    )
+    membership = Membership(Etcd(c.url), c, record)
+    try:
+        await membership.presence.join()
+    except EtcdError as exc:
+        raise ClusterUnavailable(f"cannot join the cluster: {exc}. Is etcd running at {c.url}?") from exc
+    return membership
 
 
 async def _hurry_on_signal(signals: AsyncIterator[int], drain: Drain, announce: Callable[[str], object]) -> None:
