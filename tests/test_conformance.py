@@ -81,6 +81,12 @@ def test_cli_replay_jsonl_and_check(tmp_path):
     assert junk.exit_code == 1 and "not a transition log" in junk.output
     checked = CliRunner().invoke(main, ["check", "--max-retries", "1"])
     assert checked.exit_code == 0 and "all invariants hold" in checked.output and "exhaustive" in checked.output
+    host = CliRunner().invoke(
+        main, ["check", "--ranks", "1", "--max-retries", "2", "--faults", "crash,host", "--horizon", "30"]
+    )
+    assert host.exit_code == 0 and "all invariants hold" in host.output and "exhaustive up to t=30 s" in host.output
+    wrong = CliRunner().invoke(main, ["check", "--faults", "crash,nope"])
+    assert wrong.exit_code == 2 and "choose from crash, error, fatal, host" in wrong.output
 
 
 def test_markers_are_checked_too():

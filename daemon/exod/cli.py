@@ -523,15 +523,38 @@ def specs(check: bool, directory: Path) -> None:
 @click.option("--no-deletes", is_flag=True, help="Leave user deletes out of the adversary.")
 @click.option("--fine", is_flag=True, help="Each completion and each node's planner as its own event (slower).")
 @click.option("--requests", type=click.IntRange(0, 3), default=0, show_default=True, help="Chat requests to send.")
+@click.option(
+    "--faults",
+    default="crash,error,fatal",
+    show_default=True,
+    help="What the adversary does to runners, of crash, error, fatal, host (the host's failures: uncharged).",
+)
+@click.option("--horizon", type=click.FloatRange(min=1), default=None, help="Seconds of the clock to explore.")
 def check(
-    ranks: int, max_retries: int, depth: int, max_states: int, no_deletes: bool, fine: bool, requests: int
+    ranks: int,
+    max_retries: int,
+    depth: int,
+    max_states: int,
+    no_deletes: bool,
+    fine: bool,
+    requests: int,
+    faults: str,
+    horizon: float | None,
 ) -> None:
     """Model-check the composed system; a violated invariant prints its shortest trace and exits 1."""
     import fsm
-    from fsm.check import CheckConfig
+    from fsm.check import CheckConfig, Fault
     from fsm.check import check as run_check
 
+    try:
+        chosen = tuple(Fault(name.strip()) for name in faults.split(",") if name.strip())
+    except ValueError as exc:
+        raise click.BadParameter(
+            f"{exc}; choose from {', '.join(f.value for f in Fault)}", param_hint="--faults"
+        ) from None
     config = CheckConfig(
+        faults=chosen,
+        horizon=horizon,
         ranks=ranks,
         policy=fsm.RetryPolicy(max_retries=max_retries),
         depth=depth,
