@@ -33,47 +33,59 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-@pytest.fixture
-def etcd(tmp_path) -> Iterator[str]:
-    """The client URL of a fresh single-member etcd."""
-    client, peer = free_ports(2)
-    url = f"http://127.0.0.1:{client}"
-    log = (tmp_path / "etcd.log").open("wb")
-    args = [
-        etcd_binary(),
-        "--name",
-        "test",
-        "--data-dir",
-        str(tmp_path / "etcd-data"),
-        "--listen-client-urls",
-        url,
-        "--advertise-client-urls",
-        url,
-        "--listen-peer-urls",
-        f"http://127.0.0.1:{peer}",
-        "--initial-advertise-peer-urls",
-        f"http://127.0.0.1:{peer}",
-        "--initial-cluster",
-        f"test=http://127.0.0.1:{peer}",
-    ]
-    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-    try:
+class EtcdServer:
+    """One etcd member on fixed free ports and a data dir, which a test may stop and start again."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.client_port, self.peer_port = free_ports(2)
+        self.url = f"http://127.0.0.1:{self.client_port}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        args = [etcd_binary(), "--name", "test", "--data-dir", str(self.directory / "etcd-data")]
+        args += ["--listen-client-urls", self.url, "--advertise-client-urls", self.url]
+        args += ["--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", f"test={peer}"]
+        log = (self.directory / "etcd.log").open("ab")
+        self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
         deadline = time.monotonic() + 30
         while True:
             try:
-                if httpx.get(f"{url}/health", timeout=1).json().get("health") == "true":
-                    break
+                if httpx.get(f"{self.url}/health", timeout=1).json().get("health") == "true":
+                    return
             except (httpx.HTTPError, ValueError):
                 pass
-            assert process.poll() is None, (tmp_path / "etcd.log").read_text()
-            assert time.monotonic() < deadline, "etcd did not become healthy: " + (tmp_path / "etcd.log").read_text()
+            assert self.process.poll() is None, (self.directory / "etcd.log").read_text()
+            assert time.monotonic() < deadline, (
+                "etcd did not become healthy: " + (self.directory / "etcd.log").read_text()
+            )
             time.sleep(0.05)
-        yield url
-    finally:
-        process.terminate()
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        self.process.terminate()
         try:
-            process.wait(timeout=10)
+            self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
+            self.process.kill()
+            self.process.wait()
+        self.process = None
+
+
+@pytest.fixture
+def etcd_server(tmp_path) -> Iterator[EtcdServer]:
+    server = EtcdServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def etcd(etcd_server) -> str:
+    """The client URL of a fresh single-member etcd."""
+    return etcd_server.url

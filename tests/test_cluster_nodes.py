@@ -114,3 +114,23 @@ def test_serve_without_its_etcd_says_so_and_exits(tmp_path):
         timeout=60,
     )
     assert done.returncode != 0 and "cannot join the cluster" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_node_that_loses_etcd_is_degraded_and_joins_again_when_it_returns(tmp_path, etcd_server):
+    daemon, url = start(tmp_path, etcd_server.url, 1)
+    try:
+        until(lambda: nodes(url), lambda v: v["controller"] == "node-1", 30)
+        etcd_server.stop()
+        health = until(lambda: httpx.get(f"{url}/health", timeout=10).json(), lambda h: h["status"] != "ok", 3 * TTL)
+        assert health["status"] == "degraded" and "etcd cannot be reached" in health["reason"]
+        assert httpx.get(f"{url}/ready", timeout=10).status_code == 503
+        refused = httpx.post(f"{url}/instances", json={"model": "exod/tiny-qwen2", "ranks": 1}, timeout=10)
+        assert refused.status_code == 503 and "degraded" in refused.json()["error"]["message"]
+        assert httpx.get(f"{url}/nodes", timeout=10).status_code == 503
+        etcd_server.start()  # the same member, its data kept: the node's lease may have expired meanwhile
+        until(lambda: httpx.get(f"{url}/health", timeout=10).json(), lambda h: h["status"] == "ok", 6 * TTL)
+        back = until(lambda: nodes(url), lambda v: v["controller"] == "node-1" and len(v["nodes"]) == 1, 6 * TTL)
+        assert back["nodes"][0]["node_id"] == "node-1"
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=30) == 0

@@ -143,6 +143,12 @@ def create_app(
 ) -> ASGIApp:
     app = FastAPI(title="exod", version=fsm.__version__, description="Explicit lifecycles for LLM runners.")
 
+    def degraded() -> str | None:
+        """Why the daemon cannot write its state now (its store, or in a cluster etcd), if it cannot."""
+        if membership is not None and membership.presence.lost is not None:
+            return f"the cluster's etcd cannot be reached: {membership.presence.lost}"
+        return controller.status()["degraded"]
+
     def guarded(path: str) -> tuple[int, ...]:
         """What can answer on ``path`` before any route runs: `_Guard` (401, 413), `exod.http_server` (408)."""
         return (401, 408, 413) if api_key and path not in OPEN_PATHS else (408, 413)
@@ -160,14 +166,14 @@ def create_app(
     @app.get("/health")
     async def health() -> dict[str, str]:
         """Liveness: the daemon answers; degraded (it serves, but cannot write its state) says why."""
-        degraded = controller.status()["degraded"]
-        return {"status": "ok"} if degraded is None else {"status": "degraded", "reason": degraded}
+        reason = degraded()
+        return {"status": "ok"} if reason is None else {"status": "degraded", "reason": reason}
 
     @app.get("/ready", responses=responses(503))
     async def ready() -> dict[str, Any]:
         """Readiness: at least one instance is Ready, and the state can be written."""
-        if (degraded := controller.status()["degraded"]) is not None:
-            raise ApiError(503, f"degraded: {degraded}", headers={"Retry-After": str(int(WRITE_RETRY))})
+        if (reason := degraded()) is not None:
+            raise ApiError(503, f"degraded: {reason}", headers={"Retry-After": str(int(WRITE_RETRY))})
         ready_state = fsm.InstanceState.READY.value
         ready = [i["instance_id"] for i in controller.status()["instances"] if i["state"] == ready_state]
         if not ready:
@@ -181,6 +187,8 @@ def create_app(
     @app.post("/instances", status_code=201, responses=responses(400, 404, 409, 422, 503))
     async def place(body: PlaceRequest) -> dict[str, Any]:
         """Place a model; `fsm.admit` decides up front, and a refusal stores nothing."""
+        if membership is not None and membership.presence.lost is not None:
+            raise ApiError(503, f"degraded: {membership.presence.lost}", headers={"Retry-After": "1"})
         try:
             instance_id = controller.place(body.model, body.ranks, policy=_policy(controller.config.policy, body.retry))
         except (InvalidModelId, fsm.InvalidConfig) as exc:
