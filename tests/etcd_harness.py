@@ -4,7 +4,6 @@ started on free loopback ports with its own data directory, and stopped after th
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from exod.ring import free_ports
+
 
 def etcd_binary() -> str:
     found = shutil.which("etcd", path=str(Path(sys.executable).parent)) or shutil.which("etcd")
@@ -22,15 +23,20 @@ def etcd_binary() -> str:
     return found
 
 
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+def run_with_client(url: str, body):
+    """``await body(client)`` under trio with an `exod.etcd.Etcd` on ``url``, closed afterwards."""
+    import trio
+
+    from exod.etcd import Etcd
+
+    async def main():
+        client = Etcd(url)
+        try:
+            return await body(client)
+        finally:
+            await client.aclose()
+
+    return trio.run(main)
 
 
 class EtcdServer:

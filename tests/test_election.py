@@ -4,6 +4,7 @@ time, another one elected once its lease expires, and a deposed controller's wri
 from __future__ import annotations
 
 import trio
+from etcd_harness import run_with_client as run
 
 from exod.election import Deposed, campaign, guarded_write, leader, wait_for_term
 from exod.etcd import Etcd, Put
@@ -15,17 +16,6 @@ TTL = 5  # the shortest the cluster tests use: two busy cores must not expire a 
 
 def record(node_id: str, address: str) -> NodeRecord:
     return NodeRecord(node_id, address, f"http://{address}:8420", memory_total=8 << 30, memory_free=6 << 30)
-
-
-def run(url: str, body) -> object:
-    async def main():
-        client = Etcd(url)
-        try:
-            return await body(client)
-        finally:
-            await client.aclose()
-
-    return trio.run(main)
 
 
 def test_three_nodes_list_each_other_and_a_node_that_leaves_is_gone(etcd):

@@ -6,19 +6,9 @@ import socket
 
 import pytest
 import trio
+from etcd_harness import run_with_client as run
 
 from exod.etcd import Delete, Etcd, EtcdUnavailable, LeaseExpired, Put, _prefix_end, value_is, version_is
-
-
-def run(url: str, body) -> object:
-    async def main():
-        client = Etcd(url)
-        try:
-            return await body(client)
-        finally:
-            await client.aclose()
-
-    return trio.run(main)
 
 
 def test_put_get_prefix_and_delete(etcd):
