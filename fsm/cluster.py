@@ -5,13 +5,14 @@
 latest incarnation) and one `DownloadLifecycle` per (node, model), and it
 forwards what a runner does to its instance:
 
-=====================  =====================================
-runner reaches          instance receives
-=====================  =====================================
-Ready                   ``rank_ready``
-Failed                  ``rank_failed`` (with the cause)
-Shutdown.stopped        ``rank_stopped``
-=====================  =====================================
+=======================  =============================================
+runner reaches            instance receives
+=======================  =============================================
+Ready                     ``rank_ready``
+Failed                    ``rank_failed`` (with the cause)
+Failed, while stopping    ``rank_failed_while_stopping`` (costs nothing)
+Shutdown.stopped          ``rank_stopped``
+=======================  =============================================
 
 `execute` applies the *machine side* of a planner action (a created runner
 gets its machine, a stop is recorded …); whoever owns the I/O (the daemon, or
@@ -172,9 +173,10 @@ class Cluster:
         gen, rank = machine.incarnation, machine.rank
         if not was_ready and machine.runner_state is rn.RunnerState.READY:
             self.instance_event(inst.RankReady(instance_id, now, gen, rank))
-        if not was_failed and machine.failure is not None and not was_stopping:
-            # A failure while stopping on our request costs nothing: the stop was ours, the rank is only gone.
-            self.instance_event(inst.RankFailed(instance_id, now, gen, rank, failure=machine.failure))
+        if not was_failed and machine.failure is not None:
+            # A failure while stopping on our request costs nothing (the stop was ours), but may be the cause.
+            failed = inst.RankFailedWhileStopping if was_stopping else inst.RankFailed
+            self.instance_event(failed(instance_id, now, gen, rank, failure=machine.failure))
         if not machine.alive and any(s.target == rn.RunnerPhase.STOPPED.value for s in outcome.steps):
             self.instance_event(inst.RankStopped(instance_id, now, gen, rank))
         return outcome

@@ -137,6 +137,17 @@ class RankFailed(RankEvent):
 
 
 @attrs.frozen
+class RankFailedWhileStopping(RankFailed):
+    """A rank we were stopping failed on its own first (an exit that beat our stop, an error).
+
+    The stop was ours, so it costs nothing and never deletes the instance; but it may be the *cause* that a
+    peer's lost connection only reported, and the cause is what ``last_failure`` keeps.
+    """
+
+    name = "rank_failed_while_stopping"
+
+
+@attrs.frozen
 class RankStopped(RankEvent):
     """The rank's process was reaped."""
 
@@ -236,6 +247,12 @@ class InstanceRetry(Lifecycle):
         | ready.to(recovering, on="_count_failure")
         | recovering.to.itself(internal=True, on="_another_failure")
         | backing_off.to.itself(internal=True)
+    )
+    rank_failed_while_stopping = (
+        recovering.to.itself(internal=True, on="_another_failure")
+        | backing_off.to.itself(internal=True, on="_another_failure")
+        | starting.to.itself(internal=True)
+        | ready.to.itself(internal=True)
     )
     rank_stopped = (
         starting.to(deleted, cond="last_allowed_failure", on="_stopped_and_exhausted")

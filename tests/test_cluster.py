@@ -145,6 +145,24 @@ def test_an_exit_that_beat_our_stop_is_the_runners_failure_but_charges_nothing_m
     assert (machine.instance_state, machine.attempts) == (fsm.InstanceState.BACKING_OFF, 1)
 
 
+@pytest.mark.parametrize("fatal", [False, True])
+def test_a_rank_that_died_before_our_stop_is_the_cause_its_peers_lost_connection_only_reported(fatal):
+    cluster = two_rank_cluster()
+    lost = fsm.Failure.peer_lost("RuntimeError: [ring] connection to a peer was lost")
+    cluster.runner_event(rn.Fail("i/0", 1, failure=lost), 1.0)  # rank 0 reports first: one retry charged
+    cluster.execute(fsm.StopRunner("i/1", 1, fsm.StopReason.SIBLING_FAILED), 1.0)
+    if fatal:  # even a cause that would end the instance costs nothing once we were stopping it
+        cause = fsm.Failure.exception("FileNotFoundError", "model.safetensors", retryable=False)
+        cluster.runner_event(rn.Fail("i/1", 1, failure=cause), 1.1)
+        cluster.runner_event(rn.Exited("i/1", 1, exit_code=1), 1.2)
+    else:  # killed before our stop reached it
+        cause = fsm.Failure.signalled(9)
+        cluster.runner_event(rn.Exited("i/1", 1, exit_code=-9, stop_delivered=False), 1.2)
+    machine = cluster.instance("i")
+    assert (machine.leaf, machine.attempts, machine.delete_reason) == ("recovering", 1, None)
+    assert machine.last_failure == cause
+
+
 def test_forget_only_a_deleted_instance_without_live_runners():
     cluster = two_rank_cluster()
     with pytest.raises(fsm.InvalidConfig, match="not deleted"):

@@ -42,6 +42,7 @@ EXPECTED_COUNTS = {
         "rank_ready": 4,
         "": 2,
         "rank_failed": 9,
+        "rank_failed_while_stopping": 4,
         "rank_stopped": 6,
         "resume": 2,
         "tick": 5,

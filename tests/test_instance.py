@@ -14,6 +14,7 @@ from fsm.instance import (
     InstanceRetry,
     RankCreated,
     RankFailed,
+    RankFailedWhileStopping,
     RankReady,
     RankStopped,
     RetryPolicy,
@@ -1050,6 +1051,29 @@ def test_the_first_cause_stays_when_another_cause_follows():
     i.apply(RankFailed("inst", 2.0, 1, 1, failure=KILLED))
     i.apply(RankFailed("inst", 2.0, 1, 2, failure=fsm.Failure.exited(1)))
     assert i.last_failure == KILLED
+
+
+@pytest.mark.parametrize("leaf", ["recovering", "backing_off"])
+def test_a_failure_while_stopping_replaces_a_consequence_but_charges_and_deletes_nothing(leaf):
+    i = started(world_size=2)
+    make_ready(i, 1.0)
+    i.apply(RankFailed("inst", 2.0, 1, 0, failure=PEER_LOST))
+    if leaf == "backing_off":
+        i.apply(RankStopped("inst", 2.0, 1, 0))
+        i.apply(RankStopped("inst", 2.0, 1, 1))
+    fatal = fsm.Failure.exception("FileNotFoundError", "model.safetensors", retryable=False)
+    i.apply(RankFailedWhileStopping("inst", 2.5, 1, 1, failure=fatal))
+    assert (i.leaf, i.attempts, i.delete_reason, i.last_failure) == (leaf, 1, None, fatal)
+    i.apply(RankFailedWhileStopping("inst", 2.6, 1, 1, failure=KILLED))
+    assert i.last_failure == fatal  # the first cause stays
+
+
+def test_a_failure_while_stopping_a_live_generation_changes_nothing():
+    i = started(world_size=2)
+    make_ready(i, 1.0)
+    before = i.snapshot()
+    out = i.apply(RankFailedWhileStopping("inst", 1.0, 1, 1, failure=KILLED))
+    assert out.accepted and i.snapshot() == before
 
 
 def test_the_delay_after_a_charged_and_an_uncharged_failure_is_the_second_of_the_streak():

@@ -193,6 +193,13 @@ class InstanceMachine(RuleBasedStateMachine):
         if before_state == "recovering" and self.m.leaf != "deleted":
             assert self.m.attempts == before_attempts, "a second failure in one generation cost a retry"
 
+    @rule(rank=st.integers(0, 1), gen_delta=st.sampled_from([-1, 0, 0]), failure=FAILURES)
+    def rank_failed_while_stopping(self, rank, gen_delta, failure):
+        before_state, before_attempts = self.m.leaf, self.m.attempts
+        generation = max(self.m.generation + gen_delta, 0)
+        self._send(it.RankFailedWhileStopping("i", self.now, generation, rank, failure=failure))
+        assert (self.m.leaf, self.m.attempts) == (before_state, before_attempts), "a stop we asked for cost a retry"
+
     @rule()
     def delete(self):
         self._send(it.Delete("i", self.now))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -133,3 +134,16 @@ def test_a_busy_runner_that_goes_silent_is_reported_stalled(tmp_path):
 
     run(s, request_then_wait)
     assert [e for e in s.events if e[0] == "stall"] == [("stall", "generating")]
+
+
+def test_an_exit_by_a_signal_we_never_sent_did_not_answer_our_stop(tmp_path):
+    """Killed by another just before our Shutdown: the write may still succeed, but the exit is not ours."""
+    s = StandIn(SAYS_NOTHING, tmp_path, FAST)
+
+    async def killed_then_stopped(sup):
+        os.kill(sup.pid, signal.SIGKILL)
+        sup.stop()
+
+    run(s, killed_then_stopped)
+    assert s.events[-1][:2] == ("exit", -signal.SIGKILL)
+    assert s.events[-1][3] is False

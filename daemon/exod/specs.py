@@ -66,7 +66,8 @@ INVARIANTS: dict[str, tuple[tuple[int, str], ...]] = {
             "Shutdown.stopped and Deleted absorb; a failure while stopping on request costs nothing: Deleted is "
             "final, absorbs every later event (late exits, timers, ticks), and nothing starts a runner of a "
             "Deleted instance. A rank that fails while being stopped on our request reaches this machine as "
-            "`rank_stopped` only (`fsm.cluster`): it charges no retry and never deletes the instance.",
+            "`rank_failed_while_stopping` then `rank_stopped` (`fsm.cluster`): it charges no retry and never "
+            "deletes the instance, but it may replace a peer's lost connection as `last_failure`, the cause.",
         ),
         (
             3,

@@ -172,6 +172,7 @@ class Supervisor:
         self.exit_code: int | None = None
         self._drained = trio.Event()
         self.stop_delivered = False  # whether an exit can be the answer to our stop
+        self._signals_sent: set[int] = set()
 
     # -- commands ------------------------------------------------------------------
 
@@ -242,7 +243,7 @@ class Supervisor:
                     await self._kill_and_reap(process)
                     if self._stream is not None:
                         await self._stream.aclose()
-        self.listener.on_exit(self.spec, self.exit_code, _tail(self.spec.log_path), self.stop_delivered)
+        self.listener.on_exit(self.spec, self.exit_code, _tail(self.spec.log_path), self._answered_our_stop())
 
     async def _read_reports(self) -> None:
         try:
@@ -272,6 +273,13 @@ class Supervisor:
                     self.watchdog.feed(message)
                     self.listener.on_report(self.spec, message)
 
+    def _answered_our_stop(self) -> bool:
+        """Whether the exit can be the answer to our stop. A Shutdown that reached the socket of a process
+        someone else had just killed is not an answer: death by a signal we never sent beat our stop."""
+        assert self.exit_code is not None
+        killed_by_another = self.exit_code < 0 and -self.exit_code not in self._signals_sent
+        return self.stop_delivered and not killed_by_another
+
     async def _stop_when_asked(self, process: trio.Process) -> None:
         await self.stop_requested.wait()
         self.watchdog.disarm()
@@ -280,10 +288,12 @@ class Supervisor:
             await process.wait()
             return
         self.stop_delivered = True
+        self._signals_sent.add(signal.SIGTERM)
         process.send_signal(signal.SIGTERM)
         with trio.move_on_after(self.timeouts.term_grace):
             await process.wait()
             return
+        self._signals_sent.add(signal.SIGKILL)
         process.kill()
 
     @staticmethod
