@@ -137,7 +137,7 @@ async def run_controller(config: DaemonConfig, body: Callable[[TimedController],
     store = Store.open(config.db_path)
     try:
         controller = TimedController(config, store)
-        controller.restore()
+        await controller.restore()
         async with trio.open_nursery() as nursery:
             await nursery.start(controller.run)
             nursery.start_soon(_cancel_on_sigterm, nursery.cancel_scope)

@@ -60,7 +60,7 @@ print("done " + json.dumps([t0, t1, t2, t3]), flush=True)
 
 async def exod_once(controller: TimedController) -> dict[str, float]:
     t_place = time.monotonic()
-    iid = controller.place(MODEL, 1)
+    iid = await controller.place(MODEL, 1)
     await controller.until(lambda: controller.instance_state(iid) == "ready")
     t_ready = time.monotonic()
     rid = f"{iid}/0"
@@ -95,7 +95,7 @@ async def exod_once(controller: TimedController) -> dict[str, float]:
         "warmed": event(rn.Warmed),
         "ready": t_ready,
     }
-    controller.delete(iid)  # stop it, and wait until it is reaped, so it does not load the next run
+    await controller.delete(iid)  # stop it, and wait until it is reaped, so it does not load the next run
     await controller.until(lambda: not controller.runners_alive(), timeout=30)
     return {name: (t - t_place) * 1000 for name, t in marks.items() if t is not None}
 

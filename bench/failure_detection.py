@@ -53,7 +53,7 @@ time.sleep(60)
 
 
 async def measure_exod(controller: TimedController, repeat: int) -> list[dict]:
-    iid = controller.place(MODEL, 1)
+    iid = await controller.place(MODEL, 1)
     runner_id = f"{iid}/0"
     samples = []
     for _ in range(repeat):

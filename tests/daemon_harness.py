@@ -57,7 +57,7 @@ def with_controller(
         store = Store.open(cfg.db_path, retention=cfg.retention)
         try:
             controller = Controller(cfg, store, **controller_args)
-            controller.restore()
+            await controller.restore()
             with trio.fail_after(limit):
                 async with trio.open_nursery() as nursery:
                     await nursery.start(controller.run)

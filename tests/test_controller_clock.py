@@ -51,11 +51,11 @@ class Sim:
     fleet: FakeFleet
     models: FakeModels
 
-    def log(self, machine: str | None = None, key: str | None = None) -> list[LogEntry]:
+    async def log(self, machine: str | None = None, key: str | None = None) -> list[LogEntry]:
         """The durable transition log, its times on trio's (virtual) clock."""
         return [
             attrs.evolve(e, time=e.time - WALL)
-            for _, e in self.controller.transitions()
+            for _, e in await self.controller.transitions()
             if (machine is None or e.machine == machine) and (key is None or e.key == key)
         ]
 
@@ -139,9 +139,9 @@ async def chat(controller: Controller, iid: str, **params: Any) -> str:
 
 def test_a_two_rank_instance_reaches_ready_and_serves(tmp_path):
     async def body(sim: Sim):
-        iid = sim.controller.place(MODEL, 2)
+        iid = await sim.controller.place(MODEL, 2)
         status = await until(sim.controller, ready_at(iid, 1))
-        return instance(status, iid), await chat(sim.controller, iid, max_tokens=4), sim.log()
+        return instance(status, iid), await chat(sim.controller, iid, max_tokens=4), await sim.log()
 
     inst, text, log = simulate(tmp_path, body)
     assert [r["state"] for r in inst["runners"]] == ["ready", "ready"]
@@ -161,11 +161,11 @@ def test_each_crash_costs_one_generation_the_backoff_is_waited_exactly_and_grows
     policy = attrs.evolve(POLICY, max_retries=6)  # backoffs 2, 4, 8, 16, then the cap: 30
 
     async def body(sim: Sim):
-        iid = sim.controller.place(MODEL, 2)
+        iid = await sim.controller.place(MODEL, 2)
         status = await until(sim.controller, is_deleted(iid))
         await until(sim.controller, all_stopped(iid))
         await trio.sleep(3600)  # an hour later, nothing more was created
-        return instance(status, iid), sim.log("instance", iid), sim.fleet
+        return instance(status, iid), await sim.log("instance", iid), sim.fleet
 
     inst, log, fleet = simulate(tmp_path, body, policy=policy, faults=(crash,))
     assert inst["delete_reason"] == "retries_exhausted"
@@ -189,7 +189,7 @@ def test_each_crash_costs_one_generation_the_backoff_is_waited_exactly_and_grows
 def test_the_budget_refills_exactly_reset_after_of_continuous_ready_and_a_failure_before_keeps_the_count(tmp_path):
     async def body(sim: Sim):
         c, fleet = sim.controller, sim.fleet
-        iid = c.place(MODEL, 1)
+        iid = await c.place(MODEL, 1)
         await until(c, ready_at(iid, 1))
         fleet.runner(0, 1).kill()
         await until(c, ready_at(iid, 2))
@@ -213,7 +213,7 @@ def test_the_budget_refills_exactly_reset_after_of_continuous_ready_and_a_failur
         await settled()
         assert sim.machine(iid).attempts == 0
         assert sim.machine(iid).clock - WALL == due  # observed at exactly the due time
-        assert [e.time for e in sim.log() if e.time > ready_since] == []  # and no event brought it about
+        assert [e.time for e in await sim.log() if e.time > ready_since] == []  # and no event brought it about
 
         # The next failure is charged to a fresh budget: one attempt, the first backoff again.
         fleet.runner(0, 3).kill()
@@ -242,13 +242,13 @@ def test_a_silent_runner_is_failed_as_stalled_exactly_the_phase_timeout_after_it
     hang = FaultSpec(Fault(fault_phase, FaultKind.HANG), rank=0, generation=1)
 
     async def body(sim: Sim):
-        iid = sim.controller.place(MODEL, 2)
+        iid = await sim.controller.place(MODEL, 2)
         if fault_phase is FaultPhase.BUSY:
             await until(sim.controller, ready_at(iid, 1))
             with pytest.raises(RequestFailed, match=f"no progress in phase {phase}"):
                 await chat(sim.controller, iid)  # ends with the runner's failure, never a hang
         status = await until(sim.controller, ready_at(iid, 2))
-        return instance(status, iid), sim.log("runner", f"{iid}/0"), sim.fleet
+        return instance(status, iid), await sim.log("runner", f"{iid}/0"), sim.fleet
 
     inst, rank0_log, fleet = simulate(tmp_path, body, faults=(hang,))
     silent = fleet.runner(0, 1)
@@ -267,7 +267,7 @@ def test_slow_loading_that_keeps_reporting_progress_is_never_a_stall(tmp_path):
     slow = Timing(layers=4, layer=100.0)  # 400 s of loading, a progress report every 100 s < load_progress
 
     async def body(sim: Sim):
-        iid = sim.controller.place(MODEL, 1)
+        iid = await sim.controller.place(MODEL, 1)
         status = await until(sim.controller, ready_at(iid, 1))
         return instance(status, iid), trio.current_time()
 
@@ -281,7 +281,7 @@ def test_slow_loading_that_keeps_reporting_progress_is_never_a_stall(tmp_path):
 
 def test_a_request_no_ready_runner_takes_fails_with_queue_timeout_after_exactly_queue_timeout(tmp_path):
     async def body(sim: Sim):
-        iid = sim.controller.place(MODEL, 1)
+        iid = await sim.controller.place(MODEL, 1)
         await trio.sleep(7)
         submitted = trio.current_time()
         with pytest.raises(QueueTimeout):
@@ -296,9 +296,9 @@ def test_a_request_no_ready_runner_takes_fails_with_queue_timeout_after_exactly_
 
 def test_a_request_queued_while_the_instance_starts_is_served_once_it_is_ready(tmp_path):
     async def body(sim: Sim):
-        iid = sim.controller.place(MODEL, 1)
+        iid = await sim.controller.place(MODEL, 1)
         text = await chat(sim.controller, iid)
-        return text, trio.current_time(), moves(sim.log("instance", iid), "starting", "ready")
+        return text, trio.current_time(), moves(await sim.log("instance", iid), "starting", "ready")
 
     text, done, (ready,) = simulate(tmp_path, body, models=FakeModels(delay=20))
     assert ready < QUEUE_TIMEOUT
@@ -308,7 +308,7 @@ def test_a_request_queued_while_the_instance_starts_is_served_once_it_is_ready(t
 
 def test_delete_ends_queued_requests_with_an_error_at_once(tmp_path):
     async def body(sim: Sim):
-        iid = sim.controller.place(MODEL, 1)
+        iid = await sim.controller.place(MODEL, 1)
         outcomes: list[tuple[float, str]] = []
 
         async def one():
@@ -321,7 +321,7 @@ def test_delete_ends_queued_requests_with_an_error_at_once(tmp_path):
             for _ in range(3):
                 nursery.start_soon(one)
             await trio.sleep(10)
-            sim.controller.delete(iid)
+            await sim.controller.delete(iid)
         return outcomes
 
     outcomes = simulate(tmp_path, body, models=FakeModels(delay=10_000))  # still downloading at the delete
@@ -330,14 +330,14 @@ def test_delete_ends_queued_requests_with_an_error_at_once(tmp_path):
 
 def test_delete_ends_an_in_flight_request_with_an_error_at_once(tmp_path):
     async def body(sim: Sim):
-        iid = sim.controller.place(MODEL, 2)
+        iid = await sim.controller.place(MODEL, 2)
         await until(sim.controller, ready_at(iid, 1))
         tokens = []
         with pytest.raises(RequestFailed) as failure:  # the runner's end, not a QueueTimeout
             async for item in sim.controller.requests.generate(iid, MESSAGES):
                 tokens.append(item)
                 deleted_at = trio.current_time()
-                sim.controller.delete(iid)
+                await sim.controller.delete(iid)
         assert not isinstance(failure.value, QueueTimeout)
         assert "instance was deleted (requested)" in str(failure.value)
         return tokens, deleted_at, trio.current_time(), instance(sim.controller.status(), iid)
@@ -356,11 +356,11 @@ def test_a_non_retryable_failure_deletes_at_once_and_nothing_is_started_again(tm
     corrupt = FakeModels(defective={MODEL: "SafetensorError: Error while deserializing header: incomplete metadata"})
 
     async def body(sim: Sim):
-        iid = sim.controller.place(MODEL, 2)
+        iid = await sim.controller.place(MODEL, 2)
         status = await until(sim.controller, is_deleted(iid))
         await until(sim.controller, all_stopped(iid))
         await trio.sleep(3600)
-        return instance(status, iid), sim.log("instance", iid), sim.fleet
+        return instance(status, iid), await sim.log("instance", iid), sim.fleet
 
     inst, log, fleet = simulate(tmp_path, body, models=corrupt)
     assert inst["delete_reason"] == "non_retryable"
@@ -375,7 +375,7 @@ def test_a_failed_download_is_retried_after_the_download_backoff_and_costs_the_i
     flaky = FakeModels(delay=1.0, failures={MODEL: 3})
 
     async def body(sim: Sim):
-        iid = sim.controller.place(MODEL, 1)
+        iid = await sim.controller.place(MODEL, 1)
         await until(sim.controller, lambda s: (instance(s, iid)["download"] or {}).get("attempts") == 1)
         waiting = instance(sim.controller.status(), iid)
         status = await until(sim.controller, ready_at(iid, 1))
@@ -403,11 +403,11 @@ def test_the_controller_spawns_only_what_the_machines_accepted(tmp_path, monkeyp
     monkeypatch.setattr(fsm, "plan", plan_with_a_late_create)
 
     async def body(sim: Sim):
-        iid = sim.controller.place(MODEL, 2)
+        iid = await sim.controller.place(MODEL, 2)
         await until(sim.controller, lambda s: all(r["state"] for r in instance(s, iid)["runners"]))
-        sim.controller.delete(iid)  # generation 1 started and its runners exist
+        await sim.controller.delete(iid)  # generation 1 started and its runners exist
         await until(sim.controller, all_stopped(iid))
-        other = sim.controller.place(MODEL, 1)  # something to plan for: the late action rides along
+        other = await sim.controller.place(MODEL, 1)  # something to plan for: the late action rides along
         late.append(fsm.CreateRunner(iid, f"{iid}/9", "local", 0, 2, 1, MODEL))
         await settled()
         return iid, other, [r.spec.runner_id for r in sim.fleet.runners], sim.controller.status()

@@ -64,7 +64,7 @@ def test_instance_reaches_ready_and_generates_like_mlx_lm(tmp_path, hf_home, ran
     snapshot = resolve_model("exod/tiny-qwen2", hf_home=hf_home, offline=True)
 
     async def body(controller):
-        iid = controller.place("exod/tiny-qwen2", ranks)
+        iid = await controller.place("exod/tiny-qwen2", ranks)
         status = await wait_for(controller, is_ready(iid))
         assert [r["state"] for r in instance(status, iid)["runners"]] == ["ready"] * ranks
         return await chat(controller, iid), await chat(controller, iid, **SAMPLED)
@@ -82,7 +82,7 @@ def test_concurrent_requests_queue_and_never_interleave(tmp_path, hf_home):
     seeds = [1, 2, 3, 4]
 
     async def body(controller):
-        iid = controller.place("exod/tiny-qwen2", 2)
+        iid = await controller.place("exod/tiny-qwen2", 2)
         await wait_for(controller, is_ready(iid))
         results: dict[int, str] = {}
 
@@ -102,7 +102,7 @@ def test_concurrent_requests_queue_and_never_interleave(tmp_path, hf_home):
 
 def test_sigkill_while_ready_recovers_with_backoff_after_reaping_the_generation(tmp_path, hf_home):
     async def body(controller):
-        iid = controller.place("exod/tiny-qwen2", 2)
+        iid = await controller.place("exod/tiny-qwen2", 2)
         await wait_for(controller, is_ready(iid))
         victim = controller.runner_pid(f"{iid}/1", 1)
         os.kill(victim, signal.SIGKILL)
@@ -144,7 +144,7 @@ def test_a_local_model_directory_from_the_config_is_placed_and_served(tmp_path, 
 
     async def body(controller):
         model_id = controller.register_local_model(directory)
-        iid = controller.place(model_id, 1)
+        iid = await controller.place(model_id, 1)
         await wait_for(controller, is_ready(iid))
         return model_id, await chat(controller, iid)
 
@@ -160,7 +160,7 @@ def test_corrupt_model_is_deleted_as_non_retryable_with_zero_retries(tmp_path):
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
 
     async def body(controller):
-        iid = controller.place("exod/tiny-broken", 1)
+        iid = await controller.place("exod/tiny-broken", 1)
         status = await wait_for(controller, lambda s: instance(s, iid)["state"] == "deleted")
         await wait_for(controller, lambda s: all(r["state"] == "shutdown" for r in instance(s, iid)["runners"]))
         return instance(status, iid)
@@ -178,8 +178,8 @@ def test_an_unknown_model_offline_is_refused_up_front_and_says_what_to_do(tmp_pa
 
     async def body(controller):  # a fetchable model that fails to download: test_controller_clock
         with pytest.raises(PlacementRefused) as refused:
-            controller.place("exod/not-there", 1)
-        return refused.value, controller.status(), list(controller.transitions())
+            await controller.place("exod/not-there", 1)
+        return refused.value, controller.status(), list(await controller.transitions())
 
     refused, status, log = with_controller(config(tmp_path, hf_home), body, limit=30)
     assert refused.refusal is fsm.Refusal.UNKNOWN_MODEL
@@ -189,11 +189,11 @@ def test_an_unknown_model_offline_is_refused_up_front_and_says_what_to_do(tmp_pa
 
 def test_delete_ends_in_flight_requests_with_an_error(tmp_path, hf_home):
     async def body(controller):
-        iid = controller.place("exod/tiny-qwen2", 1)
+        iid = await controller.place("exod/tiny-qwen2", 1)
         await wait_for(controller, is_ready(iid))
         with pytest.raises(RequestFailed):
             async for _ in controller.requests.generate(iid, MESSAGES, max_tokens=100_000):
-                controller.delete(iid)
+                await controller.delete(iid)
         return instance(controller.status(), iid)
 
     assert with_controller(config(tmp_path, hf_home), body)["delete_reason"] == "requested"
@@ -207,7 +207,7 @@ def test_a_model_gone_from_the_cache_after_a_restart_is_fetched_again_not_a_cras
     cfg = config(tmp_path, home)
 
     async def first(controller):
-        iid = controller.place("exod/tiny-qwen2", 1)
+        iid = await controller.place("exod/tiny-qwen2", 1)
         await wait_for(controller, is_ready(iid))
         return iid
 
@@ -244,7 +244,7 @@ def test_download_progress_from_foreign_threads_reaches_the_machine(tmp_path, hf
     async def body(controller):
         original = controller._bytes_progress
         controller._bytes_progress = lambda m, d, t: (seen.append((d, t)), original(m, d, t))
-        iid = controller.place("exod/tiny-qwen2", 1)
+        iid = await controller.place("exod/tiny-qwen2", 1)
         await wait_for(controller, is_ready(iid))
         return instance(controller.status(), iid)
 
@@ -257,12 +257,12 @@ def test_requests_the_runner_could_not_decode_and_unregistered_local_models_are_
     from exod.requests import InvalidRequest
 
     async def body(controller):
-        iid = controller.place("exod/tiny-qwen2", 1)
+        iid = await controller.place("exod/tiny-qwen2", 1)
         await wait_for(controller, is_ready(iid))
         with pytest.raises(InvalidRequest):
             controller.requests.submit(iid, [{"role": "user", "content": None}])
         with pytest.raises(fsm.InvalidConfig, match="local model"):
-            controller.place("local/anything", 1)
+            await controller.place("local/anything", 1)
         assert await chat(controller, iid)  # nothing else was disturbed
         return instance(controller.status(), iid)
 
@@ -275,9 +275,9 @@ def test_only_the_newest_deleted_instances_are_kept(tmp_path, hf_home, monkeypat
     monkeypatch.setattr(exod.controller, "KEEP_DELETED", 2)
 
     async def body(controller):
-        ids = [controller.place("exod/tiny-qwen2", 1) for _ in range(4)]
+        ids = [await controller.place("exod/tiny-qwen2", 1) for _ in range(4)]
         for iid in ids:
-            controller.delete(iid)
+            await controller.delete(iid)
         await wait_for(controller, lambda s: len(s["instances"]) == 2)
         return ids, [i["instance_id"] for i in controller.status()["instances"]]
 
@@ -296,7 +296,7 @@ def test_a_model_removed_from_the_cache_while_it_runs_is_fetched_again_not_delet
     cfg = config(tmp_path, home)
 
     async def body(controller):
-        iid = controller.place("exod/tiny-qwen2", 1)
+        iid = await controller.place("exod/tiny-qwen2", 1)
         await wait_for(controller, is_ready(iid))
         shutil.rmtree(home / "hub")  # `huggingface-cli delete-cache` while it serves
         (pid,) = runner_pids()
@@ -319,7 +319,7 @@ def test_a_rank_killed_mid_generation_is_blamed_not_the_peer_that_lost_it(tmp_pa
     from daemon_harness import runner_pid
 
     async def body(controller):
-        iid = controller.place("exod/tiny-qwen2", 2)
+        iid = await controller.place("exod/tiny-qwen2", 2)
         await wait_for(controller, is_ready(iid))
         victim = runner_pid(1)
         with pytest.raises(RequestFailed):
@@ -328,7 +328,7 @@ def test_a_rank_killed_mid_generation_is_blamed_not_the_peer_that_lost_it(tmp_pa
                     os.kill(victim, signal.SIGKILL)  # at the first token: both ranks are in the ring's collectives
                     victim = None
         status = await wait_for(controller, lambda s: instance(s, iid)["state"] in ("backing_off", "starting", "ready"))
-        return instance(status, iid), [e for _, e in controller.transitions() if e.machine == "runner"]
+        return instance(status, iid), [e for _, e in await controller.transitions() if e.machine == "runner"]
 
     inst, runner_log = with_controller(config(tmp_path, hf_home), body)
     assert inst["attempts"] == 1 and inst["last_failure"] == "runner killed by SIGKILL"

@@ -20,7 +20,8 @@ from reliability_report import attack
 from test_controller_clock import MODEL, Sim, chat, instance, ready_at, simulate, until
 
 from daemon_harness import start_daemon, wait_instance
-from exod.controller import WRITE_RETRY, StoreUnavailable
+from exod.controller import StoreUnavailable
+from exod.journal import WRITE_RETRY
 from exod.store import Store
 from exod.tiny_model import make_tiny_model
 
@@ -46,9 +47,9 @@ def test_a_full_disk_degrades_the_controller_and_nothing_is_lost(tmp_path, monke
 
     async def body(sim: Sim):
         c = sim.controller
-        iid = c.place(MODEL, 2)
+        iid = await c.place(MODEL, 2)
         await until(c, ready_at(iid, 1))
-        logged = len(list(c.transitions()))
+        logged = len(list(await c.transitions()))
         disk["full"] = True
         sim.fleet.runner(1, 1).kill()  # a failure while nothing can be written: generation 2 comes up anyway
         while c.status()["degraded"] is None:
@@ -57,11 +58,18 @@ def test_a_full_disk_degrades_the_controller_and_nothing_is_lost(tmp_path, monke
         during = c.status()
         served = await chat(c, iid, max_tokens=3)
         with pytest.raises(StoreUnavailable, match="database or disk is full"):
-            c.place(MODEL, 1)
-        unwritten = len(list(c.transitions())) - logged
+            await c.place(MODEL, 1)
+        unwritten = len(list(await c.transitions())) - logged
         disk["full"] = False
         await trio.sleep(WRITE_RETRY + 0.1)  # no event needed: the controller tries again on its own
-        return during, served, unwritten, c.status(), [e for _, e in c.transitions()][logged:], c.store.processes()
+        return (
+            during,
+            served,
+            unwritten,
+            c.status(),
+            [e for _, e in await c.transitions()][logged:],
+            c.store.processes(),
+        )
 
     during, served, unwritten, after, written, processes = simulate(tmp_path, body)
     assert "database or disk is full" in during["degraded"] and unwritten == 0

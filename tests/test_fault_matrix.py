@@ -82,7 +82,7 @@ def test_fault(tmp_path, hf_home, phase: FaultPhase, kind: FaultKind):
     observed: dict = {"phase": phase.value, "kind": kind.value}
 
     async def body(controller):
-        iid = controller.place(MODEL, 2)
+        iid = await controller.place(MODEL, 2)
         if phase in (FaultPhase.READY, FaultPhase.BUSY, FaultPhase.STOPPING) or want is None:
             await wait_for(controller, lambda s: instance(s, iid)["state"] == "ready", timeout=30)
         if phase is FaultPhase.READY:

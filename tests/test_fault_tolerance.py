@@ -40,7 +40,7 @@ def test_both_ranks_failing_at_once_cost_one_retry_and_do_not_deadlock(tmp_path,
     both = FaultSpec(Fault(FaultPhase.LOADING, FaultKind.EXCEPTION), rank=None, generation=1)
 
     async def body(controller):
-        iid = controller.place(MODEL, 2)
+        iid = await controller.place(MODEL, 2)
         return instance(await wait_for(controller, ready_at(iid, 2)), iid)
 
     cfg = config(tmp_path, hf_home, faults=(both,))
@@ -62,7 +62,7 @@ def test_non_retryable_causes_delete_with_zero_retries(tmp_path, hf_home, defect
         (snapshot / "config.json").unlink()
 
     async def body(controller):
-        iid = controller.place("exod/tiny-broken", 1)
+        iid = await controller.place("exod/tiny-broken", 1)
         status = await wait_for(controller, lambda s: instance(s, iid)["state"] == "deleted")
         await wait_for(controller, lambda s: all(r["state"] == "shutdown" for r in instance(s, iid)["runners"]))
         return instance(status, iid)

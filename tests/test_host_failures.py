@@ -89,8 +89,8 @@ def test_runners_that_cannot_be_spawned_for_lack_of_fds_cost_no_retry(tmp_path):
     fleet = NoFds(models, failing=3)
 
     async def body(sim: Sim):
-        iid = sim.controller.place(MODEL, 1, policy=STRICT)
-        return await until(sim.controller, ready_at(iid, 4)), sim.log("instance", iid)
+        iid = await sim.controller.place(MODEL, 1, policy=STRICT)
+        return await until(sim.controller, ready_at(iid, 4)), await sim.log("instance", iid)
 
     status, log = simulate(tmp_path, body, models=models, fleet=fleet)
     inst = status["instances"][0]
@@ -113,7 +113,7 @@ def test_no_fds_for_the_ring_ports_is_a_host_failure_not_a_daemon_crash(tmp_path
     monkeypatch.setattr(ring, "free_ports", exhausted)
 
     async def body(sim: Sim):
-        iid = sim.controller.place(MODEL, 2, policy=STRICT)
+        iid = await sim.controller.place(MODEL, 2, policy=STRICT)
         return await until(sim.controller, ready_at(iid, 3))
 
     inst = simulate(tmp_path, body)["instances"][0]
@@ -144,7 +144,7 @@ def test_a_squatted_ring_port_costs_nothing_and_the_next_generation_picks_new_po
     cfg = config(tmp_path, hf)
 
     async def body(controller):
-        iid = controller.place(MODEL, 2, policy=policy)
+        iid = await controller.place(MODEL, 2, policy=policy)
         status = await wait_for(
             controller,
             lambda s: instance(s, iid)["state"] in ("ready", "deleted") and instance(s, iid)["generation"] >= 3,
@@ -187,8 +187,8 @@ def test_a_load_that_finds_the_model_gone_fetches_it_again_instead_of_deleting_t
     models = VanishingOnce()
 
     async def body(sim: Sim):
-        iid = sim.controller.place(MODEL, 2)
-        return await until(sim.controller, ready_at(iid, 2)), sim.log("download")
+        iid = await sim.controller.place(MODEL, 2)
+        return await until(sim.controller, ready_at(iid, 2)), await sim.log("download")
 
     status, downloads = simulate(tmp_path, body, models=models)
     inst = status["instances"][0]

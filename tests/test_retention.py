@@ -123,13 +123,13 @@ def test_the_controller_deletes_the_files_of_reaped_generations_and_forgotten_in
     monkeypatch.setattr(exod.controller, "KEEP_DELETED", 2)
 
     async def body(sim: Sim) -> tuple[list[str], list[str]]:
-        ids = [sim.controller.place(MODEL, 2) for _ in range(4)]
+        ids = [await sim.controller.place(MODEL, 2) for _ in range(4)]
         for iid in ids:
             await until(sim.controller, lambda s, iid=iid: instance(s, iid)["state"] == "ready")
             assert names(tmp_path / "state" / "run" / iid) == {"gen1.hostfile.json"}  # the live generation's
             touch(runner_log_path(tmp_path / "state", iid, 0, 1))  # what a real runner would have written
         for iid in ids:
-            sim.controller.delete(iid)
+            await sim.controller.delete(iid)
         await until(sim.controller, lambda s: len(s["instances"]) == 2)
         await settled()
         return ids, [i["instance_id"] for i in sim.controller.status()["instances"]]
@@ -280,10 +280,10 @@ def test_a_crash_loop_of_real_runners_stays_within_the_retention_bounds(tmp_path
     samples: list[tuple[int, int, int, int]] = []  # generation, runner logs, hostfiles, log rows
 
     async def body(controller: Controller) -> str:
-        iid = controller.place(MODEL, RANKS)
+        iid = await controller.place(MODEL, RANKS)
         while (generation := instance(controller.status(), iid)["generation"]) <= GENERATIONS:
             logs, hostfiles = files(cfg.state_dir, iid)
-            samples.append((generation, len(logs), len(hostfiles), len(list(controller.transitions()))))
+            samples.append((generation, len(logs), len(hostfiles), len(list(await controller.transitions()))))
             await trio.sleep(0.05)
         return iid
 

@@ -20,9 +20,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import fsm
 from exod import chat
-from exod.controller import WRITE_RETRY, Controller, PlacementRefused, StoreUnavailable
+from exod.controller import Controller, PlacementRefused, StoreUnavailable
 from exod.errors import ApiError, install, responses
 from exod.etcd import EtcdUnavailable
+from exod.journal import WRITE_RETRY
 from exod.membership import Membership
 from exod.metrics import Metrics
 from exod.models import InvalidModelId
@@ -190,7 +191,9 @@ def create_app(
         if membership is not None and membership.presence.lost is not None:
             raise ApiError(503, f"degraded: {membership.presence.lost}", headers={"Retry-After": "1"})
         try:
-            instance_id = controller.place(body.model, body.ranks, policy=_policy(controller.config.policy, body.retry))
+            instance_id = await controller.place(
+                body.model, body.ranks, policy=_policy(controller.config.policy, body.retry)
+            )
         except (InvalidModelId, fsm.InvalidConfig) as exc:
             raise ApiError(400, str(exc), param="ranks" if str(exc).startswith("ranks") else "model") from exc
         except PlacementRefused as exc:
@@ -222,7 +225,7 @@ def create_app(
     @app.delete("/instances/{instance_id}", responses=responses(404))
     async def delete(instance_id: str) -> dict[str, Any]:
         try:
-            controller.delete(instance_id)
+            await controller.delete(instance_id)
         except InstanceNotFound as exc:
             raise ApiError(404, str(exc)) from exc
         return find(instance_id)
@@ -271,11 +274,11 @@ def create_app(
             seen = start
             while True:
                 written = controller.log_written  # taken before reading: a commit in between is not missed
-                if seen < (oldest := controller.log_start()) - 1:  # also when a slow reader is overtaken
+                if seen < (oldest := await controller.log_start()) - 1:  # also when a slow reader is overtaken
                     doc = {"oldest_seq": oldest, "after": seen}
                     yield f"id: {oldest - 1}\nevent: truncated\ndata: {json.dumps(doc)}\n\n"
                     seen = oldest - 1
-                batch = list(controller.transitions(after=seen, limit=500))
+                batch = list(await controller.transitions(after=seen, limit=500))
                 for seq, e in batch:
                     seen = seq
                     doc = {"seq": seq, **e.as_record()}

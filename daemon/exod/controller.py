@@ -8,8 +8,9 @@ carried out only if they accepted it: a supervisor spawned, a command posted,
 a download started. What the world answers comes back as events
 (`exod.reports`), and requests live in their own book (`exod.requests`).
 
-Every change of the machines is written to the store, with its log entries,
-before the controller waits again: what a caller was told is on disk.
+Every change of the machines is handed to the journal (`exod.journal`) with its log
+entries, which writes them to the state store (`exod.state`: SQLite on one host, etcd
+in a cluster) in order; a placement is acknowledged once it is stored.
 
 Time is trio's clock (`trio.current_time`), so `trio.testing.MockClock` drives
 the controller in tests; it is mapped to wall time once, because deadlines are
@@ -24,7 +25,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from exod.models import ModelFiles, ModelNotFound
 from exod.orphans import reap_orphans, start_ticks
 from exod.reports import Reports
 from exod.requests import InstanceNotFound, RequestBook
+from exod.state import SqliteState, StateStore
 from exod.status import NODE, status_of
 from exod.store import ProcessRecord, Store
 from exod.supervisor import Process, RunnerSpec, Spawn, Supervisor
@@ -49,9 +51,9 @@ from fsm.cluster import Cluster, LogEntry
 
 log = logging.getLogger("exod.controller")
 
+SHUTDOWN_WRITE_S = 5.0  # how long a stopping daemon tries to write its last state
 MAX_PLAN_ROUNDS = 64  # one change rarely needs more than a handful of plan → execute rounds
 KEEP_DELETED = 32  # deleted instances kept for `status` before they are forgotten
-WRITE_RETRY = 2.0  # seconds between attempts to write the state again while the store refuses it
 
 
 class StoreUnavailable(Exception):
@@ -72,6 +74,7 @@ class Controller:
         config: DaemonConfig,
         store: Store,
         *,
+        state: StateStore | None = None,
         spawn: Spawn = Supervisor,
         models: ModelFiles | None = None,
         wall: Callable[[], float] = time.time,
@@ -90,12 +93,12 @@ class Controller:
         self._wake = trio.Event()
         self._stopping = False
         self._all_stopped = trio.Event()
-        self.log_written = trio.Event()  # set (and replaced) at every commit: wakes the event streams
         self._nursery: trio.Nursery | None = None
         self.reaped_orphans: list[ProcessRecord] = []
         self.failure_counts: collections.Counter[str] = collections.Counter()  # by FailureKind value
         self._generations = retention.Generations(config.state_dir, config.retention)  # forgets their files
-        self.journal = Journal(store)  # degraded while the store refuses writes: see exod.journal
+        # the cluster's state: SQLite (this host's store) unless a cluster's store is given
+        self.journal = Journal(state or SqliteState(store), store)  # degraded while it refuses writes
 
     def now(self) -> float:
         """Wall time, read from trio's clock."""
@@ -113,9 +116,12 @@ class Controller:
 
     # -- lifecycle of the controller --------------------------------------------------------
 
-    def restore(self) -> None:
-        """Load the last state, kill the runners a previous daemon left, and make the machines say so."""
-        snapshot = self.store.load()
+    async def restore(self) -> None:
+        """Load the last state, kill the runners a previous daemon left, and make the machines say so.
+
+        `fsm.SnapshotError` if the stored snapshot does not restore (the state store's `snapshot_error` says
+        it to the operator)."""
+        snapshot = await self.journal.state.load()
         if snapshot is not None:
             self.cluster = Cluster.from_dict(snapshot, download_policy=self.config.download_policy)
             self.requests = self._new_book()  # callers of the previous daemon are gone
@@ -128,17 +134,17 @@ class Controller:
             if machine.download_state is fsm.DownloadState.ONGOING:
                 self.cluster.download_event(node, dl.DownloadFailed(model_id, now, "interrupted by a daemon restart"))
         self._commit()
+        await self.journal.durable()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Plan and act until cancelled; cancelling stops and reaps every runner."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            await nursery.start(self.journal.run)
             task_status.started()
             while True:
                 self._act()
                 deadline = fsm.next_deadline(self._view(), NODE, self.now())
-                if self.journal.degraded is not None:  # try the store again soon, even if nothing else happens
-                    deadline = min(deadline or math.inf, self.now() + WRITE_RETRY)
                 with trio.move_on_at(math.inf if deadline is None else deadline - self._wall_offset):
                     await self._wake.wait()
                 self._wake = trio.Event()
@@ -159,12 +165,14 @@ class Controller:
                 await self._all_stopped.wait()
         self.cluster.recover(self.now())
         self._commit()
+        with trio.move_on_after(SHUTDOWN_WRITE_S):
+            await self.journal.durable()
 
     # -- the public surface of the daemon's front ends ---------------------------------------
 
-    def place(self, model_id: str, ranks: int, *, policy: fsm.RetryPolicy | None = None) -> str:
-        """Place ``model_id`` on ``ranks`` ranks if `fsm.admit` admits it; returns the instance id once it is on
-        disk. Raises `PlacementRefused` (and stores nothing) if not."""
+    async def place(self, model_id: str, ranks: int, *, policy: fsm.RetryPolicy | None = None) -> str:
+        """Place ``model_id`` on ``ranks`` ranks if `fsm.admit` admits it; returns the instance id once it is
+        stored. Raises `PlacementRefused` (and stores nothing) if not."""
         if not self.models.placeable(model_id):
             raise fsm.InvalidConfig(
                 f"{model_id}: local model directories are placed from the config file or `exod serve --place` only"
@@ -182,6 +190,7 @@ class Controller:
         self.cluster.place(instance_id, model_id, slots, policy=policy or self.config.policy)
         self.cluster.log.append(LogEntry(self.now(), "instance", instance_id, "place", "", "pending"))
         self._changed()
+        await self.journal.durable()  # refused meanwhile: kept, and written once the store takes it (degraded)
         return instance_id
 
     def admission(self, model_id: str, ranks: int) -> fsm.Admission:
@@ -205,11 +214,12 @@ class Controller:
         except ValueError as exc:
             raise fsm.InvalidConfig(str(exc)) from exc
 
-    def delete(self, instance_id: str) -> None:
+    async def delete(self, instance_id: str) -> None:
         if instance_id not in self.cluster.instances:
             raise InstanceNotFound(f"no instance {instance_id!r}; `exod status` lists them")
         self.cluster.delete(instance_id, self.now())
         self._changed()
+        await self.journal.durable()
 
     def status(self) -> dict[str, Any]:
         return {**status_of(self.cluster), "degraded": self.journal.degraded}
@@ -230,13 +240,18 @@ class Controller:
         process = self._processes.get((runner_id, incarnation))
         return None if process is None else process.pid
 
-    def transitions(self, after: int = 0, limit: int | None = None) -> Iterator[tuple[int, LogEntry]]:
+    async def transitions(self, after: int = 0, limit: int | None = None) -> list[tuple[int, LogEntry]]:
         """The durable transition log after sequence number ``after``; `log_written` is set when it grows."""
-        return self.store.transitions(after=after, limit=limit)
+        return await self.journal.state.transitions(after=after, limit=limit)
 
-    def log_start(self) -> int:
+    async def log_start(self) -> int:
         """The first sequence number the log still holds: the entries before it were pruned (`exod.retention`)."""
-        return self.store.log_start()
+        return await self.journal.state.log_start()
+
+    @property
+    def log_written(self) -> trio.Event:
+        """Set (and replaced) at every write of the state: what wakes the event streams."""
+        return self.journal.written
 
     # -- plan → execute ------------------------------------------------------------------
 
@@ -251,13 +266,10 @@ class Controller:
         self._wake.set()
 
     def _commit(self) -> None:
-        """Write what changed; a refused write keeps the entries (in the journal or here) for the next one."""
-        if not self.cluster.log:
-            self.journal.flush()
-        elif self.journal.save(self.cluster.to_dict, self.cluster.log, self.now()):
+        """Hand what changed to the journal, which writes it in order (and keeps it while the store refuses)."""
+        if self.cluster.log:
+            self.journal.save(self.cluster.to_dict, self.cluster.log, self.now())
             self.cluster.log.clear()
-            self.log_written.set()  # wakes the event streams; each waits on a fresh Event next time
-            self.log_written = trio.Event()
 
     def _act(self) -> None:
         if self._stopping:

@@ -63,7 +63,7 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
         try:
             controller = Controller(config.daemon, store)
             try:
-                controller.restore()
+                await controller.restore()
             except fsm.SnapshotError as exc:
                 raise store.snapshot_error(str(exc)) from exc
             if controller.reaped_orphans:
@@ -71,7 +71,7 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
             wanted = [(p.model or controller.register_local_model(p.path), p.ranks) for p in config.placements]
             for model_id, ranks in fsm.to_place(wanted, controller.placed_models()):
                 try:
-                    controller.place(model_id, ranks)
+                    await controller.place(model_id, ranks)
                 except StoreUnavailable as exc:  # serve what is placed; the configuration places again next start
                     log.error("%s not placed: %s", model_id, exc)
             logging.getLogger("hypercorn.error").propagate = False  # it has its own handler
