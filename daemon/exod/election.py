@@ -78,11 +78,11 @@ async def wait_for_term(etcd: Etcd, prefix: bytes, node_id: str, lease: int) -> 
         term = await campaign(etcd, prefix, node_id, lease)
         if term is not None:
             return term
-        holder = await etcd.get(key)
+        holder, revision = await etcd.read(key)
         if holder is None:
             continue
         try:
-            async for event in etcd.watch(key, start_revision=holder.mod_revision + 1):
+            async for event in etcd.watch(key, start_revision=revision + 1):
                 if event.deleted:
                     break
         except EtcdUnavailable as exc:

@@ -83,11 +83,15 @@ class Put:
 
 @attrs.frozen
 class Delete:
+    """``key``; every key under it (``prefix``); or every key in [``key``, ``range_end``)."""
+
     key: bytes
     prefix: bool = False
+    range_end: bytes | None = None
 
     def body(self) -> dict[str, Any]:
-        request = {"key": _b64(self.key)} | ({"range_end": _b64(_prefix_end(self.key))} if self.prefix else {})
+        end = _prefix_end(self.key) if self.prefix else self.range_end
+        request = {"key": _b64(self.key)} | ({"range_end": _b64(end)} if end is not None else {})
         return {"request_delete_range": request}
 
 
@@ -126,12 +130,31 @@ class Etcd:
         return _int(_header(await self._call("/v3/kv/put", body)).get("revision"))
 
     async def get(self, key: bytes) -> KeyValue | None:
-        kvs, _ = await self._range({"key": _b64(key)})
-        return kvs[0] if kvs else None
+        return (await self.read(key))[0]
+
+    async def read(self, key: bytes) -> tuple[KeyValue | None, int]:
+        """The key (None if absent) and the store's revision it was read at: a watch from that revision + 1
+        misses nothing, even once the key's own revisions are compacted away."""
+        kvs, revision = await self._range({"key": _b64(key)})
+        return (kvs[0] if kvs else None), revision
 
     async def get_prefix(self, prefix: bytes) -> tuple[list[KeyValue], int]:
         """Every key under ``prefix``, sorted by key, and the store's revision they were read at."""
         return await self._range({"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))})
+
+    async def range(self, start: bytes, end: bytes, *, limit: int = 0, descending: bool = False) -> list[KeyValue]:
+        """The keys in [``start``, ``end``) by key (last first if ``descending``), at most ``limit`` (0: all)."""
+        body: dict[str, Any] = {"key": _b64(start), "range_end": _b64(end)}
+        if limit:
+            body["limit"] = str(limit)
+        if descending:
+            body |= {"sort_order": "DESCEND", "sort_target": "KEY"}
+        kvs, _ = await self._range(body)
+        return kvs
+
+    async def compact(self, revision: int) -> None:
+        """Drop the history older than ``revision`` (etcd keeps every revision of every key until told)."""
+        await self._call("/v3/kv/compaction", {"revision": str(revision)})
 
     async def delete(self, key: bytes, *, prefix: bool = False) -> int:
         """Delete ``key`` (or every key under it); returns how many keys were deleted."""

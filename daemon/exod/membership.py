@@ -63,10 +63,10 @@ class Membership:
 
     async def _until_deposed(self, term: Term) -> None:
         """Return once the election key is no longer ours (deleted with our lease, or written by another)."""
-        holder = await self.etcd.get(term.key)
+        holder, revision = await self.etcd.read(term.key)
         if holder is None or holder.create_revision != term.revision:
             return
-        async for event in self.etcd.watch(term.key, start_revision=holder.mod_revision + 1):
+        async for event in self.etcd.watch(term.key, start_revision=revision + 1):
             if event.deleted or event.kv.create_revision != term.revision:
                 return
 
