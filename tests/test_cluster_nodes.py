@@ -13,8 +13,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from etcd_harness import run_with_client
 
 from daemon_harness import exod, runner_pids
+from exod.etcd_state import EtcdState
+from exod.status import status_of
+from exod.tiny_model import make_tiny_model
+from fsm.cluster import Cluster
 
 pytestmark = pytest.mark.usefixtures("no_runner_left_behind")
 
@@ -32,14 +37,14 @@ lease_ttl = {TTL}
 """
 
 
-def start(tmp_path: Path, etcd: str, n: int) -> tuple[subprocess.Popen[bytes], str]:
+def start(tmp_path: Path, etcd: str, n: int, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
     home = tmp_path / f"node-{n}"
     home.mkdir()
     address = f"127.0.0.{n}"
     (home / "exod.toml").write_text(CONFIG.format(etcd=etcd, node=f"node-{n}", address=address))
     args = ["serve", "--config", str(home / "exod.toml"), "--state-dir", str(home / "state"), "--host", address]
     log = (home / "serve.log").open("wb")
-    daemon = subprocess.Popen([sys.executable, "-m", "exod", *args], stdout=log, stderr=subprocess.STDOUT)
+    daemon = subprocess.Popen([sys.executable, "-m", "exod", *args], stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 60
     while not (home / "state" / "daemon.json").exists():
         assert daemon.poll() is None, (home / "serve.log").read_text()
@@ -100,6 +105,77 @@ def test_three_nodes_list_each_other_elect_one_controller_and_another_when_it_di
             except subprocess.TimeoutExpired:
                 daemon.kill()
                 daemon.wait()
+    assert runner_pids() == []
+
+
+@pytest.fixture(scope="module")
+def hf_home(tmp_path_factory):
+    home = tmp_path_factory.mktemp("hf")
+    make_tiny_model("exod/tiny-qwen2", layers=2, hf_home=home)
+    return home
+
+
+def instance_at(url: str, iid: str) -> dict:
+    return httpx.get(f"{url}/instances/{iid}", timeout=10).json()
+
+
+def stored(etcd: str) -> tuple[dict, list]:
+    """The cluster's state and transition log as etcd holds them."""
+
+    async def read(client):
+        state = EtcdState(client, b"/exod/", None)
+        return await state.load(), await state.transitions()
+
+    return run_with_client(etcd, read)
+
+
+KEPT = ("instance_id", "model_id", "ranks", "attempts", "uncharged", "max_retries", "delete_reason")
+
+
+def test_a_new_controller_resumes_from_the_state_the_dead_one_wrote(tmp_path, etcd, hf_home):
+    env = {**os.environ, "HF_HOME": str(hf_home)}
+    daemons = [start(tmp_path, etcd, n, env) for n in (1, 2)]
+    try:
+        first = until(lambda: nodes(daemons[0][1]), lambda v: len(v["nodes"]) == 2 and v["controller"], 30)
+        a = int(first["controller"].removeprefix("node-")) - 1
+        (killed, url_a), (_, url_b) = daemons[a], daemons[1 - a]
+
+        refused = httpx.post(f"{url_b}/instances", json={"model": "exod/tiny-qwen2", "ranks": 1}, timeout=10)
+        error = refused.json()["error"]
+        assert refused.status_code == 503 and error["code"] == "not_the_controller" and url_a in error["message"]
+
+        placed = httpx.post(f"{url_a}/instances", json={"model": "exod/tiny-qwen2", "ranks": 1}, timeout=30)
+        assert placed.status_code == 201
+        iid = placed.json()["instance_id"]
+        until(lambda: instance_at(url_a, iid), lambda i: i["state"] == "ready", 60)
+        seen_by_b = until(lambda: instance_at(url_b, iid), lambda i: i["state"] == "ready", 10)  # etcd's copy
+        snapshot, log = stored(etcd)
+
+        killed.send_signal(signal.SIGKILL)  # its runner follows it (the runner's hang-up watchdog)
+        killed.wait()
+        until(lambda: nodes(url_b), lambda v: v["controller"] == f"node-{2 - a}", 6 * TTL)
+        resumed = until(lambda: instance_at(url_b, iid), lambda i: i["state"] == "ready", 60)
+        snapshot_after, log_after = stored(etcd)
+    finally:
+        for daemon, _ in daemons:
+            if daemon.poll() is None:
+                daemon.send_signal(signal.SIGTERM)
+        for daemon, _ in daemons:
+            try:
+                daemon.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+
+    written = next(i for i in status_of(Cluster.from_dict(snapshot))["instances"] if i["instance_id"] == iid)
+    assert {k: seen_by_b[k] for k in KEPT} == {k: written[k] for k in KEPT}  # a follower shows what etcd holds
+    assert {k: resumed[k] for k in KEPT} == {k: written[k] for k in KEPT}  # and the new controller read it
+    assert resumed["generation"] == written["generation"] + 1  # resumed in a new generation, no retry charged
+    assert log_after[: len(log)] == log  # the log goes on after what was written …
+    assert [seq for seq, _ in log_after] == list(range(1, len(log_after) + 1))  # … in one order, no gap
+    resumes = [e for _, e in log_after[len(log) :] if e.key == iid and e.machine == "instance"]
+    assert resumes and resumes[0].event == "resume"
+    assert snapshot_after != snapshot
     assert runner_pids() == []
 
 

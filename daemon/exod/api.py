@@ -23,18 +23,22 @@ from exod import chat
 from exod.controller import Controller, PlacementRefused, StoreUnavailable
 from exod.errors import ApiError, install, responses
 from exod.etcd import EtcdUnavailable
+from exod.etcd_state import stored_status
 from exod.journal import WRITE_RETRY
 from exod.membership import Membership
 from exod.metrics import Metrics
 from exod.models import InvalidModelId
 from exod.render import MEDIA_TYPES, Format, GraphvizMissing, render
 from exod.requests import InstanceNotFound
+from exod.state import StateUnavailable
 from exod.status import NODE
 
 MAX_BODY_BYTES = 1 << 20
 MAX_TOKENS_CEILING = 4096
 KEEPALIVE_S = 15.0
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key
+# what a node that is not the cluster's controller answers itself; it refuses the rest, naming the controller
+FOLLOWER_PATHS = ("/health", "/nodes", "/instances", "/metrics", "/diagrams/", "/docs", "/openapi.json")
 MAX_SEQ = 2**63 - 1  # the log's sequence numbers are SQLite INTEGERs: signed 64-bit
 
 
@@ -158,8 +162,17 @@ def create_app(
     metrics = Metrics(controller)
     app.include_router(chat.router(controller, metrics, max_tokens_ceiling))
 
-    def find(instance_id: str) -> dict[str, Any]:
-        for inst in controller.status()["instances"]:
+    async def current() -> dict[str, Any]:
+        """The instances: the controller's own, or on another node of a cluster what etcd holds of them."""
+        if membership is None or membership.term is not None:
+            return controller.status()
+        try:
+            return await stored_status(membership.etcd, membership.prefix)
+        except StateUnavailable as exc:
+            raise ApiError(503, str(exc), headers={"Retry-After": "1"}) from exc
+
+    async def find(instance_id: str) -> dict[str, Any]:
+        for inst in (await current())["instances"]:
             if inst["instance_id"] == instance_id:
                 return inst
         raise ApiError(404, f"no instance {instance_id!r}")
@@ -201,11 +214,11 @@ def create_app(
             raise ApiError(status, str(exc), param=param, code=exc.refusal.value) from exc
         except StoreUnavailable as exc:
             raise ApiError(503, str(exc), headers={"Retry-After": str(int(WRITE_RETRY))}) from exc
-        return find(instance_id)
+        return await find(instance_id)
 
     @app.get("/instances")
     async def instances() -> dict[str, Any]:
-        return controller.status()
+        return await current()
 
     @app.get("/nodes", responses=responses(503))
     async def nodes() -> dict[str, Any]:
@@ -220,7 +233,7 @@ def create_app(
 
     @app.get("/instances/{instance_id}", responses=responses(404))
     async def instance(instance_id: str) -> dict[str, Any]:
-        return find(instance_id)
+        return await find(instance_id)
 
     @app.delete("/instances/{instance_id}", responses=responses(404))
     async def delete(instance_id: str) -> dict[str, Any]:
@@ -228,7 +241,7 @@ def create_app(
             await controller.delete(instance_id)
         except InstanceNotFound as exc:
             raise ApiError(404, str(exc)) from exc
-        return find(instance_id)
+        return await find(instance_id)
 
     @app.get("/diagrams/{machine}", response_class=Response, responses=responses(400, 404, 501))
     async def machine_diagram(machine: str, format: Format = Format.MERMAID, state: str | None = None) -> Response:
@@ -292,4 +305,39 @@ def create_app(
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
+    if membership is not None:
+        app = _Follower(app, membership)
     return _Guard(app, api_key, max_body_bytes)
+
+
+class _Follower:
+    """ASGI middleware of a cluster node: what only the controller can do (place, delete, serve a request,
+    stream its transitions) is a 503 on the others that names the controller and its API URL. Forwarding
+    requests to it is the next step of the cluster work."""
+
+    def __init__(self, app: ASGIApp, membership: Membership) -> None:
+        self.app, self.membership = app, membership
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.membership.term is not None or scope["type"] != "http" or _follower_answers(scope):
+            await self.app(scope, receive, send)
+            return
+        try:
+            node_id, url = await self.membership.controller()
+        except EtcdUnavailable as exc:
+            error = ApiError(
+                503, f"degraded: the cluster's etcd cannot be reached: {exc}", headers={"Retry-After": "1"}
+            )
+        else:
+            where = f"node {node_id} at {url or '(its API is not up yet)'}" if node_id else "no node yet"
+            message = f"node {self.membership.node_id} is not the cluster's controller ({where} is): send this there"
+            error = ApiError(503, message, code="not_the_controller", headers={"Retry-After": "1"})
+        await error.response()(scope, receive, send)
+
+
+def _follower_answers(scope: Scope) -> bool:
+    path = scope["path"]
+    reads = scope["method"] in ("GET", "HEAD")
+    return reads and any(
+        path == p or (p.endswith("/") and path.startswith(p)) or path.startswith(p + "/") for p in FOLLOWER_PATHS
+    )

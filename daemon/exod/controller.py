@@ -136,6 +136,14 @@ class Controller:
         self._commit()
         await self.journal.durable()
 
+    def take_over(self, state: StateStore) -> None:
+        """Become the controller of the cluster whose state is in ``state`` (a new term, in a cluster): forget
+        what an earlier term left in memory; `restore` then reads what is stored."""
+        self.journal = Journal(state, self.store)
+        self.cluster = Cluster(download_policy=self.config.download_policy)
+        self.requests = self._new_book()
+        self._stopping = False
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Plan and act until cancelled; cancelling stops and reaps every runner."""
         async with trio.open_nursery() as nursery:

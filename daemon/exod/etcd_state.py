@@ -34,8 +34,9 @@ from exod.election import Deposed, Term
 from exod.etcd import Delete, Etcd, EtcdError, EtcdUnavailable, KeyValue, Put
 from exod.retention import Retention
 from exod.state import StateUnavailable
+from exod.status import status_of
 from exod.store import PRUNE_TO, StoreError
-from fsm.cluster import LogEntry
+from fsm.cluster import Cluster, LogEntry
 
 log = logging.getLogger("exod.etcd_state")
 
@@ -194,6 +195,14 @@ class EtcdState:
             return _Meta(**json.loads(kv.value))
         except (ValueError, TypeError) as exc:
             raise self.snapshot_error(f"{self._meta_key.decode()} is not exod's: {exc}") from exc
+
+
+async def stored_status(etcd: Etcd, prefix: bytes) -> dict[str, Any]:
+    """The status document of the cluster's state as etcd holds it: what a node that is not the controller
+    shows (as of the controller's last write)."""
+    snapshot = await EtcdState(etcd, prefix, None).load()
+    cluster = Cluster() if snapshot is None else Cluster.from_dict(snapshot)
+    return {**status_of(cluster), "degraded": None}
 
 
 def _entries(kv: KeyValue) -> list[tuple[int, LogEntry]]:

@@ -37,7 +37,30 @@ class Membership:
         self.etcd, self.config = etcd, config
         self.prefix = config.prefix.encode()
         self.presence = Presence(etcd, self.prefix, record, ttl=config.lease_ttl)
-        self.term: Term | None = None  # set while this node is the controller
+        self._term: Term | None = None
+        self._term_changed = trio.Event()
+
+    @property
+    def term(self) -> Term | None:
+        """The controller's term while this node is the controller; None while it is not."""
+        return self._term
+
+    @term.setter
+    def term(self, term: Term | None) -> None:
+        self._term = term
+        self._term_changed.set()
+        self._term_changed = trio.Event()
+
+    async def elected(self) -> Term:
+        """Wait until this node is the controller; its term."""
+        while self._term is None:
+            await self._term_changed.wait()
+        return self._term
+
+    async def deposed(self, term: Term) -> None:
+        """Wait until ``term`` has ended."""
+        while self._term is term:
+            await self._term_changed.wait()
 
     @property
     def node_id(self) -> str:
@@ -49,9 +72,10 @@ class Membership:
             task_status.started()
             while True:
                 try:
-                    self.term = await wait_for_term(self.etcd, self.prefix, self.node_id, self.presence.lease)
-                    log.warning("node %s is the controller (term %d)", self.node_id, self.term.revision)
-                    await self._until_deposed(self.term)
+                    term = await wait_for_term(self.etcd, self.prefix, self.node_id, self.presence.lease)
+                    self.term = term
+                    log.warning("node %s is the controller (term %d)", self.node_id, term.revision)
+                    await self._until_deposed(term)
                 except EtcdUnavailable as exc:
                     log.error("the election cannot reach etcd: %s", exc)
                     await trio.sleep(1.0)
@@ -62,13 +86,32 @@ class Membership:
                     self.term = None
 
     async def _until_deposed(self, term: Term) -> None:
-        """Return once the election key is no longer ours (deleted with our lease, or written by another)."""
-        holder, revision = await self.etcd.read(term.key)
-        if holder is None or holder.create_revision != term.revision:
-            return
-        async for event in self.etcd.watch(term.key, start_revision=revision + 1):
-            if event.deleted or event.kv.create_revision != term.revision:
-                return
+        """Return once the election key is no longer ours (deleted with our lease, or written by another).
+
+        While etcd cannot be reached the term holds for as long as our lease is surely alive (`Presence.
+        alive_until`): no other node can be elected before it expires, and the runners keep serving through
+        a short outage. Past that, another node may be the controller: this one steps down.
+        """
+        while True:
+            try:
+                holder, revision = await self.etcd.read(term.key)
+                if holder is None or holder.create_revision != term.revision:
+                    return
+                async for event in self.etcd.watch(term.key, start_revision=revision + 1):
+                    if event.deleted or event.kv.create_revision != term.revision:
+                        return
+            except EtcdUnavailable as exc:
+                left = self.presence.alive_until - trio.current_time()
+                if left <= 0:
+                    log.error("etcd out of reach past our lease (%s): stepping down as the controller", exc)
+                    return
+                await trio.sleep(min(1.0, left))
+
+    async def controller(self) -> tuple[str | None, str | None]:
+        """The controller's node id and API URL, as etcd has them (None where there is none yet)."""
+        node_id = await leader(self.etcd, self.prefix)
+        urls = {n.record.node_id: n.record.api_url for n in await list_nodes(self.etcd, self.prefix)}
+        return node_id, urls.get(node_id) if node_id is not None else None
 
     async def nodes(self) -> dict[str, Any]:
         """Every live node, which one is the controller, and this node's id: the cluster as etcd has it."""

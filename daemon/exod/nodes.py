@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import Any
 
 import attrs
@@ -87,10 +88,14 @@ class Presence:
         self.lease = 0
         self.lost: str | None = None  # why etcd cannot be reached, while it cannot
         self.renewed = trio.Event()  # set (and replaced) whenever the lease was renewed or re-created
+        # (trio time) until when the lease is surely alive: TTL after the last renewal was *asked for*
+        self.alive_until = -math.inf
 
     async def join(self) -> None:
         """Grant a lease and write the record on it (raises if etcd cannot be reached)."""
+        asked = trio.current_time()
         self.lease = await self.etcd.grant(self.ttl)
+        self.alive_until = asked + self.ttl
         await self.etcd.put(node_key(self.prefix, self.record.node_id), self.record.to_json(), lease=self.lease)
 
     async def update(self, record: NodeRecord) -> None:
@@ -105,7 +110,9 @@ class Presence:
             await trio.sleep(self.ttl / 3)
             try:
                 try:
+                    asked = trio.current_time()
                     await self.etcd.keep_alive(self.lease)
+                    self.alive_until = asked + self.ttl
                 except LeaseExpired:
                     log.warning("the lease of node %s expired: joining again", self.record.node_id)
                     await self.join()
@@ -123,5 +130,10 @@ class Presence:
     async def leave(self) -> None:
         """Revoke the lease: the record (and every key on the lease) goes at once."""
         if self.lease:
-            await self.etcd.revoke(self.lease)
-            self.lease = 0
+            lease, self.lease, self.alive_until = self.lease, 0, -math.inf
+            try:
+                await self.etcd.revoke(lease)
+            except EtcdUnavailable as exc:  # it expires on its own
+                log.warning(
+                    "cannot revoke the lease of node %s (%s): it expires in %d s", self.record.node_id, exc, self.ttl
+                )

@@ -5,11 +5,15 @@
     serve
     ├── controller.run      plan → act; one supervisor task per runner process
     ├── exod.http_server    the HTTP API (hypercorn, with read timeouts and a connection limit)
+    ├── membership.run      with --cluster: the node's record and the election (exod.membership), and
+    │   └── _lead           while elected, the controller's term: controller.run on etcd's state
     └── signal watcher      SIGINT/SIGTERM → drain the requests (exod.drain; a second signal: end them now),
                             then stop and reap every runner, then cancel all
 
 One daemon per state directory, which is private to its user (`exod.statedir`); the
-daemon's address is written to ``daemon.json`` there so the CLI finds it.
+daemon's address is written to ``daemon.json`` there so the CLI finds it. With ``--cluster`` the
+cluster's state is in etcd and only the elected controller runs the controller, as a one-host daemon
+would after a restart: it resumes from what the last controller wrote (`Controller.take_over`).
 """
 
 from __future__ import annotations
@@ -31,10 +35,14 @@ from exod.api import create_app
 from exod.config import ServeConfig
 from exod.controller import Controller, StoreUnavailable
 from exod.drain import Drain, Gate
+from exod.election import Deposed, Term
 from exod.etcd import Etcd, EtcdError
+from exod.etcd_state import EtcdState
 from exod.http_server import serve_http
+from exod.journal import Journal
 from exod.membership import Membership
 from exod.nodes import NodeRecord
+from exod.state import StateStore, StateUnavailable
 from exod.statedir import AlreadyRunning as AlreadyRunning  # re-exported: callers catch it from here too
 from exod.statedir import state_dir_lock, write_private
 from exod.store import Store
@@ -62,22 +70,17 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
         store = Store.open(config.daemon.db_path, retention=config.daemon.retention)
         try:
             controller = Controller(config.daemon, store)
-            try:
-                await controller.restore()
-            except fsm.SnapshotError as exc:
-                raise store.snapshot_error(str(exc)) from exc
-            if controller.reaped_orphans:
-                log.warning("reaped %d runner(s) left by a previous daemon", len(controller.reaped_orphans))
             wanted = [(p.model or controller.register_local_model(p.path), p.ranks) for p in config.placements]
-            for model_id, ranks in fsm.to_place(wanted, controller.placed_models()):
-                try:
-                    await controller.place(model_id, ranks)
-                except StoreUnavailable as exc:  # serve what is placed; the configuration places again next start
-                    log.error("%s not placed: %s", model_id, exc)
-            logging.getLogger("hypercorn.error").propagate = False  # it has its own handler
             membership = await _join(config, controller)
+            if membership is None:
+                await _restore(controller, controller.journal.state)
+                await _place_configured(controller, wanted)
+            else:  # a follower until elected: nothing to write (`_lead` gives the controller etcd's state)
+                controller.journal = Journal(_cluster_state(membership, config, None), store)
+            logging.getLogger("hypercorn.error").propagate = False  # it has its own handler
             async with trio.open_nursery() as nursery:
-                await nursery.start(controller.run)
+                if membership is None:
+                    await nursery.start(controller.run)
                 app = create_app(
                     controller,
                     api_key=config.api_key,
@@ -96,6 +99,7 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                 if membership is not None:  # the record gets the API's address once it is bound
                     await membership.presence.update(attrs.evolve(membership.presence.record, api_url=url))
                     await nursery.start(membership.run)
+                    nursery.start_soon(_lead, controller, membership, config, wanted)
                     announce(f"exod: node {membership.node_id} of the cluster at {membership.config.url}")
                 announce(f"exod serving on {url} (state in {state_dir})")
                 announce(
@@ -126,6 +130,53 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
             with contextlib.suppress(OSError):
                 (state_dir / "daemon.json").unlink()
             store.close()
+
+
+async def _restore(controller: Controller, state: StateStore) -> None:
+    try:
+        await controller.restore()
+    except fsm.SnapshotError as exc:
+        raise state.snapshot_error(str(exc)) from exc
+    if controller.reaped_orphans:
+        log.warning("reaped %d runner(s) left by a previous daemon", len(controller.reaped_orphans))
+
+
+async def _place_configured(controller: Controller, wanted: list[tuple[str, int]]) -> None:
+    """Place what the configuration asks for and is not placed yet (`fsm.to_place`)."""
+    for model_id, ranks in fsm.to_place(wanted, controller.placed_models()):
+        try:
+            await controller.place(model_id, ranks)
+        except StoreUnavailable as exc:  # serve what is placed; the configuration places again next start
+            log.error("%s not placed: %s", model_id, exc)
+
+
+def _cluster_state(membership: Membership, config: ServeConfig, term: Term | None) -> EtcdState:
+    return EtcdState(membership.etcd, membership.prefix, term, retention=config.daemon.retention)
+
+
+async def _lead(controller: Controller, membership: Membership, config: ServeConfig, wanted) -> None:
+    """Each time this node is elected: the controller's term, on etcd's state, until the term ends. Then
+    its runners are stopped (cancelling `controller.run` kills and reaps them): the next controller
+    resumes the instances from etcd, as a restarted one-host daemon resumes from SQLite."""
+    while True:
+        term = await membership.elected()
+        state = _cluster_state(membership, config, term)
+        try:
+            async with trio.open_nursery() as leading:
+                controller.take_over(state)
+                await _restore(controller, state)
+                await _place_configured(controller, wanted)
+                await leading.start(controller.run)
+                await membership.deposed(term)
+                leading.cancel_scope.cancel()
+        except StateUnavailable as exc:  # etcd went away while taking over: again, once it is back
+            log.error("cannot take over as the controller: %s", exc)
+            await trio.sleep(1.0)
+            continue
+        except Deposed as exc:  # etcd refused a write: another node holds the election key
+            log.error("%s", exc)
+            await membership.deposed(term)
+        log.warning("node %s is no longer the controller: its runners were stopped", membership.node_id)
 
 
 async def _join(config: ServeConfig, controller: Controller) -> Membership | None:
