@@ -17,6 +17,7 @@ from etcd_harness import run_with_client
 
 from daemon_harness import exod, runner_pids
 from exod.etcd_state import EtcdState
+from exod.membership import DEFAULT_PREFIX
 from exod.status import status_of
 from exod.tiny_model import make_tiny_model
 from fsm.cluster import Cluster
@@ -24,24 +25,26 @@ from fsm.cluster import Cluster
 pytestmark = pytest.mark.usefixtures("no_runner_left_behind")
 
 TTL = 5
-CONFIG = f"""
+CONFIG = """
 [daemon]
 port = 0
 offline = true
 
 [cluster]
-url = "{{etcd}}"
-node_id = "{{node}}"
-advertise = "{{address}}"
-lease_ttl = {TTL}
+url = "{etcd}"
+node_id = "{node}"
+advertise = "{address}"
+lease_ttl = {ttl}
 """
 
 
-def start(tmp_path: Path, etcd: str, n: int, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+def start(
+    tmp_path: Path, etcd: str, n: int, env: dict[str, str] | None = None, ttl: int = TTL
+) -> tuple[subprocess.Popen[bytes], str]:
     home = tmp_path / f"node-{n}"
     home.mkdir()
     address = f"127.0.0.{n}"
-    (home / "exod.toml").write_text(CONFIG.format(etcd=etcd, node=f"node-{n}", address=address))
+    (home / "exod.toml").write_text(CONFIG.format(etcd=etcd, node=f"node-{n}", address=address, ttl=ttl))
     args = ["serve", "--config", str(home / "exod.toml"), "--state-dir", str(home / "state"), "--host", address]
     log = (home / "serve.log").open("wb")
     daemon = subprocess.Popen([sys.executable, "-m", "exod", *args], stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -123,7 +126,7 @@ def stored(etcd: str) -> tuple[dict, list]:
     """The cluster's state and transition log as etcd holds them."""
 
     async def read(client):
-        state = EtcdState(client, b"/exod/", None)
+        state = EtcdState(client, DEFAULT_PREFIX.encode(), None)
         return await state.load(), await state.transitions()
 
     return run_with_client(etcd, read)
@@ -177,12 +180,16 @@ def test_a_new_controller_resumes_from_the_state_the_dead_one_wrote(tmp_path, et
     assert resumes and resumes[0].event == "resume"
     assert snapshot_after != snapshot
     assert runner_pids() == []
+    replayed = exod("replay", "--cluster", etcd, env=dict(os.environ), check=False)
+    assert replayed.returncode == 0 and "log entries: conform" in replayed.stdout, replayed.stdout
 
 
 def test_serve_without_its_etcd_says_so_and_exits(tmp_path):
     home = tmp_path / "node-1"
     home.mkdir()
-    (home / "exod.toml").write_text(CONFIG.format(etcd="http://127.0.0.1:9", node="node-1", address="127.0.0.1"))
+    (home / "exod.toml").write_text(
+        CONFIG.format(etcd="http://127.0.0.1:9", node="node-1", address="127.0.0.1", ttl=TTL)
+    )
     done = subprocess.run(
         [sys.executable, "-m", "exod", "serve", "--config", str(home / "exod.toml"), "--state-dir", str(home / "s")],
         capture_output=True,
@@ -190,6 +197,12 @@ def test_serve_without_its_etcd_says_so_and_exits(tmp_path):
         timeout=60,
     )
     assert done.returncode != 0 and "cannot join the cluster" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_replay_of_a_cluster_whose_etcd_is_not_there_says_so():
+    done = exod("replay", "--cluster", "http://127.0.0.1:9", env=dict(os.environ), check=False)
+    assert done.returncode == 1 and "Is etcd running at http://127.0.0.1:9?" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_a_node_that_loses_etcd_is_degraded_and_joins_again_when_it_returns(tmp_path, etcd_server):
@@ -210,3 +223,32 @@ def test_a_node_that_loses_etcd_is_degraded_and_joins_again_when_it_returns(tmp_
     finally:
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(timeout=30) == 0
+
+
+def test_through_a_short_etcd_outage_the_controller_keeps_serving_its_instances(tmp_path, etcd_server, hf_home):
+    """Shorter than the lease: the term holds (no other node can be elected), the runners serve, the
+    state written meanwhile waits in memory, and no generation is lost to it."""
+    ttl = 10  # the window: an outage shorter than the lease, with room for two busy cores
+    daemon, url = start(tmp_path, etcd_server.url, 1, {**os.environ, "HF_HOME": str(hf_home)}, ttl=ttl)
+    try:
+        until(lambda: nodes(url), lambda v: v["controller"] == "node-1", 30)
+        placed = httpx.post(f"{url}/instances", json={"model": "exod/tiny-qwen2", "ranks": 1}, timeout=30).json()
+        iid = placed["instance_id"]
+        before = until(lambda: instance_at(url, iid), lambda i: i["state"] == "ready", 60)
+        etcd_server.stop()
+        health = until(lambda: httpx.get(f"{url}/health", timeout=10).json(), lambda h: h["status"] != "ok", ttl)
+        chat = {"model": "exod/tiny-qwen2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        served = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=30)
+        during = instance_at(url, iid)
+        etcd_server.start()
+        until(lambda: httpx.get(f"{url}/health", timeout=10).json(), lambda h: h["status"] == "ok", 3 * ttl)
+        after = instance_at(url, iid)
+        view = nodes(url)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=30) == 0
+    assert "etcd cannot be reached" in health["reason"]  # it noticed the outage …
+    assert served.status_code == 200 and served.json()["choices"][0]["message"]["content"]  # … and served
+    assert during["state"] == after["state"] == "ready"
+    assert during["generation"] == after["generation"] == before["generation"]
+    assert view["controller"] == "node-1"

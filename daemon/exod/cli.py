@@ -571,6 +571,29 @@ def check(
         raise SystemExit(1)
 
 
+def _cluster_log(url: str) -> tuple[int, list]:
+    """Where the cluster's log starts, and its entries, as the etcd at ``url`` holds them."""
+    import trio
+
+    from exod.etcd import Etcd
+    from exod.etcd_state import EtcdState
+    from exod.membership import DEFAULT_PREFIX
+    from exod.state import StateUnavailable
+
+    async def read() -> tuple[int, list]:
+        etcd = Etcd(url)
+        try:
+            state = EtcdState(etcd, DEFAULT_PREFIX.encode(), None)
+            return await state.log_start(), [entry for _, entry in await state.transitions()]
+        finally:
+            await etcd.aclose()
+
+    try:
+        return trio.run(read)
+    except StateUnavailable as exc:
+        raise click.ClickException(f"{exc}. Is etcd running at {url}?") from exc
+
+
 @main.command()
 @click.option(
     "--state-dir",
@@ -590,7 +613,14 @@ def check(
     default=None,
     help="Also write the log as JSONL to this file.",
 )
-def replay(state_dir, jsonl, export) -> None:
+@click.option(
+    "--cluster",
+    "cluster_url",
+    default=None,
+    metavar="URL",
+    help="Replay the log of the cluster whose state is in the etcd at URL (http://HOST:2379).",
+)
+def replay(state_dir, jsonl, export, cluster_url) -> None:
     """Replay a transition log against the machines: first divergence, and coverage. Exits 1 on divergence.
 
     A log that [retention] pruned is replayed from its oldest entry kept, and says so.
@@ -606,6 +636,8 @@ def replay(state_dir, jsonl, export) -> None:
             entries = [LogEntry.from_record(json.loads(line)) for line in lines if line.strip()]
         except (ValueError, KeyError, TypeError) as exc:
             raise click.ClickException(f"{jsonl} is not a transition log (JSON lines): {exc}") from exc
+    elif cluster_url is not None:
+        start, entries = _cluster_log(cluster_url)
     else:
         from exod.store import Store, StoreError
 
@@ -621,14 +653,14 @@ def replay(state_dir, jsonl, export) -> None:
             entries = [entry for _, entry in store.transitions()]
         finally:
             store.close()
-        if start > 1:
-            from datetime import datetime
+    if jsonl is None and start > 1:
+        from datetime import datetime
 
-            when = f" ({datetime.fromtimestamp(entries[0].time).astimezone():%Y-%m-%d %H:%M:%S %z})" if entries else ""
-            click.echo(
-                f"history before seq {start}{when} was pruned by the [retention] settings of the config; "
-                "replaying from there"
-            )
+        when = f" ({datetime.fromtimestamp(entries[0].time).astimezone():%Y-%m-%d %H:%M:%S %z})" if entries else ""
+        click.echo(
+            f"history before seq {start}{when} was pruned by the [retention] settings of the config; "
+            "replaying from there"
+        )
     if export is not None:
         export.write_text("".join(json.dumps(e.as_record()) + "\n" for e in entries))
     report = run_replay(entries)

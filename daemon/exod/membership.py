@@ -20,6 +20,8 @@ from exod.nodes import DEFAULT_TTL, NodeRecord, Presence, list_nodes
 
 log = logging.getLogger("exod.membership")
 
+DEFAULT_PREFIX = "/exod/"  # every key of the cluster is under it
+
 
 @attrs.frozen
 class ClusterConfig:
@@ -29,7 +31,7 @@ class ClusterConfig:
     node_id: str
     advertise: str
     lease_ttl: int = attrs.field(default=DEFAULT_TTL, validator=attrs.validators.ge(2))
-    prefix: str = "/exod/"
+    prefix: str = DEFAULT_PREFIX
 
 
 class Membership:
