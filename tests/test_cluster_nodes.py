@@ -4,6 +4,7 @@ elected once its lease has expired."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -20,7 +21,7 @@ from exod.etcd_state import EtcdState
 from exod.membership import DEFAULT_PREFIX
 from exod.status import status_of
 from exod.tiny_model import make_tiny_model
-from fsm.cluster import Cluster
+from fsm.cluster import Cluster, LogEntry
 
 pytestmark = pytest.mark.usefixtures("no_runner_left_behind")
 
@@ -53,8 +54,6 @@ def start(
         assert daemon.poll() is None, (home / "serve.log").read_text()
         assert time.monotonic() < deadline, (home / "serve.log").read_text()
         time.sleep(0.05)
-    import json
-
     return daemon, json.loads((home / "state" / "daemon.json").read_text())["url"]
 
 
@@ -132,6 +131,19 @@ def stored(etcd: str) -> tuple[dict, list]:
     return run_with_client(etcd, read)
 
 
+def follow(url: str, count: int) -> list[dict]:
+    """The first ``count`` transitions of ``url``'s ``/events``."""
+    found: list[dict] = []
+    with httpx.stream("GET", f"{url}/events", timeout=30) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                found.append(json.loads(line.removeprefix("data: ")))
+                if len(found) == count:
+                    return found
+    raise AssertionError(f"the stream ended after {found}")
+
+
 KEPT = ("instance_id", "model_id", "ranks", "attempts", "uncharged", "max_retries", "delete_reason")
 
 
@@ -153,6 +165,7 @@ def test_a_new_controller_resumes_from_the_state_the_dead_one_wrote(tmp_path, et
         until(lambda: instance_at(url_a, iid), lambda i: i["state"] == "ready", 60)
         seen_by_b = until(lambda: instance_at(url_b, iid), lambda i: i["state"] == "ready", 10)  # etcd's copy
         snapshot, log = stored(etcd)
+        followed = follow(url_b, len(log))  # the other node streams the controller's log from etcd
 
         killed.send_signal(signal.SIGKILL)  # its runner follows it (the runner's hang-up watchdog)
         killed.wait()
@@ -174,6 +187,7 @@ def test_a_new_controller_resumes_from_the_state_the_dead_one_wrote(tmp_path, et
     assert {k: seen_by_b[k] for k in KEPT} == {k: written[k] for k in KEPT}  # a follower shows what etcd holds
     assert {k: resumed[k] for k in KEPT} == {k: written[k] for k in KEPT}  # and the new controller read it
     assert resumed["generation"] == written["generation"] + 1  # resumed in a new generation, no retry charged
+    assert [(doc["seq"], LogEntry.from_record(doc)) for doc in followed] == log
     assert log_after[: len(log)] == log  # the log goes on after what was written …
     assert [seq for seq, _ in log_after] == list(range(1, len(log_after) + 1))  # … in one order, no gap
     resumes = [e for _, e in log_after[len(log) :] if e.key == iid and e.machine == "instance"]

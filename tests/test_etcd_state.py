@@ -4,6 +4,7 @@ one order from any point, its bounds, and a deposed controller's save refused.""
 from __future__ import annotations
 
 import pytest
+import trio
 from etcd_harness import run_with_client as run
 
 from exod.election import Deposed, campaign
@@ -121,3 +122,26 @@ def test_an_etcd_out_of_reach_is_state_unavailable_not_a_crash():
         return True
 
     assert run(url, body)
+
+
+def test_a_reader_on_another_node_is_woken_by_the_controllers_next_save(etcd):
+    async def body(client: Etcd):
+        term, _ = await elected(client)
+        writer, reader = EtcdState(client, PREFIX, term), EtcdState(client, PREFIX, None)
+        await writer.save({}, [entry(0)], 2000.0)
+        with trio.fail_after(5):
+            await reader.changed(after=0)  # there is an entry past 0 already: at once
+        woken = []
+        async with trio.open_nursery() as nursery:
+
+            async def wait() -> None:
+                await reader.changed(after=1)
+                woken.append(await reader.transitions(after=1))
+
+            nursery.start_soon(wait)
+            await trio.sleep(0.5)
+            assert woken == []  # nothing new: it waits
+            await writer.save({}, [entry(1)], 2001.0)
+        return woken
+
+    assert run(etcd, body) == [[(2, entry(1))]]

@@ -233,8 +233,7 @@ def test_events_resumed_before_the_log_start_say_truncated_then_stream_from_the_
 
                 async def outpace() -> None:  # 15 more entries while the reader waits: it misses some
                     for e in log[30:45]:
-                        store.save({}, [e], now=e.time)
-                    controller.log_written.set()
+                        await controller.journal.state.save({}, [e], now=e.time)
 
                 late = await stream(url, {"Last-Event-ID": "30"}, until=45, meanwhile=outpace)
                 now_oldest = store.log_start()

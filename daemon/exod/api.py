@@ -38,7 +38,7 @@ MAX_TOKENS_CEILING = 4096
 KEEPALIVE_S = 15.0
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key
 # what a node that is not the cluster's controller answers itself; it refuses the rest, naming the controller
-FOLLOWER_PATHS = ("/health", "/nodes", "/instances", "/metrics", "/diagrams/", "/docs", "/openapi.json")
+FOLLOWER_PATHS = ("/health", "/nodes", "/instances", "/events", "/metrics", "/diagrams/", "/docs", "/openapi.json")
 MAX_SEQ = 2**63 - 1  # the log's sequence numbers are SQLite INTEGERs: signed 64-bit
 
 
@@ -286,22 +286,25 @@ def create_app(
         async def stream() -> AsyncIterator[str]:
             seen = start
             while True:
-                written = controller.log_written  # taken before reading: a commit in between is not missed
-                if seen < (oldest := await controller.log_start()) - 1:  # also when a slow reader is overtaken
-                    doc = {"oldest_seq": oldest, "after": seen}
-                    yield f"id: {oldest - 1}\nevent: truncated\ndata: {json.dumps(doc)}\n\n"
-                    seen = oldest - 1
-                batch = list(await controller.transitions(after=seen, limit=500))
-                for seq, e in batch:
-                    seen = seq
-                    doc = {"seq": seq, **e.as_record()}
-                    yield f"id: {seq}\nevent: transition\ndata: {json.dumps(doc)}\n\n"
-                if len(batch) == 500:
-                    continue  # more are waiting
-                with trio.move_on_after(KEEPALIVE_S) as idle:
-                    await written.wait()
-                if idle.cancelled_caught:
-                    yield ": keepalive\n\n"
+                try:
+                    if seen < (oldest := await controller.log_start()) - 1:  # also when a slow reader is overtaken
+                        doc = {"oldest_seq": oldest, "after": seen}
+                        yield f"id: {oldest - 1}\nevent: truncated\ndata: {json.dumps(doc)}\n\n"
+                        seen = oldest - 1
+                    batch = await controller.transitions(after=seen, limit=500)
+                    for seq, e in batch:
+                        seen = seq
+                        doc = {"seq": seq, **e.as_record()}
+                        yield f"id: {seq}\nevent: transition\ndata: {json.dumps(doc)}\n\n"
+                    if len(batch) == 500:
+                        continue  # more are waiting
+                    with trio.move_on_after(KEEPALIVE_S) as idle:
+                        await controller.log_grew(seen)
+                    if idle.cancelled_caught:
+                        yield ": keepalive\n\n"
+                except StateUnavailable as exc:  # the cluster's etcd is away: the stream waits for it
+                    yield f": {exc}; trying again\n\n"
+                    await trio.sleep(1.0)
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 

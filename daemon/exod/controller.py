@@ -256,9 +256,13 @@ class Controller:
         """The first sequence number the log still holds: the entries before it were pruned (`exod.retention`)."""
         return await self.journal.state.log_start()
 
+    async def log_grew(self, after: int) -> None:
+        """Return once the durable log holds an entry past ``after``."""
+        await self.journal.state.changed(after)
+
     @property
     def log_written(self) -> trio.Event:
-        """Set (and replaced) at every write of the state: what wakes the event streams."""
+        """Set (and replaced) at every write of the state by this controller."""
         return self.journal.written
 
     # -- plan → execute ------------------------------------------------------------------

@@ -138,6 +138,17 @@ class EtcdState:
         meta = await self._read_meta()
         return meta.log_start
 
+    async def changed(self, after: int) -> None:
+        """Watches the meta key from the revision it was read at: any node's view of any controller's writes."""
+        try:
+            kv, revision = await self.etcd.read(self._meta_key)
+            if kv is not None and self._parse_meta(kv).last_seq > after:
+                return
+            async for _ in self.etcd.watch(self._meta_key, start_revision=revision + 1):
+                return
+        except EtcdUnavailable as exc:
+            raise StateUnavailable(f"cannot watch the transition log in {self.where}: {exc}") from exc
+
     def snapshot_error(self, reason: str) -> StoreError:
         return StoreError(
             f"{self.where} holds a state snapshot that cannot be restored ({reason}). It was left untouched: "
@@ -189,8 +200,9 @@ class EtcdState:
 
     async def _read_meta(self) -> _Meta:
         kv = await self._read(self._meta_key)
-        if kv is None:
-            return _Meta()
+        return _Meta() if kv is None else self._parse_meta(kv)
+
+    def _parse_meta(self, kv: KeyValue) -> _Meta:
         try:
             return _Meta(**json.loads(kv.value))
         except (ValueError, TypeError) as exc:

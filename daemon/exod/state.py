@@ -14,6 +14,8 @@ import sqlite3
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import trio
+
 from exod.store import Store, StoreError
 from fsm.cluster import LogEntry
 
@@ -37,6 +39,9 @@ class StateStore(Protocol):
     async def log_start(self) -> int:
         """The first sequence number the log still holds (the entries before it were pruned)."""
 
+    async def changed(self, after: int) -> None:
+        """Return once the log holds an entry past ``after`` (at once if it does already), whoever wrote it."""
+
     def snapshot_error(self, reason: str) -> StoreError:
         """The error for a saved snapshot that cannot be restored: what is wrong, what to do."""
 
@@ -47,21 +52,30 @@ class SqliteState:
     def __init__(self, store: Store) -> None:
         self.store = store
         self.where = str(store.path)
+        self._written = trio.Event()  # set (and replaced) at every save: one host, one writer, this one
 
     async def load(self) -> dict[str, Any] | None:
         return self.store.load()
 
     async def save(self, snapshot: dict[str, Any], entries: Sequence[LogEntry], now: float) -> int:
         try:
-            return self.store.save(snapshot, entries, now)
+            seq = self.store.save(snapshot, entries, now)
         except (sqlite3.Error, OSError) as exc:  # a full disk, an I/O error, a locked or vanished file
             raise StateUnavailable(f"cannot write the state to {self.where}: {exc}") from exc
+        self._written.set()
+        self._written = trio.Event()
+        return seq
 
     async def transitions(self, after: int = 0, limit: int | None = None) -> list[tuple[int, LogEntry]]:
         return list(self.store.transitions(after=after, limit=limit))
 
     async def log_start(self) -> int:
         return self.store.log_start()
+
+    async def changed(self, after: int) -> None:
+        written = self._written  # taken before reading: a save in between is not missed
+        if self.store.last_seq() <= after:
+            await written.wait()
 
     def snapshot_error(self, reason: str) -> StoreError:
         return self.store.snapshot_error(reason)

@@ -172,6 +172,11 @@ class Store:
         self._db.execute("INSERT OR REPLACE INTO meta VALUES ('log_start', ?)", (str(through + 1),))
         log.info("transition log pruned: entries before %d deleted (see [retention] in the config)", through + 1)
 
+    def last_seq(self) -> int:
+        """The sequence number of the newest log entry (0 if there is none)."""
+        (seq,) = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM transitions").fetchone()
+        return seq
+
     def log_start(self) -> int:
         """The sequence number the log starts at: 1, unless retention pruned the entries before it."""
         row = self._db.execute("SELECT value FROM meta WHERE key = 'log_start'").fetchone()
