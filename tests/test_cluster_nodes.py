@@ -152,6 +152,8 @@ def test_a_new_controller_resumes_from_the_state_the_dead_one_wrote(tmp_path, et
     daemons = [start(tmp_path, etcd, n, env) for n in (1, 2)]
     try:
         first = until(lambda: nodes(daemons[0][1]), lambda v: len(v["nodes"]) == 2 and v["controller"], 30)
+        for node in first["nodes"]:  # what placement over nodes will read: memory and cached models
+            assert node["models"] == ["exod/tiny-qwen2"] and 0 < node["memory_free"] <= node["memory_total"]
         a = int(first["controller"].removeprefix("node-")) - 1
         (killed, url_a), (_, url_b) = daemons[a], daemons[1 - a]
 

@@ -3,6 +3,7 @@ time, another one elected once its lease expires, and a deposed controller's wri
 
 from __future__ import annotations
 
+import attrs
 import trio
 from etcd_harness import run_with_client as run
 
@@ -90,3 +91,25 @@ def test_a_controller_reelected_under_a_new_term_cannot_write_with_its_old_one(e
 
     old, new, stale_refused, value = run(etcd, body)
     assert new.revision > old.revision and stale_refused and value == b"fresh"
+
+
+def test_a_node_record_is_refreshed_at_each_renewal(etcd):
+    """Free memory and cached models change while a node runs; the others see them within a renewal."""
+    free = iter(range(5 << 30, 0, -(1 << 30)))
+
+    def refresh(current: NodeRecord) -> NodeRecord:
+        return attrs.evolve(current, memory_free=next(free), models=("org/model",))
+
+    async def body(client: Etcd):
+        presence = Presence(client, PREFIX, record("node-1", "127.0.0.1"), ttl=TTL, refresh=refresh)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(presence.run)
+            before = await list_nodes(client, PREFIX)
+            await presence.renewed.wait()
+            after = await list_nodes(client, PREFIX)
+            nursery.cancel_scope.cancel()
+        return before[0].record, after[0].record
+
+    before, after = run(etcd, body)
+    assert (before.memory_free, before.models) == (6 << 30, ())
+    assert (after.memory_free, after.models) == (5 << 30, ("org/model",))

@@ -48,6 +48,22 @@ def host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def free_memory() -> int:
+    """This machine's memory available to a new process, in bytes: Linux's MemAvailable (free memory plus
+    what the page cache would give back), else the free pages, else the physical memory."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError):
+        return host_memory()
+
+
 class ConfigError(ValueError):
     """The configuration file is wrong; the message names the file, the key and what is expected."""
 

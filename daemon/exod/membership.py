@@ -9,6 +9,7 @@ controller or not, and the term to guard its writes with — is read from `term`
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -35,10 +36,16 @@ class ClusterConfig:
 
 
 class Membership:
-    def __init__(self, etcd: Etcd, config: ClusterConfig, record: NodeRecord) -> None:
+    def __init__(
+        self,
+        etcd: Etcd,
+        config: ClusterConfig,
+        record: NodeRecord,
+        refresh: Callable[[NodeRecord], NodeRecord] | None = None,
+    ) -> None:
         self.etcd, self.config = etcd, config
         self.prefix = config.prefix.encode()
-        self.presence = Presence(etcd, self.prefix, record, ttl=config.lease_ttl)
+        self.presence = Presence(etcd, self.prefix, record, ttl=config.lease_ttl, refresh=refresh)
         self._term: Term | None = None
         self._term_changed = trio.Event()
 

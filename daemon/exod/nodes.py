@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -81,10 +82,19 @@ class Presence:
     election's key too). `lost` is set while etcd cannot be reached: the daemon is then degraded.
     """
 
-    def __init__(self, etcd: Etcd, prefix: bytes, record: NodeRecord, *, ttl: int = DEFAULT_TTL) -> None:
+    def __init__(
+        self,
+        etcd: Etcd,
+        prefix: bytes,
+        record: NodeRecord,
+        *,
+        ttl: int = DEFAULT_TTL,
+        refresh: Callable[[NodeRecord], NodeRecord] | None = None,
+    ) -> None:
         if ttl < 2:
             raise ValueError(f"a lease TTL must be at least 2 s, got {ttl}")
         self.etcd, self.prefix, self.record, self.ttl = etcd, prefix, record, ttl
+        self.refresh = refresh  # what changes about the node (free memory, cached models), read at each renewal
         self.lease = 0
         self.lost: str | None = None  # why etcd cannot be reached, while it cannot
         self.renewed = trio.Event()  # set (and replaced) whenever the lease was renewed or re-created
@@ -124,8 +134,19 @@ class Presence:
                 log.error("etcd refused to renew node %s: %s", self.record.node_id, exc)
                 continue
             self.lost = None
+            await self._refresh()
             self.renewed.set()
             self.renewed = trio.Event()
+
+    async def _refresh(self) -> None:
+        if self.refresh is None:
+            return
+        record = self.refresh(self.record)
+        if record != self.record:
+            try:
+                await self.update(record)
+            except EtcdError as exc:  # written at the next renewal
+                log.warning("cannot update the record of node %s: %s", record.node_id, exc)
 
     async def leave(self) -> None:
         """Revoke the lease: the record (and every key on the lease) goes at once."""

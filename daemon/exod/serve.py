@@ -32,7 +32,7 @@ import trio
 
 import fsm
 from exod.api import create_app
-from exod.config import ServeConfig
+from exod.config import ServeConfig, free_memory
 from exod.controller import Controller, StoreUnavailable
 from exod.drain import Drain, Gate
 from exod.election import Deposed, Term
@@ -185,17 +185,15 @@ async def _join(config: ServeConfig, controller: Controller) -> Membership | Non
         return None
     from exod.models import list_cached_models
 
-    c = config.cluster
-    record = NodeRecord(
-        node_id=c.node_id,
-        address=c.advertise,
-        api_url="",
-        memory_total=controller.config.memory_bytes,
-        memory_free=controller.config.memory_bytes,
-        models=tuple(sorted({m.repo_id for m in list_cached_models(controller.config.hf_home)})),
-        version=fsm.__version__,
-    )
-    membership = Membership(Etcd(c.url), c, record)
+    c, total = config.cluster, controller.config.memory_bytes
+
+    def refresh(record: NodeRecord) -> NodeRecord:
+        """What changes about a node while it runs: the memory it has free, the models in its cache."""
+        models = tuple(sorted({m.repo_id for m in list_cached_models(controller.config.hf_home)}))
+        return attrs.evolve(record, memory_free=min(free_memory(), total), models=models)
+
+    blank = NodeRecord(c.node_id, c.advertise, api_url="", memory_total=total, memory_free=0, version=fsm.__version__)
+    membership = Membership(Etcd(c.url), c, refresh(blank), refresh)
     try:
         await membership.presence.join()
     except EtcdError as exc:
