@@ -109,7 +109,7 @@ class TimedController(Controller):
         return None if placement is None else placement.machine.instance_state.value
 
     def runners_alive(self) -> bool:
-        return bool(self._processes)
+        return bool(self.processes)
 
 
 class _TimedReports(Reports):

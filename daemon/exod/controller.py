@@ -34,17 +34,18 @@ import trio
 
 import fsm
 from exod import protocol as p
-from exod import retention, ring
+from exod import retention
 from exod.config import DaemonConfig
 from exod.journal import Journal
 from exod.models import ModelFiles, ModelNotFound
 from exod.orphans import reap_orphans, start_ticks
+from exod.processes import Processes
 from exod.reports import Reports
 from exod.requests import InstanceNotFound, RequestBook
 from exod.state import SqliteState, StateStore
 from exod.status import NODE, status_of
 from exod.store import ProcessRecord, Store
-from exod.supervisor import Process, RunnerSpec, Spawn, Supervisor
+from exod.supervisor import RunnerSpec, Spawn, Supervisor
 from fsm import download as dl
 from fsm import runner as rn
 from fsm.cluster import Cluster, LogEntry
@@ -84,19 +85,16 @@ class Controller:
         self.models = models or ModelFiles(
             hf_home=config.hf_home, offline=config.offline, timeout=config.download_timeout
         )
-        self._spawn = spawn
         self._wall_offset = wall() - trio.current_time()  # trio time + offset = wall time, for what is stored
         self.cluster = Cluster(download_policy=config.download_policy)
         self.requests = self._new_book()
         self._reports = Reports(self)
-        self._processes: dict[tuple[str, int], Process] = {}
+        self.processes = Processes(config, spawn, self._reports)  # this host's runner processes
         self._wake = trio.Event()
         self._stopping = False
-        self._all_stopped = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.reaped_orphans: list[ProcessRecord] = []
         self.failure_counts: collections.Counter[str] = collections.Counter()  # by FailureKind value
-        self._generations = retention.Generations(config.state_dir, config.retention)  # forgets their files
         # the cluster's state: SQLite (this host's store) unless a cluster's store is given
         self.journal = Journal(state or SqliteState(store), store)  # degraded while it refuses writes
 
@@ -165,12 +163,8 @@ class Controller:
         model), and each runner is stopped and reaped. The transition log records it when it happened.
         """
         self._stopping = True  # from here the runners' own reports are not heard: `recover` says it all
-        for process in list(self._processes.values()):
-            process.stop()
-        if self._processes:
-            t = self.config.timeouts
-            with trio.move_on_after(t.stop_grace + t.term_grace + 2.0):
-                await self._all_stopped.wait()
+        t = self.config.timeouts
+        await self.processes.stop_all(within=t.stop_grace + t.term_grace + 2.0)
         self.cluster.recover(self.now())
         self._commit()
         with trio.move_on_after(SHUTDOWN_WRITE_S):
@@ -245,8 +239,7 @@ class Controller:
 
     def runner_pid(self, runner_id: str, incarnation: int) -> int | None:
         """The pid of a live runner process (None if it is not running)."""
-        process = self._processes.get((runner_id, incarnation))
-        return None if process is None else process.pid
+        return self.processes.pid(runner_id, incarnation)
 
     async def transitions(self, after: int = 0, limit: int | None = None) -> list[tuple[int, LogEntry]]:
         """The durable transition log after sequence number ``after``; `log_written` is set when it grows."""
@@ -333,53 +326,21 @@ class Controller:
             case fsm.CancelRequest(request_id, _, reason):
                 self.requests.cancel(request_id, reason)
             case fsm.StopRunner(runner_id, incarnation, _):
-                if (process := self._processes.get((runner_id, incarnation))) is not None:
-                    process.stop()
+                self.processes.stop(runner_id, incarnation)
             case fsm.CreateRunner():
-                self._start_runner(action)
+                self.processes.start(self._nursery, action)
             case fsm.StartDownload(_, model_id):
                 self._nursery.start_soon(self._download, model_id)
             case fsm.ConnectRunner(runner_id, incarnation):
-                self._post(runner_id, incarnation, p.Connect())
+                self.processes.post(runner_id, incarnation, p.Connect())
             case fsm.LoadModel(runner_id, incarnation, _):
-                self._post(runner_id, incarnation, p.Load(str(model_path)))
+                self.processes.post(runner_id, incarnation, p.Load(str(model_path)))
             case fsm.WarmUp(runner_id, incarnation):
-                self._post(runner_id, incarnation, p.WarmUp())
+                self.processes.post(runner_id, incarnation, p.WarmUp())
             case fsm.ForwardRequest(_, runner_id, incarnation):
                 command = self.requests.forwarded(action, self.cluster.runner(runner_id).rank)
                 if command is not None:
-                    self._post(runner_id, incarnation, command)
-
-    def _start_runner(self, action: fsm.CreateRunner) -> None:
-        assert self._nursery is not None
-        rank, gen = action.rank, action.incarnation
-        try:  # the ring's ports and its hostfile: no fds or no disk is the host's failure, never the daemon's end
-            hostfile = self._hostfile(action.instance_id, gen, action.world_size)
-        except OSError as exc:
-            self._reports.on_not_started(action.runner_id, gen, exc)
-            return
-        spec = RunnerSpec(
-            runner_id=action.runner_id,
-            incarnation=gen,
-            rank=rank,
-            world_size=action.world_size,
-            hostfile=hostfile,
-            log_path=retention.runner_log_path(self.config.state_dir, action.instance_id, rank, gen),
-            fault=next((str(f.fault) for f in self.config.faults if f.applies(rank, gen)), None),
-        )
-        process = self._spawn(spec, self._reports, self.config.timeouts)
-        self._processes[(action.runner_id, gen)] = process
-        self._generations.started(action.instance_id, gen)
-        self._nursery.start_soon(self._supervise, process, action.instance_id)
-
-    def _post(self, runner_id: str, incarnation: int, command: p.Command) -> None:
-        if (process := self._processes.get((runner_id, incarnation))) is not None:
-            process.post(command)
-
-    def _hostfile(self, instance_id: str, generation: int, world_size: int) -> Path | None:
-        if world_size == 1:
-            return None
-        return ring.hostfile(retention.hostfile_path(self.config.state_dir, instance_id, generation), world_size)
+                    self.processes.post(runner_id, incarnation, command)
 
     async def _download(self, model_id: str) -> None:
         try:
@@ -396,22 +357,6 @@ class Controller:
             self.cluster.download_event(NODE, dl.BytesProgress(model_id, self.now(), done, total))
         except fsm.FsmError as exc:  # e.g. a late callback after the download ended
             log.debug("download progress for %s ignored: %s", model_id, exc)
-
-    async def _supervise(self, process: Process, instance_id: str) -> None:
-        spec = process.spec
-        try:
-            await process.run()
-        except Exception as exc:  # the runner's failure, never the daemon's: spawn errors, I/O errors
-            log.exception("supervisor of %s/%d failed", spec.runner_id, spec.incarnation)
-            if process.pid is None:
-                self._reports.on_not_started(spec.runner_id, spec.incarnation, exc)
-            else:
-                self._reports.on_supervisor_error(spec, exc)
-        finally:
-            self._processes.pop((spec.runner_id, spec.incarnation), None)
-            self._generations.ended(instance_id, spec.incarnation)
-            if self._stopping and not self._processes:
-                self._all_stopped.set()
 
     # -- exod.reports.Sink: what the runners' reports became ------------------------------------
 
