@@ -39,10 +39,9 @@ from exod.election import Deposed, Term
 from exod.etcd import Etcd, EtcdError
 from exod.etcd_state import EtcdState
 from exod.http_server import serve_http
-from exod.journal import Journal
 from exod.membership import Membership
 from exod.nodes import NodeRecord
-from exod.state import StateStore, StateUnavailable
+from exod.state import SqliteState, StateStore, StateUnavailable
 from exod.statedir import AlreadyRunning as AlreadyRunning  # re-exported: callers catch it from here too
 from exod.statedir import state_dir_lock, write_private
 from exod.store import Store
@@ -69,14 +68,14 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
     with state_dir_lock(state_dir):
         store = Store.open(config.daemon.db_path, retention=config.daemon.retention)
         try:
-            controller = Controller(config.daemon, store)
+            membership = await _join(config)
+            # in a cluster, a follower until elected: nothing to write (`_lead` gives it etcd's state, guarded)
+            state = SqliteState(store) if membership is None else _cluster_state(membership, config, None)
+            controller = Controller(config.daemon, store, state=state)
             wanted = [(p.model or controller.register_local_model(p.path), p.ranks) for p in config.placements]
-            membership = await _join(config, controller)
             if membership is None:
-                await _restore(controller, controller.journal.state)
+                await _restore(controller, state)
                 await _place_configured(controller, wanted)
-            else:  # a follower until elected: nothing to write (`_lead` gives the controller etcd's state)
-                controller.journal = Journal(_cluster_state(membership, config, None), store)
             logging.getLogger("hypercorn.error").propagate = False  # it has its own handler
             async with trio.open_nursery() as nursery:
                 if membership is None:
@@ -179,17 +178,17 @@ async def _lead(controller: Controller, membership: Membership, config: ServeCon
         log.warning("node %s is no longer the controller: its runners were stopped", membership.node_id)
 
 
-async def _join(config: ServeConfig, controller: Controller) -> Membership | None:
+async def _join(config: ServeConfig) -> Membership | None:
     """With ``--cluster``: this node's record in etcd, under its lease (`ClusterUnavailable` if etcd is not there)."""
     if config.cluster is None:
         return None
     from exod.models import list_cached_models
 
-    c, total = config.cluster, controller.config.memory_bytes
+    c, total = config.cluster, config.daemon.memory_bytes
 
     def refresh(record: NodeRecord) -> NodeRecord:
         """What changes about a node while it runs: the memory it has free, the models in its cache."""
-        models = tuple(sorted({m.repo_id for m in list_cached_models(controller.config.hf_home)}))
+        models = tuple(sorted({m.repo_id for m in list_cached_models(config.daemon.hf_home)}))
         return attrs.evolve(record, memory_free=min(free_memory(), total), models=models)
 
     blank = NodeRecord(c.node_id, c.advertise, api_url="", memory_total=total, memory_free=0, version=fsm.__version__)
