@@ -268,3 +268,29 @@ def test_through_a_short_etcd_outage_the_controller_keeps_serving_its_instances(
     assert during["state"] == after["state"] == "ready"
     assert during["generation"] == after["generation"] == before["generation"]
     assert view["controller"] == "node-1"
+
+
+def test_a_controller_cut_off_from_etcd_past_its_lease_stops_its_runners_then_resumes(tmp_path, etcd_server, hf_home):
+    """Fencing: past its lease (less a margin) another node may be elected, so its runners must be gone;
+    back in touch, it is elected again and resumes the instance from etcd in a new generation."""
+    daemon, url = start(tmp_path, etcd_server.url, 1, {**os.environ, "HF_HOME": str(hf_home)})
+    try:
+        until(lambda: nodes(url), lambda v: v["controller"] == "node-1", 30)
+        placed = httpx.post(f"{url}/instances", json={"model": "exod/tiny-qwen2", "ranks": 1}, timeout=30).json()
+        iid = placed["instance_id"]
+        before = until(lambda: instance_at(url, iid), lambda i: i["state"] == "ready", 60)
+        assert len(runner_pids()) == 1
+        etcd_server.stop()
+        stopped_at = time.monotonic()
+        until(runner_pids, lambda pids: pids == [], 3 * TTL)
+        fenced_after = time.monotonic() - stopped_at
+        etcd_server.start()
+        until(lambda: nodes(url), lambda v: v["controller"] == "node-1", 6 * TTL)
+        after = until(lambda: instance_at(url, iid), lambda i: i["state"] == "ready", 60)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=30) == 0
+    # the step-down comes TTL less the margin after the last renewal at the latest; the runner's stop then
+    # takes a moment (a partition, unlike a stopped etcd, would let the lease expire at TTL)
+    assert fenced_after < TTL + 2.0
+    assert after["generation"] == before["generation"] + 1 and after["attempts"] == before["attempts"]

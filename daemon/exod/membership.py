@@ -22,6 +22,7 @@ from exod.nodes import DEFAULT_TTL, NodeRecord, Presence, list_nodes
 log = logging.getLogger("exod.membership")
 
 DEFAULT_PREFIX = "/exod/"  # every key of the cluster is under it
+FENCE_MARGIN = 0.2  # of the TTL: a controller out of touch steps down this much before its lease may expire
 
 
 @attrs.frozen
@@ -98,8 +99,9 @@ class Membership:
         """Return once the election key is no longer ours (deleted with our lease, or written by another).
 
         While etcd cannot be reached the term holds for as long as our lease is surely alive (`Presence.
-        alive_until`): no other node can be elected before it expires, and the runners keep serving through
-        a short outage. Past that, another node may be the controller: this one steps down.
+        alive_until`, by our own monotonic clock, less `FENCE_MARGIN`): no other node can be elected before
+        it expires, and the runners keep serving through a short outage. Past that, another node may soon
+        be the controller: this one steps down first (DESIGN §5, fencing).
         """
         while True:
             try:
@@ -110,7 +112,8 @@ class Membership:
                     if event.deleted or event.kv.create_revision != term.revision:
                         return
             except EtcdUnavailable as exc:
-                left = self.presence.alive_until - trio.current_time()
+                margin = FENCE_MARGIN * self.config.lease_ttl
+                left = self.presence.alive_until - margin - trio.current_time()
                 if left <= 0:
                     log.error("etcd out of reach past our lease (%s): stepping down as the controller", exc)
                     return
