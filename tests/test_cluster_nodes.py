@@ -294,3 +294,34 @@ def test_a_controller_cut_off_from_etcd_past_its_lease_stops_its_runners_then_re
     # takes a moment (a partition, unlike a stopped etcd, would let the lease expire at TTL)
     assert fenced_after < TTL + 2.0
     assert after["generation"] == before["generation"] + 1 and after["attempts"] == before["attempts"]
+
+
+def test_a_controller_whose_election_key_is_taken_stops_and_writes_nothing_more(tmp_path, etcd, hf_home):
+    """Another term began (here forced by hand): the old controller's runners stop, it refuses what only the
+    controller does, naming the new one, and etcd holds no write of its after the new term began."""
+    daemon, url = start(tmp_path, etcd, 1, {**os.environ, "HF_HOME": str(hf_home)})
+    key = DEFAULT_PREFIX.encode() + b"controller"
+
+    async def take_the_key(client):
+        lease = await client.grant(60)
+        return lease, await client.put(key, b"intruder", lease=lease)  # what node-1's writes compare changes
+
+    async def snapshot_revision(client):
+        return (await client.get(DEFAULT_PREFIX.encode() + b"state/snapshot")).mod_revision
+
+    try:
+        until(lambda: nodes(url), lambda v: v["controller"] == "node-1", 30)
+        placed = httpx.post(f"{url}/instances", json={"model": "exod/tiny-qwen2", "ranks": 1}, timeout=30).json()
+        until(lambda: instance_at(url, placed["instance_id"]), lambda i: i["state"] == "ready", 60)
+        lease, taken_at = run_with_client(etcd, take_the_key)
+        until(runner_pids, lambda pids: pids == [], 3 * TTL)
+        refused = httpx.post(f"{url}/instances", json={"model": "exod/tiny-qwen2", "ranks": 1}, timeout=10)
+        written_at = run_with_client(etcd, snapshot_revision)
+        run_with_client(etcd, lambda client: client.revoke(lease))  # the intruder goes: node-1 is elected again
+        until(lambda: nodes(url), lambda v: v["controller"] == "node-1", 6 * TTL)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=30) == 0
+    error = refused.json()["error"]
+    assert refused.status_code == 503 and error["code"] == "not_the_controller" and "node intruder" in error["message"]
+    assert written_at < taken_at

@@ -16,7 +16,7 @@ import attrs
 import trio
 
 from exod.election import Term, election_key, leader, wait_for_term
-from exod.etcd import Etcd, EtcdError, EtcdUnavailable
+from exod.etcd import Etcd, EtcdError, EtcdUnavailable, KeyValue
 from exod.nodes import DEFAULT_TTL, NodeRecord, Presence, list_nodes
 
 log = logging.getLogger("exod.membership")
@@ -106,10 +106,10 @@ class Membership:
         while True:
             try:
                 holder, revision = await self.etcd.read(term.key)
-                if holder is None or holder.create_revision != term.revision:
+                if holder is None or not _holds(term, holder):
                     return
                 async for event in self.etcd.watch(term.key, start_revision=revision + 1):
-                    if event.deleted or event.kv.create_revision != term.revision:
+                    if event.deleted or not _holds(term, event.kv):
                         return
             except EtcdUnavailable as exc:
                 margin = FENCE_MARGIN * self.config.lease_ttl
@@ -148,3 +148,8 @@ class Membership:
     async def leave(self) -> None:
         with trio.move_on_after(2.0):
             await self.presence.leave()
+
+
+def _holds(term: Term, holder: KeyValue) -> bool:
+    """The election key is still ``term``'s: created by it, and naming this node (what `Term.guard` compares)."""
+    return holder.create_revision == term.revision and holder.value == term.node_id.encode()

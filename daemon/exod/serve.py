@@ -160,22 +160,26 @@ async def _lead(controller: Controller, membership: Membership, config: ServeCon
     while True:
         term = await membership.elected()
         state = _cluster_state(membership, config, term)
+        controller.take_over(state)
+        unreachable = False
         try:
+            await _restore(controller, state)
+            await _place_configured(controller, wanted)
             async with trio.open_nursery() as leading:
-                controller.take_over(state)
-                await _restore(controller, state)
-                await _place_configured(controller, wanted)
                 await leading.start(controller.run)
                 await membership.deposed(term)
                 leading.cancel_scope.cancel()
-        except StateUnavailable as exc:  # etcd went away while taking over: again, once it is back
-            log.error("cannot take over as the controller: %s", exc)
+        except* StateUnavailable as lost:  # etcd went away while taking over: again, once it is back
+            log.error("cannot take over as the controller: %s", lost.exceptions[0])
+            unreachable = True
+        except* Deposed as deposed:  # etcd refused a write: another node holds the election key
+            log.error("%s", deposed.exceptions[0])
+        if unreachable and membership.term is term:
             await trio.sleep(1.0)
             continue
-        except Deposed as exc:  # etcd refused a write: another node holds the election key
-            log.error("%s", exc)
-            await membership.deposed(term)
+        controller.requests.fail_all(f"node {membership.node_id} is no longer the cluster's controller")
         log.warning("node %s is no longer the controller: its runners were stopped", membership.node_id)
+        await membership.deposed(term)
 
 
 async def _join(config: ServeConfig) -> Membership | None:
