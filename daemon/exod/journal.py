@@ -7,9 +7,9 @@ whose state was lost. Whoever must tell a caller that something is stored (a pla
 
 A full disk, an I/O error, a vanished file or an etcd out of reach must not end the daemon: its runners
 keep serving, and what could not be written is kept in memory, in order, and written once the store takes
-it again (every `WRITE_RETRY` seconds). Until then the daemon is *degraded*: `degraded` says why (status,
-``/health``, ``/ready``), and new placements wait, for a caller would be told of an instance that a crash
-could lose.
+it again (tried at the next change, or after `WRITE_RETRY` seconds). Until then the daemon is *degraded*:
+`degraded` says why (status, ``/health``, ``/ready``), and new placements wait, for a caller would be told
+of an instance that a crash could lose.
 
 The runner processes this host started are recorded in the host's own SQLite file whatever the cluster's
 state store is (a pid means something on one host only), through the same degraded rule.
@@ -82,14 +82,16 @@ class Journal:
     # -- the writer ---------------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Write whatever is queued, as it comes; while the store refuses, try again every `WRITE_RETRY` s."""
+        """Write whatever is queued, as it comes; while the store refuses, again at each change, or after
+        `WRITE_RETRY` s."""
         task_status.started()
         while True:
             if self._done == self._asked and not self._unwritten_local:
                 await self._wake.wait()
             self._wake = trio.Event()
-            if not await self.flush():
-                await trio.sleep(WRITE_RETRY)
+            if not await self.flush():  # again in WRITE_RETRY s, or at the next change if it comes sooner
+                with trio.move_on_after(WRITE_RETRY):
+                    await self._wake.wait()
 
     async def flush(self) -> bool:
         """Write what is queued now; True once nothing is."""
