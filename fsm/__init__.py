@@ -38,6 +38,7 @@ from fsm.errors import (
 )
 from fsm.failure import Failure, FailureKind
 from fsm.instance import DeleteReason, InstanceRetry, InstanceState, RetryPolicy, budget_exhausted
+from fsm.placement import NodeRoom, NoFit, place
 from fsm.plan import next_deadline, plan
 from fsm.runner import RunnerLifecycle, RunnerPhase, RunnerState
 from fsm.view import ClusterView, DownloadStatus, InstanceView, PendingRequest, RetryStatus, RunnerStatus, Slot
@@ -80,6 +81,8 @@ __all__ = [
     "Limits",
     "LoadModel",
     "ModelFacts",
+    "NoFit",
+    "NodeRoom",
     "Outcome",
     "PendingRequest",
     "Refusal",
@@ -106,6 +109,7 @@ __all__ = [
     "download",
     "instance",
     "next_deadline",
+    "place",
     "plan",
     "runner",
     "to_place",

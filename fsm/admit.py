@@ -23,16 +23,15 @@ holds its ranks, so a crash loop never frees room for a flood.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
 from fsm._validate import integer
 from fsm.errors import InvalidConfig
 from fsm.instance import InstanceState
+from fsm.placement import MIB, NodeRoom, NoFit, place
 from fsm.view import ClusterView
-
-MIB = 1 << 20
 
 
 class Refusal(enum.Enum):
@@ -117,13 +116,16 @@ def admit(
     nodes: Mapping[str, int],
     limits: Limits,
     facts: Mapping[str, ModelFacts] | None = None,
+    cached: Mapping[str, Iterable[str]] | None = None,
+    pin: Sequence[str] | None = None,
 ) -> Admission:
     """May ``ranks`` ranks of ``model_id`` be placed now, and where?
 
     ``model`` is what is known of the requested model: its facts, `UnknownModel`, or None when it is
     fetchable but not on the node yet. ``nodes`` maps each node to its memory in bytes; ``facts`` gives
-    the facts of models already placed (a model missing there reserves only the runner floor per rank).
-    Ranks go to the nodes with the most room left, in order; ties go to the first node by name.
+    the facts of models already placed (a model missing there reserves only the runner floor per rank);
+    ``cached`` the models each node holds; ``pin`` the only nodes to use. Where the ranks go is
+    `fsm.placement.place`: distinct nodes first, those holding the model first, then the most room.
     """
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise InvalidConfig(f"ranks must be an int >= 1, got {ranks!r}")
@@ -166,16 +168,20 @@ def admit(
                 runners[slot.node_id] += 1
                 used[slot.node_id] += share
     need = _rank_bytes(model, ranks, limits)
-    placed: list[str] = []
-    for _ in range(ranks):
-        fits = [n for n in nodes if runners[n] < limits.runners_per_node and used[n] + need <= nodes[n]]
-        if not fits:
-            return _no_room(ranks, len(placed), runners, used, need, nodes, limits)
-        node = max(sorted(fits), key=lambda n: nodes[n] - used[n])
-        placed.append(node)
-        runners[node] += 1
-        used[node] += need
-    return Admission(nodes=tuple(placed))
+    cached = cached or {}
+    rooms = [
+        NodeRoom(
+            node,
+            max(0, nodes[node] - used[node]),  # less than none: the memory or the limits were lowered since
+            max(0, limits.runners_per_node - runners[node]),
+            cached.get(node, ()),
+        )
+        for node in nodes
+    ]
+    placement = place(model_id, ranks, need, rooms, pin=pin)
+    if isinstance(placement, NoFit):
+        return _no_room(ranks, runners, placement, limits)
+    return Admission(nodes=placement)
 
 
 def _rank_bytes(model: ModelFacts | None, ranks: int, limits: Limits) -> int:
@@ -183,28 +189,18 @@ def _rank_bytes(model: ModelFacts | None, ranks: int, limits: Limits) -> int:
     return limits.runner_floor_bytes + (0 if model is None else -(-model.weight_bytes // ranks))
 
 
-def _no_room(
-    ranks: int,
-    placed: int,
-    runners: Mapping[str, int],
-    used: Mapping[str, int],
-    need: int,
-    nodes: Mapping[str, int],
-    limits: Limits,
-) -> Admission:
-    if all(runners[n] >= limits.runners_per_node for n in nodes):
+def _no_room(ranks: int, runners: Mapping[str, int], no_fit: NoFit, limits: Limits) -> Admission:
+    if no_fit.too_few_runners:
         return _refuse(
             Refusal.LIMIT_REACHED,
             f"{ranks} more runners would exceed runners_per_node = {limits.runners_per_node} "
-            f"(running or reserved: {sum(runners.values()) - placed}); delete an instance first, "
+            f"(running or reserved: {sum(runners.values())}); delete an instance first, "
             "or raise [limits] runners_per_node",
         )
-    free = max(nodes[n] - used[n] for n in nodes if runners[n] < limits.runners_per_node)
     return _refuse(
         Refusal.NO_MEMORY,
-        f"no node has memory for rank {placed} ({need // MIB} MiB: its share of the weights plus the "
-        f"{limits.runner_floor_bytes // MIB} MiB runner floor; the most free is {max(free, 0) // MIB} MiB); "
-        "use more ranks to shrink each share, or delete an instance first",
+        f"{no_fit.message} (a rank needs its share of the weights plus the {limits.runner_floor_bytes // MIB} MiB "
+        "runner floor); use more ranks to shrink each share, or delete an instance first",
     )
 
 

@@ -113,10 +113,10 @@ def test_memory_reserved_by_placed_instances_uses_their_facts():
     assert answer.refusal is Refusal.NO_MEMORY
 
 
-def test_ranks_go_to_the_nodes_with_the_most_room_left():
+def test_ranks_go_to_distinct_nodes_first_the_most_room_first():
     nodes = {"a": 2 * GIB, "b": 3 * GIB, "c": 2 * GIB}
     answer = ask(4, model=None, nodes=nodes)  # a rank needs the 0.5 GiB floor
-    assert answer.nodes == ("b", "b", "a", "b")  # b 3 → 2.5 → 2; a, b, c tie at 2: the first, a → b, c tie: b
+    assert answer.nodes == ("b", "a", "c", "b")  # one each (b has the most room; a, c tie: by id), then b again
 
 
 @pytest.mark.parametrize("ranks", [0, -1, True, 2.0, "2"])
