@@ -23,7 +23,7 @@ from fsm.actions import (
     StopRunner,
     WarmUp,
 )
-from fsm.admit import Admission, Limits, ModelFacts, Refusal, UnknownModel, admit
+from fsm.admit import Admission, Limits, ModelFacts, Refusal, UnknownModel, admit, place_again
 from fsm.backoff import Backoff, KeyedBackoff
 from fsm.desired import to_place
 from fsm.download import DEFAULT_DOWNLOAD_BACKOFF, DownloadLifecycle, DownloadState
@@ -110,6 +110,7 @@ __all__ = [
     "instance",
     "next_deadline",
     "place",
+    "place_again",
     "plan",
     "runner",
     "to_place",

@@ -31,7 +31,7 @@ from fsm._validate import integer
 from fsm.errors import InvalidConfig
 from fsm.instance import InstanceState
 from fsm.placement import MIB, NodeRoom, NoFit, place
-from fsm.view import ClusterView
+from fsm.view import ClusterView, InstanceView
 
 
 class Refusal(enum.Enum):
@@ -159,6 +159,47 @@ def admit(
             f"model {model_id!r} already has {same_model} instances (instances_per_model = "
             f"{limits.instances_per_model}); delete one first, or raise [limits] instances_per_model",
         )
+    need = _rank_bytes(model, ranks, limits)
+    rooms, runners = _rooms(live, nodes, limits, facts, cached or {})
+    placement = place(model_id, ranks, need, rooms, pin=pin)
+    if isinstance(placement, NoFit):
+        return _no_room(ranks, runners, placement, limits)
+    return Admission(nodes=placement)
+
+
+def place_again(
+    instance_id: str,
+    *,
+    model: ModelFacts | UnknownModel | None,
+    view: ClusterView,
+    nodes: Mapping[str, int],
+    limits: Limits,
+    facts: Mapping[str, ModelFacts] | None = None,
+    cached: Mapping[str, Iterable[str]] | None = None,
+) -> tuple[str, ...] | None:
+    """Before a new generation of ``instance_id``: where its ranks go now, if a node it was on is not among
+    the live ``nodes`` any more (its ranks move); None when it stays where it is, or nothing fits (its
+    next generation then fails on the dead node, as the host's failure, and tries again after a backoff).
+    """
+    inst = view.instances[instance_id]
+    if all(slot.node_id in nodes for slot in inst.slots):
+        return None
+    others = [i for i in view.instances.values() if i.retry.state is not InstanceState.DELETED and i is not inst]
+    facts = dict(facts or {})
+    known = model if isinstance(model, ModelFacts) else None
+    rooms, _ = _rooms(others, nodes, limits, facts, cached or {})
+    placement = place(inst.model_id, inst.world_size, _rank_bytes(known, inst.world_size, limits), rooms)
+    return None if isinstance(placement, NoFit) else placement
+
+
+def _rooms(
+    live: Iterable[InstanceView],
+    nodes: Mapping[str, int],
+    limits: Limits,
+    facts: Mapping[str, ModelFacts],
+    cached: Mapping[str, Iterable[str]],
+) -> tuple[list[NodeRoom], dict[str, int]]:
+    """What each node can still give, after the ranks ``live`` instances reserve; and those runner counts."""
     runners = {node: 0 for node in nodes}
     used = {node: 0 for node in nodes}
     for inst in live:
@@ -167,8 +208,6 @@ def admit(
             if slot.node_id in nodes:
                 runners[slot.node_id] += 1
                 used[slot.node_id] += share
-    need = _rank_bytes(model, ranks, limits)
-    cached = cached or {}
     rooms = [
         NodeRoom(
             node,
@@ -178,10 +217,7 @@ def admit(
         )
         for node in nodes
     ]
-    placement = place(model_id, ranks, need, rooms, pin=pin)
-    if isinstance(placement, NoFit):
-        return _no_room(ranks, runners, placement, limits)
-    return Admission(nodes=placement)
+    return rooms, runners
 
 
 def _rank_bytes(model: ModelFacts | None, ranks: int, limits: Limits) -> int:

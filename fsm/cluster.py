@@ -23,7 +23,7 @@ no I/O, and time is the caller's ``now``. Every accepted step is appended to
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -130,6 +130,21 @@ class Cluster:
             raise InvalidConfig(f"runner ids already used by another instance: {sorted(clash)}")
         machine = self.instance_cls(instance_id, world_size=view.world_size, policy=policy, seed=seed)
         self.instances[instance_id] = _Placement(model_id, view.slots, machine)
+
+    def move(self, instance_id: str, nodes: Sequence[str]) -> None:
+        """Put the ranks of ``instance_id`` on ``nodes`` (rank 0 first) from its next generation on: only
+        between generations, when none of its runners is alive (a dead node's ranks move elsewhere)."""
+        placement = self._placement(instance_id)
+        if len(nodes) != len(placement.slots):
+            raise InvalidConfig(f"instance {instance_id!r} has {len(placement.slots)} ranks, not {len(nodes)}")
+        if self.has_live_runners(instance_id):
+            raise InvalidConfig(f"instance {instance_id!r} still has live runners: move it between generations")
+        placement.slots = tuple(
+            attrs.evolve(slot, node_id=node) for slot, node in zip(placement.slots, nodes, strict=True)
+        )
+        for slot in placement.slots:
+            if (entry := self.runners.get(slot.runner_id)) is not None:
+                self.runners[slot.runner_id] = attrs.evolve(entry, node_id=slot.node_id)
 
     def delete(self, instance_id: str, now: float) -> Outcome:
         return self.instance_event(inst.Delete(instance_id, now))

@@ -161,3 +161,13 @@ def test_whatever_is_asked_the_admitted_placements_stay_within_every_limit(asks,
         assert len(here) <= LIMITS.runners_per_node
         share = {m: -(-f.weight_bytes // 1) for m, f in facts.items()}
         assert sum(LIMITS.runner_floor_bytes + (-(-share[m] // w) if m in share else 0) for m, w in here) <= memory
+
+
+def test_place_again_moves_only_off_a_node_that_is_gone():
+    view = placed(("a", "org/qwen", ["n1", "n2"]), ("b", "org/qwen", ["n3"]))
+    live = {"n1": 4 * GIB, "n2": 4 * GIB, "n3": 4 * GIB}
+    assert fsm.place_again("a", model=QWEN, view=view, nodes=live, limits=LIMITS) is None  # where it is
+    gone = {"n1": 4 * GIB, "n3": 4 * GIB}
+    assert fsm.place_again("a", model=QWEN, view=view, nodes=gone, limits=LIMITS) == ("n1", "n3")
+    tiny = {"n1": GIB // 4}
+    assert fsm.place_again("a", model=QWEN, view=view, nodes=tiny, limits=LIMITS) is None  # nothing fits: stays

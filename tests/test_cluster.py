@@ -440,3 +440,18 @@ def test_recover_looks_only_at_the_runners_of_each_instance():
     cluster.execute(fsm.CreateRunner("i", "i/0", "n", 0, 1, 1, "org/m"), 0.0)
     cluster.recover(now=1.0)
     assert [cluster.instance(iid).generation for iid in ("a", "i", "z")] == [1, 2, 1]  # only i had runners
+
+
+def test_move_puts_the_ranks_elsewhere_between_generations_only():
+    cluster = two_rank_cluster()
+    with pytest.raises(fsm.InvalidConfig, match="still has live runners"):
+        cluster.move("i", ["c", "b"])
+    cluster.runner_event(rn.Exited("i/0", 1, exit_code=-9), 1.0)
+    cluster.execute(fsm.StopRunner("i/1", 1, fsm.StopReason.SIBLING_FAILED), 1.0)
+    cluster.runner_event(rn.Exited("i/1", 1, exit_code=0), 1.5)
+    with pytest.raises(fsm.InvalidConfig, match="has 2 ranks, not 1"):
+        cluster.move("i", ["c"])
+    cluster.move("i", ["c", "b"])
+    assert [s.node_id for s in cluster.instances["i"].slots] == ["c", "b"]
+    assert cluster.runners["i/0"].node_id == "c"  # the reaped runner's entry follows its slot
+    assert Cluster.from_dict(cluster.to_dict()).to_dict() == cluster.to_dict()  # still a cluster that can be

@@ -325,3 +325,45 @@ def test_a_controller_whose_election_key_is_taken_stops_and_writes_nothing_more(
     error = refused.json()["error"]
     assert refused.status_code == 503 and error["code"] == "not_the_controller" and "node intruder" in error["message"]
     assert written_at < taken_at
+
+
+@pytest.fixture(scope="module")
+def hf_home_8_layers(tmp_path_factory):
+    home = tmp_path_factory.mktemp("hf8")
+    make_tiny_model("exod/tiny-qwen2", layers=8, hf_home=home)
+    return home
+
+
+def test_three_ranks_on_three_nodes_answer_as_the_model_does_on_one(tmp_path, etcd, hf_home_8_layers):
+    """One MLX ring across 127.0.0.1, .2 and .3, pipeline-parallel: greedy answers are mlx-lm's own."""
+    from test_daemon import MAX_TOKENS, MESSAGES, reference_text
+
+    from exod.models import resolve_model
+
+    env = {**os.environ, "HF_HOME": str(hf_home_8_layers)}
+    daemons = [start(tmp_path, etcd, n, env) for n in (1, 2, 3)]
+    try:
+        view = until(lambda: nodes(daemons[0][1]), lambda v: len(v["nodes"]) == 3 and v["controller"], 30)
+        url = next(n["api_url"] for n in view["nodes"] if n["controller"])
+        placed = httpx.post(f"{url}/instances", json={"model": "exod/tiny-qwen2", "ranks": 3}, timeout=30)
+        assert placed.status_code == 201, placed.text
+        iid = placed.json()["instance_id"]
+        ready = until(lambda: instance_at(url, iid), lambda i: i["state"] in ("ready", "deleted"), 120)
+        body = {"model": "exod/tiny-qwen2", "messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0.0}
+        answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        status = exod("status", "--url", daemons[2][1], env=dict(os.environ)).stdout
+    finally:
+        for daemon, _ in daemons:
+            daemon.send_signal(signal.SIGTERM)
+        for daemon, _ in daemons:
+            try:
+                daemon.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+    assert ready["state"] == "ready", ready
+    assert sorted(r["node"] for r in ready["runners"]) == ["node-1", "node-2", "node-3"]  # one rank each
+    assert answer.status_code == 200, answer.text
+    snapshot = resolve_model("exod/tiny-qwen2", hf_home=hf_home_8_layers, offline=True)
+    assert answer.json()["choices"][0]["message"]["content"] == reference_text(snapshot)
+    assert all(f"on node-{n}" in status for n in (1, 2, 3))  # from a node that is not the controller

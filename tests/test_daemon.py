@@ -242,8 +242,8 @@ def test_download_progress_from_foreign_threads_reaches_the_machine(tmp_path, hf
     seen = []
 
     async def body(controller):
-        original = controller._bytes_progress
-        controller._bytes_progress = lambda m, d, t: (seen.append((d, t)), original(m, d, t))
+        original = controller._downloads._bytes
+        controller._downloads._bytes = lambda n, m, d, t: (seen.append((d, t)), original(n, m, d, t))
         iid = await controller.place("exod/tiny-qwen2", 1)
         await wait_for(controller, is_ready(iid))
         return instance(controller.status(), iid)

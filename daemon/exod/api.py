@@ -20,6 +20,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import fsm
 from exod import chat
+from exod.agent import Agent
+from exod.agent import router as agent_router
 from exod.controller import Controller, PlacementRefused, StoreUnavailable
 from exod.errors import ApiError, install, responses
 from exod.etcd import EtcdUnavailable
@@ -145,6 +147,7 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     max_tokens_ceiling: int = MAX_TOKENS_CEILING,
     membership: Membership | None = None,
+    agent: Agent | None = None,
 ) -> ASGIApp:
     app = FastAPI(title="exod", version=fsm.__version__, description="Explicit lifecycles for LLM runners.")
 
@@ -159,6 +162,8 @@ def create_app(
         return (401, 408, 413) if api_key and path not in OPEN_PATHS else (408, 413)
 
     install(app, everywhere=guarded)
+    if agent is not None:  # a cluster's node: its controller drives the runners placed here through it
+        app.include_router(agent_router(agent))
     metrics = Metrics(controller)
     app.include_router(chat.router(controller, metrics, max_tokens_ceiling))
 
@@ -340,6 +345,8 @@ class _Follower:
 
 def _follower_answers(scope: Scope) -> bool:
     path = scope["path"]
+    if path.startswith("/agent/"):  # every node is an agent of the controller
+        return True
     reads = scope["method"] in ("GET", "HEAD")
     return reads and any(
         path == p or (p.endswith("/") and path.startswith(p)) or path.startswith(p + "/") for p in FOLLOWER_PATHS

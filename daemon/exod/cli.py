@@ -332,7 +332,8 @@ def status(url, state_dir, as_json: bool) -> None:
             if r["phase"]:
                 where += f".{r['phase']}"
             failure = f"  ({r['failure']})" if r["failure"] else ""
-            click.echo(f"  rank {r['rank']}  {r['runner_id']}  incarnation {r['incarnation']}  {where}{failure}")
+            node = f"  on {r['node']}" if r.get("node", "local") != "local" else ""
+            click.echo(f"  rank {r['rank']}  {r['runner_id']}{node}  incarnation {r['incarnation']}  {where}{failure}")
 
 
 def _offline_status(state_dir: Path) -> dict:

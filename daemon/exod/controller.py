@@ -20,7 +20,6 @@ stored and must mean the same after a restart.
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import math
 import secrets
@@ -29,17 +28,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import attrs
 import trio
 
 import fsm
 from exod import protocol as p
 from exod import retention
 from exod.config import DaemonConfig
+from exod.downloads import Downloads
 from exod.journal import Journal
 from exod.models import ModelFiles, ModelNotFound
 from exod.orphans import reap_orphans, start_ticks
 from exod.processes import Processes
+from exod.remote import Fleet
 from exod.reports import Reports
 from exod.requests import InstanceNotFound, RequestBook
 from exod.state import SqliteState, StateStore
@@ -76,6 +76,7 @@ class Controller:
         store: Store,
         *,
         state: StateStore | None = None,
+        fleet: Fleet | None = None,
         spawn: Spawn = Supervisor,
         models: ModelFiles | None = None,
         wall: Callable[[], float] = time.time,
@@ -89,7 +90,10 @@ class Controller:
         self.cluster = Cluster(download_policy=config.download_policy)
         self.requests = self._new_book()
         self._reports = Reports(self)
-        self.processes = Processes(config, spawn, self._reports)  # this host's runner processes
+        self.fleet = fleet  # in a cluster: the other nodes, their agents running the ranks placed there
+        self.node_id = NODE if fleet is None else fleet.local
+        self.processes = Processes(config, spawn, self._reports, fleet)  # the runner processes, on their nodes
+        self._downloads = Downloads(self.models, fleet, lambda: self.cluster, self.now, self._changed)
         self._wake = trio.Event()
         self._stopping = False
         self._nursery: trio.Nursery | None = None
@@ -128,6 +132,10 @@ class Controller:
             self.journal.forget_process(record.runner_id, record.incarnation)
         now = self.now()
         self.cluster.recover(now)
+        if self.fleet is not None:  # what resumes, resumes on live nodes
+            await self.fleet.refresh()
+            for instance_id in self.cluster.instances:
+                self._place_again(instance_id)
         for (node, model_id), machine in self.cluster.downloads.items():
             if machine.download_state is fsm.DownloadState.ONGOING:
                 self.cluster.download_event(node, dl.DownloadFailed(model_id, now, "interrupted by a daemon restart"))
@@ -147,10 +155,14 @@ class Controller:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await nursery.start(self.journal.run)
+            if self.fleet is not None:
+                await nursery.start(self.fleet.run)
             task_status.started()
             while True:
                 self._act()
-                deadline = fsm.next_deadline(self._view(), NODE, self.now())
+                view = self._view()
+                deadlines = [d for node in self._nodes() if (d := fsm.next_deadline(view, node, self.now()))]
+                deadline = min(deadlines, default=None)
                 with trio.move_on_at(math.inf if deadline is None else deadline - self._wall_offset):
                     await self._wake.wait()
                 self._wake = trio.Event()
@@ -183,6 +195,8 @@ class Controller:
             raise fsm.InvalidConfig(f"ranks must be an int >= 1, got {ranks!r}")
         if self.journal.degraded is not None:  # the caller would be told of a placement a crash could lose
             raise StoreUnavailable(f"{self.journal.degraded}; new placements wait until it can be written again")
+        if self.fleet is not None:
+            await self.fleet.refresh()
         answer = self.admission(model_id, ranks)
         if not answer.admitted:
             assert answer.refusal is not None
@@ -197,17 +211,15 @@ class Controller:
 
     def admission(self, model_id: str, ranks: int) -> fsm.Admission:
         """What `fsm.admit` answers for placing ``model_id`` on ``ranks`` ranks now (reads the models' files)."""
+        return fsm.admit(model_id, ranks, **self._facts(model_id))
+
+    def _facts(self, model_id: str) -> dict[str, Any]:
+        """What admission and placement know: the model, the cluster, the nodes and what each holds."""
         placed = {pl.model_id for pl in self.cluster.instances.values() if not pl.machine.is_deleted}
         facts = {m: f for m in placed if isinstance(f := self.models.facts(m), fsm.ModelFacts)}
-        return fsm.admit(
-            model_id,
-            ranks,
-            model=self.models.facts(model_id),
-            view=self.cluster.view(),
-            nodes={NODE: self.config.memory_bytes},
-            limits=self.config.limits,
-            facts=facts,
-        )
+        nodes, cached = ({NODE: self.config.memory_bytes}, {}) if self.fleet is None else self.fleet.rooms()
+        model, view, limits = self.models.facts(model_id), self.cluster.view(), self.config.limits
+        return {"model": model, "view": view, "nodes": nodes, "limits": limits, "facts": facts, "cached": cached}
 
     def register_local_model(self, directory: Path) -> str:
         """Name a local model directory ``local/NAME`` so it can be placed; never reachable from the API."""
@@ -283,7 +295,8 @@ class Controller:
         for iid in list(self.cluster.instances):
             self.cluster.instance_event(fsm.instance.Tick(iid, now))
         for _ in range(MAX_PLAN_ROUNDS):
-            actions = fsm.plan(self._view(), NODE, now)
+            view = self._view()
+            actions = [action for node in self._nodes() for action in fsm.plan(view, node, now)]
             if not actions:
                 break
             for action in actions:
@@ -296,6 +309,17 @@ class Controller:
         self.requests.fail_orphaned()
         self._forget_old_deleted(now)
         self._commit()
+
+    def _place_again(self, instance_id: str) -> None:
+        """Between generations, the ranks on a node that is gone move to live ones (`fsm.place_again`)."""
+        model_id = self.cluster.instances[instance_id].model_id
+        if self.fleet is not None and (nodes := fsm.place_again(instance_id, **self._facts(model_id))):
+            self.cluster.move(instance_id, nodes)
+
+    def _nodes(self) -> list[str]:
+        """The nodes to plan for: this one, and every node a rank is placed on."""
+        slots = {slot.node_id for pl in self.cluster.instances.values() for slot in pl.slots}
+        return sorted(slots | {self.node_id})
 
     def _forget_old_deleted(self, now: float) -> None:
         """Keep the newest `KEEP_DELETED` deleted instances (for `status`: why did it go?); drop older ones."""
@@ -312,14 +336,19 @@ class Controller:
     def _execute(self, action: fsm.Action, now: float) -> None:
         """The machines first; the I/O only for what they accepted."""
         assert self._nursery is not None
-        if isinstance(action, fsm.LoadModel):  # the I/O that can fail comes before the machines move
-            try:
+        model_path = None
+        if isinstance(action, fsm.LoadModel) and self.processes.is_local(
+            self.cluster.runners[action.runner_id].node_id
+        ):
+            try:  # the I/O that can fail comes before the machines move
                 model_path = self.models.path(action.model_id)
             except ModelNotFound as exc:  # gone from the cache since it was downloaded: fetch it again
                 log.warning("model %s vanished from the cache: %s", action.model_id, exc)
                 self.models.forget(action.model_id)
-                self.cluster.download_event(NODE, dl.Invalidate(action.model_id, now))
+                self.cluster.download_event(self.node_id, dl.Invalidate(action.model_id, now))
                 return
+        if isinstance(action, fsm.StartGeneration):
+            self._place_again(action.instance_id)
         if not self.cluster.execute(action, now).accepted:
             return
         match action:
@@ -327,36 +356,21 @@ class Controller:
                 self.requests.cancel(request_id, reason)
             case fsm.StopRunner(runner_id, incarnation, _):
                 self.processes.stop(runner_id, incarnation)
-            case fsm.CreateRunner():
-                self.processes.start(self._nursery, action)
-            case fsm.StartDownload(_, model_id):
-                self._nursery.start_soon(self._download, model_id)
+            case fsm.CreateRunner(instance_id=instance_id):
+                nodes = [slot.node_id for slot in self.cluster.instances[instance_id].slots]
+                self.processes.start(self._nursery, action, nodes)
+            case fsm.StartDownload(node_id, model_id):
+                self._nursery.start_soon(self._downloads.fetch, node_id, model_id)
             case fsm.ConnectRunner(runner_id, incarnation):
                 self.processes.post(runner_id, incarnation, p.Connect())
-            case fsm.LoadModel(runner_id, incarnation, _):
-                self.processes.post(runner_id, incarnation, p.Load(str(model_path)))
+            case fsm.LoadModel(runner_id, incarnation, model_id):
+                self.processes.load(runner_id, incarnation, model_id, model_path)
             case fsm.WarmUp(runner_id, incarnation):
                 self.processes.post(runner_id, incarnation, p.WarmUp())
             case fsm.ForwardRequest(_, runner_id, incarnation):
                 command = self.requests.forwarded(action, self.cluster.runner(runner_id).rank)
                 if command is not None:
                     self.processes.post(runner_id, incarnation, command)
-
-    async def _download(self, model_id: str) -> None:
-        try:
-            await self.models.fetch(model_id, progress=lambda done, total: self._bytes_progress(model_id, done, total))
-        except Exception as exc:  # ModelNotFound, or anything the hub client raised: retried with backoff
-            reason = str(exc) if isinstance(exc, ModelNotFound) else f"{type(exc).__name__}: {exc}"
-            self.cluster.download_event(NODE, dl.DownloadFailed(model_id, self.now(), reason))
-        else:
-            self.cluster.download_event(NODE, dl.Complete(model_id, self.now()))
-        self._changed()
-
-    def _bytes_progress(self, model_id: str, done: int, total: int | None) -> None:
-        try:
-            self.cluster.download_event(NODE, dl.BytesProgress(model_id, self.now(), done, total))
-        except fsm.FsmError as exc:  # e.g. a late callback after the download ended
-            log.debug("download progress for %s ignored: %s", model_id, exc)
 
     # -- exod.reports.Sink: what the runners' reports became ------------------------------------
 
@@ -365,7 +379,9 @@ class Controller:
             return
         entry = self.cluster.runners.get(event.runner_id)
         if isinstance(event, rn.Fail) and not event.failure.retryable and entry is not None:
-            event = self._unless_the_model_vanished(event, entry.instance_id)
+            event = self._downloads.unless_vanished(
+                event, self.cluster.instances[entry.instance_id].model_id, entry.node_id
+            )
         failed_before = entry is not None and entry.machine.failure is not None
         try:
             self.cluster.runner_event(event, self.now())
@@ -375,19 +391,6 @@ class Controller:
             log.warning("runner event %s refused: %s", event, exc)
         self.requests.fail_orphaned()
         self._changed()
-
-    def _unless_the_model_vanished(self, event: rn.Fail, instance_id: str) -> rn.Fail:
-        """A non-retryable failure is the model's defect, unless its files are gone from the cache: then it is
-        fetched again (the download back to Pending) and the failure retried like any other."""
-        model_id = self.cluster.instances[instance_id].model_id
-        if not self.models.vanished(model_id):
-            return event
-        log.warning("the files of %s vanished while it ran: fetching it again", model_id)
-        self.models.forget(model_id)
-        with contextlib.suppress(fsm.FsmError):  # already being fetched again
-            self.cluster.download_event(NODE, dl.Invalidate(model_id, self.now()))
-        message = f"{event.failure.message} (the model's files vanished from the cache: fetching it again)"
-        return attrs.evolve(event, failure=attrs.evolve(event.failure, message=message, retryable=True))
 
     def process_started(self, spec: RunnerSpec, pid: int) -> None:
         self.journal.record_process(ProcessRecord(spec.runner_id, spec.incarnation, pid, start_ticks(pid) or 0))

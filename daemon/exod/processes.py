@@ -11,12 +11,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import attrs
 import trio
 
 import fsm
 from exod import protocol as p
 from exod import retention, ring
 from exod.config import DaemonConfig
+from exod.remote import AgentUnavailable, Fleet, RemoteProcess, Ring
 from exod.reports import Reports
 from exod.supervisor import Process, RunnerSpec, Spawn
 
@@ -24,24 +26,52 @@ log = logging.getLogger("exod.processes")
 
 
 class Processes:
-    def __init__(self, config: DaemonConfig, spawn: Spawn, listener: Reports) -> None:
-        self.config, self._spawn, self._listener = config, spawn, listener
+    def __init__(self, config: DaemonConfig, spawn: Spawn, listener: Reports, fleet: Fleet | None = None) -> None:
+        self.config, self._spawn, self._listener, self.fleet = config, spawn, listener, fleet
         self._running: dict[tuple[str, int], Process] = {}
+        self._rings: dict[tuple[str, int], Ring] = {}  # (instance, generation): the ring of ranks on several nodes
         self._reaped = trio.Event()  # set (and replaced) whenever a process is reaped
         self._generations = retention.Generations(config.state_dir, config.retention)  # forgets their files
 
     def __bool__(self) -> bool:
         return bool(self._running)
 
-    def start(self, nursery: trio.Nursery, action: fsm.CreateRunner) -> None:
-        """Spawn the runner ``action`` names; a spawn that fails is the runner's failure, reported as such."""
-        rank, gen = action.rank, action.incarnation
+    def start(self, nursery: trio.Nursery, action: fsm.CreateRunner, nodes_by_rank: list[str]) -> None:
+        """Spawn the runner ``action`` names, on its node; ``nodes_by_rank`` is where its generation's ranks
+        run. A spawn that fails is the runner's failure, reported as such."""
+        gen = action.incarnation
+        local = self.fleet is None or action.node_id == self.fleet.local
+        if self.fleet is not None and set(nodes_by_rank) != {self.fleet.local}:  # a ring across nodes
+            ring = self._ring(action.instance_id, gen, nodes_by_rank, self.fleet)
+            spec = self._spec(action, retention.hostfile_path(self.config.state_dir, action.instance_id, gen))
+            if local:
+                process: Process = _LocalInRing(self._spawn(spec, self._listener, self.config.timeouts), ring)
+            else:
+                try:
+                    link = self.fleet.link(action.node_id)
+                except AgentUnavailable as exc:
+                    self._listener.on_not_started(action.runner_id, gen, exc, host=True)
+                    return
+                process = RemoteProcess(
+                    attrs.evolve(spec, hostfile=None), link, ring, action.instance_id, self._listener
+                )
+            self._begin(nursery, action, process)
+            return
         try:  # the ring's ports and its hostfile: no fds or no disk is the host's failure, never the daemon's end
             hostfile = self._hostfile(action.instance_id, gen, action.world_size)
         except OSError as exc:
             self._listener.on_not_started(action.runner_id, gen, exc)
             return
-        spec = RunnerSpec(
+        self._begin(nursery, action, self._spawn(self._spec(action, hostfile), self._listener, self.config.timeouts))
+
+    def _begin(self, nursery: trio.Nursery, action: fsm.CreateRunner, process: Process) -> None:
+        self._running[(action.runner_id, action.incarnation)] = process
+        self._generations.started(action.instance_id, action.incarnation)
+        nursery.start_soon(self._supervise, process, action.instance_id)
+
+    def _spec(self, action: fsm.CreateRunner, hostfile: Path | None) -> RunnerSpec:
+        rank, gen = action.rank, action.incarnation
+        return RunnerSpec(
             runner_id=action.runner_id,
             incarnation=gen,
             rank=rank,
@@ -50,14 +80,38 @@ class Processes:
             log_path=retention.runner_log_path(self.config.state_dir, action.instance_id, rank, gen),
             fault=next((str(f.fault) for f in self.config.faults if f.applies(rank, gen)), None),
         )
-        process = self._spawn(spec, self._listener, self.config.timeouts)
-        self._running[(action.runner_id, gen)] = process
-        self._generations.started(action.instance_id, gen)
-        nursery.start_soon(self._supervise, process, action.instance_id)
+
+    def _ring(self, instance_id: str, generation: int, nodes_by_rank: list[str], fleet: Fleet) -> Ring:
+        key = (instance_id, generation)
+        if key not in self._rings:
+            for old in [k for k in self._rings if k[0] == instance_id and k[1] < generation]:
+                del self._rings[old]  # a generation is over once the next one starts
+
+            async def reserve(node: str, count: int) -> list[str]:
+                if node == fleet.local:
+                    address = fleet.nodes[node].address if node in fleet.nodes else "127.0.0.1"
+                    return [f"{address}:{port}" for port in ring.free_ports(count, host=address)]
+                link = fleet.link(node)
+                return [f"{link.client.node.address}:{port}" for port in await link.client.ports(count)]
+
+            self._rings[key] = Ring(nodes_by_rank, reserve)
+        return self._rings[key]
 
     def post(self, runner_id: str, incarnation: int, command: p.Command) -> None:
         if (process := self._running.get((runner_id, incarnation))) is not None:
             process.post(command)
+
+    def load(self, runner_id: str, incarnation: int, model_id: str, path: Path | None) -> None:
+        """Load ``model_id``: from ``path`` on this node, or as the runner's own node has it in its cache."""
+        process = self._running.get((runner_id, incarnation))
+        if isinstance(process, RemoteProcess):
+            process.post(p.Load(""), model_id=model_id)
+        elif process is not None:
+            assert path is not None
+            process.post(p.Load(str(path)))
+
+    def is_local(self, node_id: str) -> bool:
+        return self.fleet is None or node_id == self.fleet.local
 
     def stop(self, runner_id: str, incarnation: int) -> None:
         if (process := self._running.get((runner_id, incarnation))) is not None:
@@ -89,7 +143,8 @@ class Processes:
         except Exception as exc:  # the runner's failure, never the daemon's: spawn errors, I/O errors
             log.exception("supervisor of %s/%d failed", spec.runner_id, spec.incarnation)
             if process.pid is None:
-                self._listener.on_not_started(spec.runner_id, spec.incarnation, exc)
+                host = isinstance(exc, AgentUnavailable)  # another rank's node out of reach
+                self._listener.on_not_started(spec.runner_id, spec.incarnation, exc, host=host)
             else:
                 self._listener.on_supervisor_error(spec, exc)
         finally:
@@ -97,3 +152,27 @@ class Processes:
             self._generations.ended(instance_id, spec.incarnation)
             self._reaped.set()
             self._reaped = trio.Event()
+
+
+class _LocalInRing:
+    """A runner on this node whose ring spans several: it starts once every rank's endpoint is known."""
+
+    def __init__(self, process: Process, ring: Ring) -> None:
+        self._process, self._ring = process, ring
+        self.spec = process.spec
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    async def run(self) -> None:
+        endpoints = await self._ring.endpoints()
+        assert self.spec.hostfile is not None
+        ring.write_hostfile(self.spec.hostfile, endpoints)
+        await self._process.run()
+
+    def post(self, command: p.Command) -> None:
+        self._process.post(command)
+
+    def stop(self) -> None:
+        self._process.stop()

@@ -40,11 +40,11 @@ class Reports:
     def on_spawned(self, spec: RunnerSpec, pid: int) -> None:
         self.sink.process_started(spec, pid)
 
-    def on_not_started(self, runner_id: str, incarnation: int, exc: Exception) -> None:
-        """A runner whose process could not be started: Failed, then gone. Out of fds or disk is the host's
-        failure (uncharged); anything else is charged like any spawn failure."""
+    def on_not_started(self, runner_id: str, incarnation: int, exc: Exception, *, host: bool = False) -> None:
+        """A runner whose process could not be started: Failed, then gone. Out of fds or disk, or a node out of
+        reach (``host``), is the host's failure (uncharged); anything else is charged like any spawn failure."""
         what = f"cannot start runner: {type(exc).__name__}: {exc}"
-        host = isinstance(exc, OSError) and exc.errno in HOST_ERRNOS
+        host = host or (isinstance(exc, OSError) and exc.errno in HOST_ERRNOS)
         failure = fsm.Failure.host(what) if host else fsm.Failure(fsm.FailureKind.SPAWN, what)
         self.sink.runner_event(rn.Fail(runner_id, incarnation, failure=failure))
         self.sink.runner_event(rn.Exited(runner_id, incarnation, exit_code=1))

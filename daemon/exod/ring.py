@@ -14,12 +14,13 @@ from pathlib import Path
 from exod.statedir import private_dir, write_private
 
 
-def free_ports(count: int) -> list[int]:
-    """Ports the kernel says are free now (bound, then released: another process may still take one)."""
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Ports the kernel says are free now on ``host`` (bound, then released: another process may still
+    take one)."""
     sockets = [socket.socket() for _ in range(count)]
     try:
         for s in sockets:
-            s.bind(("127.0.0.1", 0))
+            s.bind((host, 0))
         return [s.getsockname()[1] for s in sockets]
     finally:
         for s in sockets:
@@ -31,4 +32,11 @@ def hostfile(path: Path, world_size: int) -> Path:
     if not path.exists():
         private_dir(path.parent)
         write_private(path, json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(world_size)]))
+    return path
+
+
+def write_hostfile(path: Path, endpoints: list[str]) -> Path:
+    """A generation's hostfile across nodes: ``HOST:PORT`` of every rank, rank 0 first."""
+    private_dir(path.parent)
+    write_private(path, json.dumps([[endpoint] for endpoint in endpoints]))
     return path

@@ -31,6 +31,7 @@ import attrs
 import trio
 
 import fsm
+from exod.agent import Agent
 from exod.api import create_app
 from exod.config import ServeConfig, free_memory
 from exod.controller import Controller, StoreUnavailable
@@ -40,7 +41,9 @@ from exod.etcd import Etcd, EtcdError
 from exod.etcd_state import EtcdState
 from exod.http_server import serve_http
 from exod.membership import Membership
-from exod.nodes import NodeRecord
+from exod.nodes import NodeRecord, list_nodes
+from exod.orphans import reap_orphans
+from exod.remote import Fleet
 from exod.state import SqliteState, StateStore, StateUnavailable
 from exod.statedir import AlreadyRunning as AlreadyRunning  # re-exported: callers catch it from here too
 from exod.statedir import state_dir_lock, write_private
@@ -71,7 +74,9 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
             membership = await _join(config)
             # in a cluster, a follower until elected: nothing to write (`_lead` gives it etcd's state, guarded)
             state = SqliteState(store) if membership is None else _cluster_state(membership, config, None)
-            controller = Controller(config.daemon, store, state=state)
+            fleet = None if membership is None else _fleet(membership, config)
+            agent = None if membership is None else _agent(membership, config, store)
+            controller = Controller(config.daemon, store, state=state, fleet=fleet)
             wanted = [(p.model or controller.register_local_model(p.path), p.ranks) for p in config.placements]
             if membership is None:
                 await _restore(controller, state)
@@ -86,6 +91,7 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                     max_body_bytes=config.max_body_bytes,
                     max_tokens_ceiling=config.max_tokens,
                     membership=membership,
+                    agent=agent,
                 )
                 drain = Drain()
                 app = Gate(app, drain)
@@ -98,6 +104,8 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                 if membership is not None:  # the record gets the API's address once it is bound
                     await membership.presence.update(attrs.evolve(membership.presence.record, api_url=url))
                     await nursery.start(membership.run)
+                    assert agent is not None
+                    await nursery.start(agent.run)
                     nursery.start_soon(_lead, controller, membership, config, wanted)
                     announce(f"exod: node {membership.node_id} of the cluster at {membership.config.url}")
                 announce(f"exod serving on {url} (state in {state_dir})")
@@ -147,6 +155,23 @@ async def _place_configured(controller: Controller, wanted: list[tuple[str, int]
             await controller.place(model_id, ranks)
         except StoreUnavailable as exc:  # serve what is placed; the configuration places again next start
             log.error("%s not placed: %s", model_id, exc)
+
+
+def _fleet(membership: Membership, config: ServeConfig) -> Fleet:
+    async def records() -> list[NodeRecord]:
+        return [node.record for node in await list_nodes(membership.etcd, membership.prefix)]
+
+    return Fleet(membership.node_id, records, config.api_key)
+
+
+def _agent(membership: Membership, config: ServeConfig, store: Store) -> Agent:
+    """This node's agent; the runners a killed daemon's agent left are reaped first."""
+    reaped = reap_orphans(store.processes())
+    for record in store.processes():
+        store.forget_process(record.runner_id, record.incarnation)
+    if reaped:
+        log.warning("reaped %d runner(s) left by a previous daemon", len(reaped))
+    return Agent(config.daemon, store, membership.presence.record.address)
 
 
 def _cluster_state(membership: Membership, config: ServeConfig, term: Term | None) -> EtcdState:

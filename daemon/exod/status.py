@@ -15,7 +15,7 @@ from fsm.instance import InstanceState
 NODE = "local"  # every rank of an instance runs on this machine, over loopback
 
 
-def status_of(cluster: Cluster, node_id: str = NODE) -> dict[str, Any]:
+def status_of(cluster: Cluster) -> dict[str, Any]:
     """Everything an operator asks first: states, attempts, next retry, last cause, per runner."""
     view = cluster.view()
     instances = []
@@ -27,6 +27,7 @@ def status_of(cluster: Cluster, node_id: str = NODE) -> dict[str, Any]:
                 {
                     "runner_id": slot.runner_id,
                     "rank": slot.rank,
+                    "node": slot.node_id,
                     "incarnation": None if r is None else r.incarnation,
                     "state": None if r is None else r.state.value,
                     "phase": None if r is None or r.phase is None else r.phase.value,
@@ -34,7 +35,7 @@ def status_of(cluster: Cluster, node_id: str = NODE) -> dict[str, Any]:
                     "failure": None if r is None or r.failure is None else r.failure.message,
                 }
             )
-        download = cluster.downloads.get((node_id, placement.model_id))
+        download = cluster.downloads.get((placement.slots[0].node_id, placement.model_id))  # rank 0's node
         # Runners are created only once the model is on the node (fsm.plan): until then, say what it waits for.
         fetching = download is None or download.download_state is not DownloadState.COMPLETED
         waiting_for = "download" if m.instance_state is InstanceState.STARTING and fetching else None

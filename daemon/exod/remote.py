@@ -1,0 +1,265 @@
+"""The other nodes of a cluster, as the controller drives them: runner processes run by their agents.
+
+`Fleet` is the controller's view of the nodes (their records, refreshed from etcd) and one `NodeLink` per
+node it runs runners on: the agent's report stream (`exod.agent`), dispatched to the `RemoteProcess`
+of each runner there. A `RemoteProcess` is what `exod.processes` needs of any runner process (spawn,
+post, stop, the exit), over the agent's API; commands go one at a time, in order, as to a local one.
+
+A node whose stream breaks (it died, or the network did) takes its runners with it: each is reported
+as failed by the host (uncharged, `fsm.Failure.host`) and gone, and the instance starts again.
+
+`Ring` gives every rank of a generation the same hostfile, from each rank's node: its advertised
+address and a port its agent reserved there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+import trio
+
+from exod import protocol as p
+from exod.nodes import NodeRecord
+from exod.supervisor import Listener, RunnerSpec
+
+log = logging.getLogger("exod.remote")
+
+REFRESH_S = 1.0  # how often the controller reads the node records
+
+
+class AgentUnavailable(Exception):
+    """A node's agent cannot be reached, or refused: the message says which and why."""
+
+
+class AgentClient:
+    """One node's agent API (`exod.agent`), with the cluster's API key."""
+
+    def __init__(self, node: NodeRecord, api_key: str | None, client: httpx.AsyncClient) -> None:
+        self.node, self._client = node, client
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def ports(self, count: int) -> list[int]:
+        return (await self._call("POST", "/agent/ports", params={"count": count}))["ports"]
+
+    async def spawn(self, body: dict[str, Any]) -> None:
+        await self._call("POST", "/agent/runners", json=body)
+
+    async def post(self, runner_id: str, incarnation: int, command: p.Command, model_id: str | None) -> None:
+        body = {"command": json.loads(command.to_json()), "model_id": model_id}
+        await self._call("POST", f"/agent/runners/{runner_id}/{incarnation}/commands", json=body)
+
+    async def stop(self, runner_id: str, incarnation: int) -> None:
+        await self._call("DELETE", f"/agent/runners/{runner_id}/{incarnation}")
+
+    async def fetch(self, model_id: str) -> None:
+        await self._call("POST", f"/agent/models/{model_id}", timeout=None)
+
+    async def reports(self) -> AsyncIterator[dict[str, Any]]:
+        url = f"{self.node.api_url}/agent/reports"
+        timeout = httpx.Timeout(10.0, read=None)
+        try:
+            async with self._client.stream("GET", url, headers=self._headers, timeout=timeout) as response:
+                if response.status_code != 200:
+                    raise AgentUnavailable(
+                        f"node {self.node.node_id} refused its report stream: {response.status_code}"
+                    )
+                async for line in response.aiter_lines():
+                    if line.strip():
+                        yield json.loads(line)
+        except httpx.HTTPError as exc:
+            raise AgentUnavailable(f"node {self.node.node_id}: {type(exc).__name__}: {exc}") from exc
+
+    async def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        try:
+            response = await self._client.request(method, f"{self.node.api_url}{path}", headers=self._headers, **kwargs)
+        except httpx.HTTPError as exc:
+            raise AgentUnavailable(f"node {self.node.node_id}: {type(exc).__name__}: {exc}") from exc
+        if response.status_code >= 300:
+            try:
+                message = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = response.text[:200]
+            raise AgentUnavailable(f"node {self.node.node_id} refused {method} {path}: {message}")
+        return response.json()
+
+
+class RemoteProcess:
+    """A runner process on another node: `exod.supervisor.Process`, through that node's agent."""
+
+    def __init__(self, spec: RunnerSpec, link: NodeLink, ring: Ring, instance_id: str, listener: Listener) -> None:
+        self.spec, self.link, self.ring, self.instance_id, self.listener = spec, link, ring, instance_id, listener
+        self.pid: int | None = None  # on its node; never reaped from here
+        self._commands, self._outbox = trio.open_memory_channel[tuple[p.Command, str | None]](math.inf)
+        self._stop = trio.Event()
+        self._exited = trio.Event()
+
+    def post(self, command: p.Command, model_id: str | None = None) -> None:
+        self._commands.send_nowait((command, model_id))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        s = self.spec
+        try:
+            await self.link.connected.wait()
+            if self.link.lost is not None:
+                raise AgentUnavailable(self.link.lost)
+            ring = await self.ring.endpoints() if s.world_size > 1 else []
+            self.link.running[(s.runner_id, s.incarnation)] = self
+            body = {"instance_id": self.instance_id, "runner_id": s.runner_id, "incarnation": s.incarnation}
+            body |= {"rank": s.rank, "world_size": s.world_size, "ring": ring, "fault": s.fault}
+            await self.link.client.spawn(body)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._send_commands)
+                nursery.start_soon(self._stop_when_asked)
+                await self._exited.wait()
+                nursery.cancel_scope.cancel()
+        except AgentUnavailable as exc:  # the node is out of reach: the host's failure
+            self.lost(str(exc))
+        finally:
+            self.link.running.pop((s.runner_id, s.incarnation), None)
+            if not self._exited.is_set():  # cancelled (the controller stops): the agent stops it too
+                with trio.move_on_after(2.0) as cleanup, contextlib.suppress(AgentUnavailable):
+                    cleanup.shield = True
+                    await self.link.client.stop(s.runner_id, s.incarnation)
+
+    async def _send_commands(self) -> None:
+        try:
+            async for command, model_id in self._outbox:
+                await self.link.client.post(self.spec.runner_id, self.spec.incarnation, command, model_id)
+        except AgentUnavailable as exc:
+            self.lost(str(exc))
+
+    async def _stop_when_asked(self) -> None:
+        await self._stop.wait()
+        try:
+            await self.link.client.stop(self.spec.runner_id, self.spec.incarnation)
+        except AgentUnavailable as exc:
+            self.lost(str(exc))
+
+    # -- what the node's stream says -------------------------------------------------------------------
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        match event["kind"]:
+            case "spawned":
+                self.pid = event["pid"]
+            case "report":
+                report = p.from_json(json.dumps(event["report"]))
+                assert isinstance(report, p.Report)
+                self.listener.on_report(self.spec, report)
+            case "stall":
+                self.listener.on_stall(self.spec, event["phase"], event["seconds"])
+            case "exit":
+                self.listener.on_exit(self.spec, event["exit_code"], event["tail"], event["stopped"])
+                self._exited.set()
+
+    def lost(self, why: str) -> None:
+        """Its node is gone: a failure of the host, and no process any more."""
+        if self._exited.is_set():
+            return
+        s = self.spec
+        failed = p.Failed(s.runner_id, s.incarnation, "NodeLost", why, "", retryable=True, host=True)
+        self.listener.on_report(s, failed)
+        self.listener.on_exit(s, -9, "", False)
+        self._exited.set()
+
+
+class NodeLink:
+    """One node's agent as this controller drives it: its report stream, and the runners it runs for us."""
+
+    def __init__(self, client: AgentClient) -> None:
+        self.client = client
+        self.running: dict[tuple[str, int], RemoteProcess] = {}
+        self.connected = trio.Event()
+        self.lost: str | None = None
+
+    async def run(self) -> None:
+        try:
+            async for event in self.client.reports():
+                if event["kind"] == "hello":
+                    self.connected.set()
+                elif (process := self.running.get((event["runner_id"], event["incarnation"]))) is not None:
+                    process.on_event(event)
+            why = f"node {self.client.node.node_id} closed its report stream"
+        except AgentUnavailable as exc:
+            why = str(exc)
+        except (ValueError, KeyError, p.ProtocolError) as exc:
+            why = f"node {self.client.node.node_id} sent a report that is not exod's: {exc}"
+        log.error("%s: its runners are lost", why)
+        self.lost = why
+        self.connected.set()  # whoever waits learns it from `running` being lost
+        for process in list(self.running.values()):
+            process.lost(why)
+
+
+class Ring:
+    """One generation's MLX ring across nodes: every rank's HOST:PORT, reserved once, on each rank's node."""
+
+    def __init__(self, nodes_by_rank: list[str], reserve: Callable[[str, int], Awaitable[list[str]]]) -> None:
+        self.nodes_by_rank, self._reserve = nodes_by_rank, reserve
+        self._lock = trio.Lock()
+        self._endpoints: list[str] | None = None
+
+    async def endpoints(self) -> list[str]:
+        async with self._lock:
+            if self._endpoints is None:
+                wanted = {node: self.nodes_by_rank.count(node) for node in dict.fromkeys(self.nodes_by_rank)}
+                got = {node: list(await self._reserve(node, count)) for node, count in wanted.items()}
+                self._endpoints = [got[node].pop(0) for node in self.nodes_by_rank]
+            return self._endpoints
+
+
+class Fleet:
+    """The cluster's nodes as this controller sees them, and the links to those it runs runners on."""
+
+    def __init__(
+        self,
+        local: str,
+        records: Callable[[], Awaitable[list[NodeRecord]]],
+        api_key: str | None,
+    ) -> None:
+        self.local, self._records, self._api_key = local, records, api_key
+        self.nodes: dict[str, NodeRecord] = {}
+        self._links: dict[str, NodeLink] = {}
+        self._client = httpx.AsyncClient(timeout=30.0)
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await self.refresh()
+            task_status.started()
+            while True:
+                await trio.sleep(REFRESH_S)
+                await self.refresh()
+
+    async def refresh(self) -> None:
+        """Read the node records now (a placement reads them fresh)."""
+        try:
+            self.nodes = {record.node_id: record for record in await self._records()}
+        except Exception as exc:  # etcd away: keep what was known (the membership reports it degraded)
+            log.debug("node records not refreshed: %s", exc)
+
+    def rooms(self) -> tuple[dict[str, int], dict[str, tuple[str, ...]]]:
+        """For admission: the memory of each live node (its ``memory_total``: admission subtracts what is
+        reserved), and the models each holds."""
+        nodes = self.nodes.values()
+        return {n.node_id: n.memory_total for n in nodes}, {n.node_id: n.models for n in nodes}
+
+    def link(self, node_id: str) -> NodeLink:
+        """The link to ``node_id``'s agent, opened on first use (`AgentUnavailable` if the node is unknown)."""
+        link = self._links.get(node_id)
+        if link is None or link.lost is not None:
+            record = self.nodes.get(node_id)
+            if record is None or not record.api_url or self._nursery is None:
+                raise AgentUnavailable(f"node {node_id} is not a live node of the cluster")
+            link = self._links[node_id] = NodeLink(AgentClient(record, self._api_key, self._client))
+            self._nursery.start_soon(link.run)
+        return link
