@@ -144,6 +144,22 @@ def follow(url: str, count: int) -> list[dict]:
     raise AssertionError(f"the stream ended after {found}")
 
 
+def sse(url: str, body: dict) -> list:
+    """The data of each server-sent event of a streamed chat: parsed JSON, or the final ``[DONE]``."""
+    events: list = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                data = line.removeprefix("data: ")
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def chunk_text(chunk: dict) -> str:
+    return "".join(choice["delta"].get("content") or "" for choice in chunk.get("choices", []))
+
+
 KEPT = ("instance_id", "model_id", "ranks", "attempts", "uncharged", "max_retries", "delete_reason")
 
 
@@ -157,12 +173,9 @@ def test_a_new_controller_resumes_from_the_state_the_dead_one_wrote(tmp_path, et
         a = int(first["controller"].removeprefix("node-")) - 1
         (killed, url_a), (_, url_b) = daemons[a], daemons[1 - a]
 
-        refused = httpx.post(f"{url_b}/instances", json={"model": "exod/tiny-qwen2", "ranks": 1}, timeout=10)
-        error = refused.json()["error"]
-        assert refused.status_code == 503 and error["code"] == "not_the_controller" and url_a in error["message"]
-
-        placed = httpx.post(f"{url_a}/instances", json={"model": "exod/tiny-qwen2", "ranks": 1}, timeout=30)
-        assert placed.status_code == 201
+        # placed through the node that is not the controller: forwarded to the one that is
+        placed = httpx.post(f"{url_b}/instances", json={"model": "exod/tiny-qwen2", "ranks": 1}, timeout=30)
+        assert placed.status_code == 201, placed.text
         iid = placed.json()["instance_id"]
         until(lambda: instance_at(url_a, iid), lambda i: i["state"] == "ready", 60)
         seen_by_b = until(lambda: instance_at(url_b, iid), lambda i: i["state"] == "ready", 10)  # etcd's copy
@@ -322,8 +335,10 @@ def test_a_controller_whose_election_key_is_taken_stops_and_writes_nothing_more(
     finally:
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(timeout=30) == 0
-    error = refused.json()["error"]
-    assert refused.status_code == 503 and error["code"] == "not_the_controller" and "node intruder" in error["message"]
+    error = refused.json()["error"]  # forwarded to a controller that publishes no API: a clear refusal
+    assert (
+        refused.status_code == 503 and error["code"] == "controller_unavailable" and "node intruder" in error["message"]
+    )
     assert written_at < taken_at
 
 
@@ -351,6 +366,10 @@ def test_three_ranks_on_three_nodes_answer_as_the_model_does_on_one(tmp_path, et
         ready = until(lambda: instance_at(url, iid), lambda i: i["state"] in ("ready", "deleted"), 120)
         body = {"model": "exod/tiny-qwen2", "messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0.0}
         answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        follower = next(n["api_url"] for n in view["nodes"] if not n["controller"])
+        forwarded = httpx.post(f"{follower}/v1/chat/completions", json=body, timeout=60)
+        streamed = sse(follower, {**body, "stream": True})
+        models = httpx.get(f"{follower}/v1/models", timeout=10).json()
         status = exod("status", "--url", daemons[2][1], env=dict(os.environ)).stdout
     finally:
         for daemon, _ in daemons:
@@ -365,5 +384,42 @@ def test_three_ranks_on_three_nodes_answer_as_the_model_does_on_one(tmp_path, et
     assert sorted(r["node"] for r in ready["runners"]) == ["node-1", "node-2", "node-3"]  # one rank each
     assert answer.status_code == 200, answer.text
     snapshot = resolve_model("exod/tiny-qwen2", hf_home=hf_home_8_layers, offline=True)
-    assert answer.json()["choices"][0]["message"]["content"] == reference_text(snapshot)
+    text = reference_text(snapshot)
+    assert answer.json()["choices"][0]["message"]["content"] == text
+    assert forwarded.status_code == 200 and forwarded.json()["choices"][0]["message"]["content"] == text
+    assert streamed[-1] == "[DONE]" and "".join(chunk_text(c) for c in streamed[:-1]) == text
+    assert [m["id"] for m in models["data"]] == ["exod/tiny-qwen2"]
     assert all(f"on node-{n}" in status for n in (1, 2, 3))  # from a node that is not the controller
+
+
+def test_a_forward_whose_controller_dies_mid_stream_ends_with_an_error_event_and_done(tmp_path, etcd, hf_home):
+    env = {**os.environ, "HF_HOME": str(hf_home)}
+    daemons = [start(tmp_path, etcd, n, env) for n in (1, 2)]
+    try:
+        view = until(lambda: nodes(daemons[0][1]), lambda v: len(v["nodes"]) == 2 and v["controller"], 30)
+        controller = int(view["controller"].removeprefix("node-")) - 1
+        (victim, url), (_, follower) = daemons[controller], daemons[1 - controller]
+        placed = httpx.post(f"{follower}/instances", json={"model": "exod/tiny-qwen2", "ranks": 1}, timeout=30)
+        iid = placed.json()["instance_id"]
+        until(lambda: instance_at(url, iid), lambda i: i["state"] == "ready", 60)
+        body = {"model": "exod/tiny-qwen2", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        events: list = []
+        with httpx.stream("POST", f"{follower}/v1/chat/completions", json={**body, "max_tokens": 4096}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    data = line.removeprefix("data: ")
+                    events.append(data if data == "[DONE]" else json.loads(data))
+                    if len(events) == 2:
+                        victim.send_signal(signal.SIGKILL)  # the controller, mid-stream
+    finally:
+        for daemon, _ in daemons:
+            if daemon.poll() is None:
+                daemon.send_signal(signal.SIGTERM)
+        for daemon, _ in daemons:
+            try:
+                daemon.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == "controller_lost" and "node-" in events[-2]["error"]["message"]

@@ -26,6 +26,7 @@ from exod.controller import Controller, PlacementRefused, StoreUnavailable
 from exod.errors import ApiError, install, responses
 from exod.etcd import EtcdUnavailable
 from exod.etcd_state import stored_status
+from exod.forward import Follower
 from exod.journal import WRITE_RETRY
 from exod.membership import Membership
 from exod.metrics import Metrics
@@ -314,40 +315,5 @@ def create_app(
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     if membership is not None:
-        app = _Follower(app, membership)
+        app = Follower(app, membership)
     return _Guard(app, api_key, max_body_bytes)
-
-
-class _Follower:
-    """ASGI middleware of a cluster node: what only the controller can do (place, delete, serve a request,
-    stream its transitions) is a 503 on the others that names the controller and its API URL. Forwarding
-    requests to it is the next step of the cluster work."""
-
-    def __init__(self, app: ASGIApp, membership: Membership) -> None:
-        self.app, self.membership = app, membership
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.membership.term is not None or scope["type"] != "http" or _follower_answers(scope):
-            await self.app(scope, receive, send)
-            return
-        try:
-            node_id, url = await self.membership.controller()
-        except EtcdUnavailable as exc:
-            error = ApiError(
-                503, f"degraded: the cluster's etcd cannot be reached: {exc}", headers={"Retry-After": "1"}
-            )
-        else:
-            where = f"node {node_id} at {url or '(its API is not up yet)'}" if node_id else "no node yet"
-            message = f"node {self.membership.node_id} is not the cluster's controller ({where} is): send this there"
-            error = ApiError(503, message, code="not_the_controller", headers={"Retry-After": "1"})
-        await error.response()(scope, receive, send)
-
-
-def _follower_answers(scope: Scope) -> bool:
-    path = scope["path"]
-    if path.startswith("/agent/"):  # every node is an agent of the controller
-        return True
-    reads = scope["method"] in ("GET", "HEAD")
-    return reads and any(
-        path == p or (p.endswith("/") and path.startswith(p)) or path.startswith(p + "/") for p in FOLLOWER_PATHS
-    )
