@@ -54,16 +54,21 @@ def test_a_flood_of_placements_is_held_to_the_limits_and_a_restart_multiplies_no
             "unknown": place(url, "exod/zz", 1),
             "too many ranks for the model": place(url, "exod/tiny-qwen2", 3),
             "too many ranks for the limit": place(url, "exod/tiny-qwen2", 64),
+            "pinned to no such node": httpx.post(
+                f"{url}/instances", json={"model": "exod/tiny-qwen2", "ranks": 1, "nodes": ["mac-z"]}, timeout=30
+            ),
         }
         assert {k: r.status_code for k, r in refused.items()} == {
             "unknown": 404,
             "too many ranks for the model": 422,
             "too many ranks for the limit": 422,
+            "pinned to no such node": 400,
         }
         errors = {k: r.json()["error"] for k, r in refused.items()}
         assert errors["unknown"]["code"] == "unknown_model" and "offline" in errors["unknown"]["message"]
         assert "its 2 layers" in errors["too many ranks for the model"]["message"]
         assert "ranks_per_instance = 4" in errors["too many ranks for the limit"]["message"]
+        assert "mac-z not among the live nodes (local)" in errors["pinned to no such node"]["message"]
         assert transitions(tmp_path) == before  # nothing stored on a refusal
         assert httpx.get(f"{url}/instances", timeout=10).json()["instances"] == []
 

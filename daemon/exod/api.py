@@ -60,6 +60,7 @@ class PlaceRequest(BaseModel):
 
     model: str = Field(..., min_length=3, max_length=200, description="a Hugging Face repo id, org/name")
     ranks: int = Field(1, ge=1, le=64)
+    nodes: list[str] | None = Field(None, min_length=1, max_length=64, description="place on these nodes only")
     retry: RetryOverrides | None = None
 
 
@@ -210,9 +211,8 @@ def create_app(
         if membership is not None and membership.presence.lost is not None:
             raise ApiError(503, f"degraded: {membership.presence.lost}", headers={"Retry-After": "1"})
         try:
-            instance_id = await controller.place(
-                body.model, body.ranks, policy=_policy(controller.config.policy, body.retry)
-            )
+            policy = _policy(controller.config.policy, body.retry)
+            instance_id = await controller.place(body.model, body.ranks, policy=policy, nodes=body.nodes)
         except (InvalidModelId, fsm.InvalidConfig) as exc:
             raise ApiError(400, str(exc), param="ranks" if str(exc).startswith("ranks") else "model") from exc
         except PlacementRefused as exc:

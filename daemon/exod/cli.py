@@ -252,12 +252,16 @@ def _call(client, method: str, path: str, **kwargs):
 @main.command()
 @click.argument("model_id")
 @click.option("--ranks", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--nodes", default=None, metavar="A,B", help="In a cluster: place on these nodes only.")
 @URL
 @STATE_DIR
-def place(model_id: str, ranks: int, url, state_dir) -> None:
-    """Place MODEL_ID (a Hugging Face repo id) on RANKS local ranks."""
+def place(model_id: str, ranks: int, nodes: str | None, url, state_dir) -> None:
+    """Place MODEL_ID (a Hugging Face repo id) on RANKS ranks."""
+    body: dict = {"model": model_id, "ranks": ranks}
+    if nodes:
+        body["nodes"] = [node.strip() for node in nodes.split(",") if node.strip()]
     with _client(url, state_dir) as client:
-        instance = _call(client, "POST", "/instances", json={"model": model_id, "ranks": ranks})
+        instance = _call(client, "POST", "/instances", json=body)
     click.echo(instance["instance_id"])
 
 

@@ -38,6 +38,7 @@ from exod.downloads import Downloads
 from exod.journal import Journal
 from exod.models import ModelFiles, ModelNotFound
 from exod.orphans import reap_orphans, start_ticks
+from exod.placer import Placer
 from exod.processes import Processes
 from exod.remote import Fleet
 from exod.reports import Reports
@@ -94,6 +95,7 @@ class Controller:
         self.node_id = NODE if fleet is None else fleet.local
         self.processes = Processes(config, spawn, self._reports, fleet)  # the runner processes, on their nodes
         self._downloads = Downloads(self.models, fleet, lambda: self.cluster, self.now, self._changed)
+        self._placer = Placer(lambda: self.cluster, self.models, config, fleet)
         self._wake = trio.Event()
         self._stopping = False
         self._nursery: trio.Nursery | None = None
@@ -135,7 +137,7 @@ class Controller:
         if self.fleet is not None:  # what resumes, resumes on live nodes
             await self.fleet.refresh()
             for instance_id in self.cluster.instances:
-                self._place_again(instance_id)
+                self._placer.place_again(instance_id)
         for (node, model_id), machine in self.cluster.downloads.items():
             if machine.download_state is fsm.DownloadState.ONGOING:
                 self.cluster.download_event(node, dl.DownloadFailed(model_id, now, "interrupted by a daemon restart"))
@@ -184,20 +186,20 @@ class Controller:
 
     # -- the public surface of the daemon's front ends ---------------------------------------
 
-    async def place(self, model_id: str, ranks: int, *, policy: fsm.RetryPolicy | None = None) -> str:
-        """Place ``model_id`` on ``ranks`` ranks if `fsm.admit` admits it; returns the instance id once it is
-        stored. Raises `PlacementRefused` (and stores nothing) if not."""
+    async def place(
+        self, model_id: str, ranks: int, *, policy: fsm.RetryPolicy | None = None, nodes: list[str] | None = None
+    ) -> str:
+        """Place ``model_id`` on ``ranks`` ranks (on ``nodes`` only, if given) if `fsm.admit` admits it; returns
+        the instance id once it is stored. Raises `PlacementRefused` (and stores nothing) if not."""
         if not self.models.placeable(model_id):
             raise fsm.InvalidConfig(
                 f"{model_id}: local model directories are placed from the config file or `exod serve --place` only"
             )
-        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-            raise fsm.InvalidConfig(f"ranks must be an int >= 1, got {ranks!r}")
         if self.journal.degraded is not None:  # the caller would be told of a placement a crash could lose
             raise StoreUnavailable(f"{self.journal.degraded}; new placements wait until it can be written again")
         if self.fleet is not None:
             await self.fleet.refresh()
-        answer = self.admission(model_id, ranks)
+        answer = self.admission(model_id, ranks, nodes)
         if not answer.admitted:
             assert answer.refusal is not None
             raise PlacementRefused(answer.refusal, answer.message)
@@ -209,17 +211,9 @@ class Controller:
         await self.journal.durable()  # refused meanwhile: kept, and written once the store takes it (degraded)
         return instance_id
 
-    def admission(self, model_id: str, ranks: int) -> fsm.Admission:
-        """What `fsm.admit` answers for placing ``model_id`` on ``ranks`` ranks now (reads the models' files)."""
-        return fsm.admit(model_id, ranks, **self._facts(model_id))
-
-    def _facts(self, model_id: str) -> dict[str, Any]:
-        """What admission and placement know: the model, the cluster, the nodes and what each holds."""
-        placed = {pl.model_id for pl in self.cluster.instances.values() if not pl.machine.is_deleted}
-        facts = {m: f for m in placed if isinstance(f := self.models.facts(m), fsm.ModelFacts)}
-        nodes, cached = ({NODE: self.config.memory_bytes}, {}) if self.fleet is None else self.fleet.rooms()
-        model, view, limits = self.models.facts(model_id), self.cluster.view(), self.config.limits
-        return {"model": model, "view": view, "nodes": nodes, "limits": limits, "facts": facts, "cached": cached}
+    def admission(self, model_id: str, ranks: int, nodes: list[str] | None = None) -> fsm.Admission:
+        """What `fsm.admit` answers for placing ``model_id`` on ``ranks`` ranks (on ``nodes``) now."""
+        return self._placer.admission(model_id, ranks, nodes)
 
     def register_local_model(self, directory: Path) -> str:
         """Name a local model directory ``local/NAME`` so it can be placed; never reachable from the API."""
@@ -310,12 +304,6 @@ class Controller:
         self._forget_old_deleted(now)
         self._commit()
 
-    def _place_again(self, instance_id: str) -> None:
-        """Between generations, the ranks on a node that is gone move to live ones (`fsm.place_again`)."""
-        model_id = self.cluster.instances[instance_id].model_id
-        if self.fleet is not None and (nodes := fsm.place_again(instance_id, **self._facts(model_id))):
-            self.cluster.move(instance_id, nodes)
-
     def _nodes(self) -> list[str]:
         """The nodes to plan for: this one, and every node a rank is placed on."""
         slots = {slot.node_id for pl in self.cluster.instances.values() for slot in pl.slots}
@@ -348,7 +336,7 @@ class Controller:
                 self.cluster.download_event(self.node_id, dl.Invalidate(action.model_id, now))
                 return
         if isinstance(action, fsm.StartGeneration):
-            self._place_again(action.instance_id)
+            self._placer.place_again(action.instance_id)
         if not self.cluster.execute(action, now).accepted:
             return
         match action:

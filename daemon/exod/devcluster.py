@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -81,57 +81,71 @@ class LocalEtcd:
         self.process = None
 
 
+@contextlib.contextmanager
+def local_cluster(
+    root: Path, nodes: int, hf_home: Path, announce: Callable[[str], object] = print
+) -> Iterator[list[str]]:
+    """An etcd and ``nodes`` nodes on 127.0.0.1 … under ``root``, every node joined; their API URLs. On the
+    way out every node is stopped (it drains and reaps its runners), then etcd."""
+    etcd = LocalEtcd(root / "etcd")
+    daemons: list[subprocess.Popen[bytes]] = []
+    try:
+        etcd.start()
+        announce(f"etcd at {etcd.url}")
+        urls = [_start_node(root, etcd.url, n, hf_home, daemons) for n in range(1, nodes + 1)]
+        _wait(lambda: len(_get(urls[0], "/nodes")["nodes"]) == nodes, "every node to join", 60)
+        yield urls
+    finally:
+        for daemon in daemons:
+            if daemon.poll() is None:
+                daemon.send_signal(signal.SIGTERM)
+        for daemon in daemons:
+            try:
+                daemon.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+        etcd.stop()
+
+
+def place(url: str, model_id: str, ranks: int, timeout: float = 180.0, nodes: list[str] | None = None) -> dict:
+    """Place ``model_id`` on ``ranks`` ranks (on ``nodes``) through ``url`` and wait until it is Ready."""
+    body = {"model": model_id, "ranks": ranks} | ({"nodes": nodes} if nodes else {})
+    placed = httpx.post(f"{url}/instances", json=body, timeout=60)
+    if placed.status_code != 201:
+        raise DevClusterError(f"placing {model_id} failed: {placed.text}")
+    iid = placed.json()["instance_id"]
+    _wait(lambda: _get(url, f"/instances/{iid}")["state"] == "ready", f"{iid} to be ready", timeout)
+    return _get(url, f"/instances/{iid}")
+
+
 def run(nodes: int = 3, layers: int = 8, ranks: int = 3, announce: Callable[[str], object] = print) -> None:
     """``make cluster``: start it all, place the model, say how to use it, and stop it all on Ctrl-C."""
     from exod.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="exod-cluster-") as scratch:
         root = Path(scratch)
-        etcd = LocalEtcd(root / "etcd")
-        daemons: list[subprocess.Popen[bytes]] = []
+        make_tiny_model(MODEL, layers=layers, hf_home=root / "hf")
         try:
-            etcd.start()
-            announce(f"etcd at {etcd.url}")
-            make_tiny_model(MODEL, layers=layers, hf_home=root / "hf")
-            urls = [_start_node(root, etcd.url, n, daemons) for n in range(1, nodes + 1)]
-            _wait(lambda: len(_get(urls[0], "/nodes")["nodes"]) == nodes, "every node to join", 60)
-            placed = httpx.post(f"{urls[-1]}/instances", json={"model": MODEL, "ranks": ranks}, timeout=60)
-            if placed.status_code != 201:
-                raise DevClusterError(f"placing {MODEL} failed: {placed.text}")
-            iid = placed.json()["instance_id"]
-            _wait(lambda: _get(urls[0], f"/instances/{iid}")["state"] == "ready", f"{iid} to be ready", 180)
-            where = {r["rank"]: r["node"] for r in _get(urls[0], f"/instances/{iid}")["runners"]}
-            announce(
-                f"{MODEL} ({layers} layers) is ready on {ranks} ranks: "
-                + ", ".join(f"rank {rank} on {node}" for rank, node in sorted(where.items()))
-            )
-            for n, url in enumerate(urls, start=1):
-                announce(f"  node-{n}: {url}")
-            body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
-            announce(
-                f"try (any node answers):  curl {urls[1]}/v1/chat/completions -H 'content-type: application/json' "
-                f"-d '{body}'"
-            )
-            announce(f"                         exod status --url {urls[2]}")
-            announce("ready: Ctrl-C stops every node, its runners and etcd")
-            with contextlib.suppress(KeyboardInterrupt):
-                while all(d.poll() is None for d in daemons):
-                    time.sleep(0.5)
+            with local_cluster(root, nodes, root / "hf", announce) as urls:
+                instance = place(urls[-1], MODEL, ranks)
+                where = ", ".join(f"rank {r['rank']} on {r['node']}" for r in instance["runners"])
+                announce(f"{MODEL} ({layers} layers) is ready on {ranks} ranks: {where}")
+                for n, url in enumerate(urls, start=1):
+                    announce(f"  node-{n}: {url}")
+                body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
+                chat = f"curl {urls[min(1, len(urls) - 1)]}/v1/chat/completions -H 'content-type: application/json'"
+                announce(f"try (any node answers):  {chat} -d '{body}'")
+                announce(f"                         exod status --url {urls[-1]}")
+                announce("ready: Ctrl-C stops every node, its runners and etcd")
+                with contextlib.suppress(KeyboardInterrupt):
+                    while True:
+                        time.sleep(0.5)
         finally:
-            announce("stopping the nodes and etcd")
-            for daemon in daemons:
-                if daemon.poll() is None:
-                    daemon.send_signal(signal.SIGTERM)
-            for daemon in daemons:
-                try:
-                    daemon.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    daemon.kill()
-                    daemon.wait()
-            etcd.stop()
+            announce("stopped: every node, its runners and etcd")
 
 
-def _start_node(root: Path, etcd: str, n: int, daemons: list[subprocess.Popen[bytes]]) -> str:
+def _start_node(root: Path, etcd: str, n: int, hf_home: Path, daemons: list[subprocess.Popen[bytes]]) -> str:
     home = root / f"node-{n}"
     home.mkdir()
     address = f"127.0.0.{n}"
@@ -140,7 +154,7 @@ def _start_node(root: Path, etcd: str, n: int, daemons: list[subprocess.Popen[by
     (home / "exod.toml").write_text(config)
     args = [sys.executable, "-m", "exod", "serve", "--config", str(home / "exod.toml")]
     args += ["--state-dir", str(home / "state"), "--host", address]
-    env = {**os.environ, "HF_HOME": str(root / "hf")}
+    env = {**os.environ, "HF_HOME": str(hf_home)}
     with (home / "serve.log").open("wb") as log:
         daemons.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env))
     _wait(lambda: (home / "state" / "daemon.json").exists(), f"node-{n} to serve", 60, daemons[-1], home)
