@@ -464,3 +464,44 @@ def _children(pid: int) -> list[int]:
             except (OSError, ValueError, IndexError):
                 continue
     return found
+
+
+def test_with_an_api_key_every_hop_is_authenticated_and_errors_keep_their_shape(tmp_path, etcd, hf_home):
+    """The caller's key opens every node, its forward to the controller, and the controller's calls to the
+    agents; without it, any node answers 401; a refusal comes back through the hop as the controller said it."""
+    env = {**os.environ, "HF_HOME": str(hf_home), "EXOD_API_KEY": "s3cret"}
+    key = {"Authorization": "Bearer s3cret"}
+    daemons = [start(tmp_path, etcd, n, env) for n in (1, 2)]
+    try:
+        view = until(
+            lambda: httpx.get(f"{daemons[0][1]}/nodes", headers=key, timeout=10).json(),
+            lambda v: len(v.get("nodes", ())) == 2 and v["controller"],
+            30,
+        )
+        follower = next(n["api_url"] for n in view["nodes"] if not n["controller"])
+        body = {"model": "exod/tiny-qwen2", "ranks": 2}
+        denied = httpx.post(f"{follower}/instances", json=body, timeout=30)
+        placed = httpx.post(f"{follower}/instances", json=body, headers=key, timeout=30)
+        iid = placed.json()["instance_id"]
+        ready = until(
+            lambda: httpx.get(f"{follower}/instances/{iid}", headers=key, timeout=10).json(),
+            lambda i: i["state"] == "ready",
+            60,
+        )
+        chat = {"model": "exod/tiny-qwen2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        answered = httpx.post(f"{follower}/v1/chat/completions", json=chat, headers=key, timeout=60)
+        unknown = httpx.post(f"{follower}/v1/chat/completions", json={**chat, "model": "org/none"}, headers=key)
+    finally:
+        for daemon, _ in daemons:
+            daemon.send_signal(signal.SIGTERM)
+        for daemon, _ in daemons:
+            try:
+                daemon.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+    assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+    assert placed.status_code == 201
+    assert sorted(r["node"] for r in ready["runners"]) == ["node-1", "node-2"]  # the agents took the key too
+    assert answered.status_code == 200 and answered.json()["choices"][0]["message"]["content"]
+    assert unknown.status_code == 404 and set(unknown.json()["error"]) == {"message", "type", "param", "code"}
