@@ -491,6 +491,8 @@ def test_with_an_api_key_every_hop_is_authenticated_and_errors_keep_their_shape(
         chat = {"model": "exod/tiny-qwen2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         answered = httpx.post(f"{follower}/v1/chat/completions", json=chat, headers=key, timeout=60)
         unknown = httpx.post(f"{follower}/v1/chat/completions", json={**chat, "model": "org/none"}, headers=key)
+        hop = {**key, "x-exod-forwarded-by": "node-9"}  # as if another node forwarded it here: no second hop
+        looped = httpx.post(f"{follower}/v1/chat/completions", json=chat, headers=hop, timeout=10)
     finally:
         for daemon, _ in daemons:
             daemon.send_signal(signal.SIGTERM)
@@ -505,3 +507,4 @@ def test_with_an_api_key_every_hop_is_authenticated_and_errors_keep_their_shape(
     assert sorted(r["node"] for r in ready["runners"]) == ["node-1", "node-2"]  # the agents took the key too
     assert answered.status_code == 200 and answered.json()["choices"][0]["message"]["content"]
     assert unknown.status_code == 404 and set(unknown.json()["error"]) == {"message", "type", "param", "code"}
+    assert looped.status_code == 503 and looped.json()["error"]["code"] == "controller_unavailable"

@@ -29,6 +29,7 @@ log = logging.getLogger("exod.forward")
 FOLLOWER_PATHS = ("/health", "/nodes", "/instances", "/events", "/metrics", "/diagrams/", "/docs", "/openapi.json")
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade", b"host"})
 CONNECT_TIMEOUT_S = 5.0
+FORWARDED = b"x-exod-forwarded-by"
 
 
 class Follower:
@@ -47,6 +48,11 @@ class Follower:
         except EtcdUnavailable as exc:
             reason = f"degraded: the cluster's etcd cannot be reached: {exc}"
             await ApiError(503, reason, headers={"Retry-After": "1"}).response()(scope, receive, send)
+            return
+        if any(k.lower() == FORWARDED for k, _ in scope["headers"]):  # one hop only: never a loop mid-election
+            message = f"forwarded to node {self.membership.node_id}, which is not the controller either: try again"
+            error = ApiError(503, message, code="controller_unavailable", headers={"Retry-After": "1"})
+            await error.response()(scope, receive, send)
             return
         if node_id is None or not url:
             message = (
@@ -68,8 +74,8 @@ class Follower:
                 break
         query = scope.get("query_string", b"").decode()
         target = f"{url}{scope['path']}" + (f"?{query}" if query else "")
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP_BY_HOP]
-        headers.append((b"x-exod-forwarded-by", self.membership.node_id.encode()))
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP_BY_HOP | {b"content-length"}]
+        headers.append((FORWARDED, self.membership.node_id.encode()))
         request = self._client.build_request(scope["method"], target, headers=headers, content=body)
         try:
             response = await self._client.send(request, stream=True)
