@@ -508,3 +508,40 @@ def test_with_an_api_key_every_hop_is_authenticated_and_errors_keep_their_shape(
     assert answered.status_code == 200 and answered.json()["choices"][0]["message"]["content"]
     assert unknown.status_code == 404 and set(unknown.json()["error"]) == {"message", "type", "param", "code"}
     assert looped.status_code == 503 and looped.json()["error"]["code"] == "controller_unavailable"
+
+
+def test_a_node_that_dies_takes_its_rank_with_it_and_the_next_generation_runs_on_the_live_ones(tmp_path, etcd, hf_home):
+    """Its report stream breaks: the rank is lost as the host's failure (no retry charged); once its lease
+    expired the instance is placed again on the nodes that are left, and serves."""
+    env = {**os.environ, "HF_HOME": str(hf_home)}
+    daemons = [start(tmp_path, etcd, n, env) for n in (1, 2)]
+    try:
+        view = until(lambda: nodes(daemons[0][1]), lambda v: len(v["nodes"]) == 2 and v["controller"], 30)
+        controller = int(view["controller"].removeprefix("node-")) - 1
+        url, (victim, _) = daemons[controller][1], daemons[1 - controller]
+        placed = httpx.post(f"{url}/instances", json={"model": "exod/tiny-qwen2", "ranks": 2}, timeout=30).json()
+        iid = placed["instance_id"]
+        before = until(lambda: instance_at(url, iid), lambda i: i["state"] == "ready", 60)
+        victim.send_signal(signal.SIGKILL)  # the other node: its runner follows it (hang-up watchdog)
+        victim.wait()
+        after = until(
+            lambda: instance_at(url, iid),
+            lambda i: i["state"] == "ready" and i["generation"] > before["generation"],
+            12 * TTL,
+        )
+        chat = {"model": "exod/tiny-qwen2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        served = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
+    finally:
+        for daemon, _ in daemons:
+            if daemon.poll() is None:
+                daemon.send_signal(signal.SIGTERM)
+        for daemon, _ in daemons:
+            try:
+                daemon.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+    assert sorted(r["node"] for r in before["runners"]) == ["node-1", "node-2"]
+    assert {r["node"] for r in after["runners"]} == {view["controller"]}  # moved to the node that is left
+    assert after["attempts"] == before["attempts"] and after["uncharged"] >= 1  # the host's, not the model's
+    assert served.status_code == 200

@@ -29,11 +29,15 @@ from exod import retention, ring
 from exod.config import DaemonConfig
 from exod.errors import ApiError
 from exod.models import ModelFiles
+from exod.nodes import Presence
 from exod.orphans import start_ticks
 from exod.store import ProcessRecord, Store
 from exod.supervisor import Process, RunnerSpec, Spawn, Supervisor
 
 log = logging.getLogger("exod.agent")
+
+BEAT_S = 1.0  # an idle report stream says it is alive this often (`exod.remote.SILENCE_S` is the limit)
+FENCE_MARGIN = 0.2  # of the lease's TTL: runners stop this much before the node's lease may expire
 
 
 class SpawnRequest(BaseModel):
@@ -66,12 +70,21 @@ class Agent:
         self._session = 0  # the stream's number: runners belong to the stream open when they were spawned
         self._nursery: trio.Nursery | None = None
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Supervise what the controller asks this node to run, until cancelled (which kills and reaps it)."""
+    async def run(
+        self, presence: Presence | None = None, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Supervise what the controller asks this node to run, until cancelled (which kills and reaps it).
+
+        Fencing (DESIGN §5): once the node's lease may have expired by its own clock (``presence``), another
+        controller may place its ranks elsewhere, so its runners stop first."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
-            await trio.sleep_forever()
+            while True:
+                await trio.sleep(BEAT_S)
+                margin = FENCE_MARGIN * presence.ttl if presence is not None else 0.0
+                if presence is not None and self._running and trio.current_time() > presence.alive_until - margin:
+                    self._end_session("this node's lease may have expired (etcd out of reach)")
 
     # -- what the controller asks -------------------------------------------------------------------
 
@@ -139,8 +152,13 @@ class Agent:
         try:
             yield b'{"kind": "hello"}\n'
             async with receive:
-                async for line in receive:
-                    yield line
+                while True:
+                    with trio.move_on_after(BEAT_S) as quiet:
+                        try:
+                            line = await receive.receive()
+                        except trio.EndOfChannel:
+                            return
+                    yield b'{"kind": "beat"}\n' if quiet.cancelled_caught else line  # silence means gone
         finally:
             if self._session == session:
                 self._end_session("its controller went away")

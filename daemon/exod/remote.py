@@ -31,6 +31,7 @@ from exod.supervisor import Listener, RunnerSpec
 log = logging.getLogger("exod.remote")
 
 REFRESH_S = 1.0  # how often the controller reads the node records
+SILENCE_S = 5.0  # a report stream silent this long (an agent beats every second) is a node lost
 
 
 class AgentUnavailable(Exception):
@@ -62,7 +63,7 @@ class AgentClient:
 
     async def reports(self) -> AsyncIterator[dict[str, Any]]:
         url = f"{self.node.api_url}/agent/reports"
-        timeout = httpx.Timeout(10.0, read=None)
+        timeout = httpx.Timeout(10.0, read=SILENCE_S)  # the agent beats every second: silence is a lost node
         try:
             async with self._client.stream("GET", url, headers=self._headers, timeout=timeout) as response:
                 if response.status_code != 200:
@@ -179,19 +180,30 @@ class NodeLink:
         self.running: dict[tuple[str, int], RemoteProcess] = {}
         self.connected = trio.Event()
         self.lost: str | None = None
+        self._scope = trio.CancelScope()
+
+    def close(self, why: str) -> None:
+        """Give the node up (its lease is gone): its runners are lost, and its stream is closed, which tells
+        its agent to stop them if it still can hear."""
+        self._why = why
+        self._scope.cancel()
 
     async def run(self) -> None:
-        try:
-            async for event in self.client.reports():
-                if event["kind"] == "hello":
-                    self.connected.set()
-                elif (process := self.running.get((event["runner_id"], event["incarnation"]))) is not None:
-                    process.on_event(event)
-            why = f"node {self.client.node.node_id} closed its report stream"
-        except AgentUnavailable as exc:
-            why = str(exc)
-        except (ValueError, KeyError, p.ProtocolError) as exc:
-            why = f"node {self.client.node.node_id} sent a report that is not exod's: {exc}"
+        self._why = f"node {self.client.node.node_id} closed its report stream"
+        with self._scope:
+            try:
+                async for event in self.client.reports():
+                    if event["kind"] == "hello":
+                        self.connected.set()
+                    elif event["kind"] == "beat":
+                        continue
+                    elif (process := self.running.get((event["runner_id"], event["incarnation"]))) is not None:
+                        process.on_event(event)
+            except AgentUnavailable as exc:
+                self._why = str(exc)
+            except (ValueError, KeyError, p.ProtocolError) as exc:
+                self._why = f"node {self.client.node.node_id} sent a report that is not exod's: {exc}"
+        why = self._why
         log.error("%s: its runners are lost", why)
         self.lost = why
         self.connected.set()  # whoever waits learns it from `running` being lost
@@ -241,11 +253,16 @@ class Fleet:
                 await self.refresh()
 
     async def refresh(self) -> None:
-        """Read the node records now (a placement reads them fresh)."""
+        """Read the node records now (a placement reads them fresh); a node whose record went with its
+        lease is given up."""
         try:
             self.nodes = {record.node_id: record for record in await self._records()}
         except Exception as exc:  # etcd away: keep what was known (the membership reports it degraded)
             log.debug("node records not refreshed: %s", exc)
+            return
+        for node_id, link in self._links.items():
+            if node_id not in self.nodes and link.lost is None:
+                link.close(f"node {node_id}'s lease expired")
 
     def rooms(self) -> tuple[dict[str, int], dict[str, tuple[str, ...]]]:
         """For admission: the memory of each live node (its ``memory_total``: admission subtracts what is

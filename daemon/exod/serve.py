@@ -105,7 +105,7 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                     await membership.presence.update(attrs.evolve(membership.presence.record, api_url=url))
                     await nursery.start(membership.run)
                     assert agent is not None
-                    await nursery.start(agent.run)
+                    await nursery.start(agent.run, membership.presence)
                     nursery.start_soon(_lead, controller, membership, config, wanted)
                     announce(f"exod: node {membership.node_id} of the cluster at {membership.config.url}")
                 announce(f"exod serving on {url} (state in {state_dir})")
