@@ -348,7 +348,9 @@ class _System:
             else:
                 machine.reload(snap)
             c.pool[rid] = machine
-            c.runners[rid] = RunnerEntry(machine, INSTANCE, self.slots[snap.rank].node_id)
+            node = self.slots[snap.rank].node_id
+            unpublished = Pending(Completion.PUBLISHED, rid, snap.incarnation) in state.pending
+            c.runners[rid] = RunnerEntry(machine, INSTANCE, node, None if unpublished else f"{node}:{snap.rank}")
         c.downloads.clear()
         for node, snap in state.downloads:
             machine = self.download_objects.get(node)

@@ -84,6 +84,7 @@ class RunnerEntry:
     machine: rn.RunnerLifecycle
     instance_id: str
     node_id: str
+    endpoint: str | None = None  # its ring's HOST:PORT, once published
 
 
 @attrs.define
@@ -301,7 +302,8 @@ class Cluster:
                 InstanceView(iid, p.model_id, p.slots, RetryStatus.of(p.machine)) for iid, p in self.instances.items()
             ],
             runners=[
-                RunnerStatus.of(e.machine, instance_id=e.instance_id, node_id=e.node_id) for e in self.runners.values()
+                RunnerStatus.of(e.machine, instance_id=e.instance_id, node_id=e.node_id, endpoint=e.endpoint)
+                for e in self.runners.values()
             ],
             downloads=[DownloadStatus.of(m, node_id=node) for (node, _), m in self.downloads.items()],
             requests=list(requests),
@@ -309,6 +311,15 @@ class Cluster:
 
     def instance(self, instance_id: str) -> inst.InstanceRetry:
         return self._placement(instance_id).machine
+
+    def publish(self, runner_id: str, incarnation: int, endpoint: str) -> bool:
+        """The ring endpoint (HOST:PORT) of a runner's incarnation is known to every rank: it may be told to
+        connect once every rank's is (`fsm.plan`). False if that incarnation is not the runner's any more."""
+        entry = self.runners.get(runner_id)
+        if entry is None or entry.machine.incarnation != incarnation or not entry.machine.alive:
+            return False
+        self.runners[runner_id] = attrs.evolve(entry, endpoint=endpoint)
+        return True
 
     def runner(self, runner_id: str) -> rn.RunnerLifecycle:
         return self.runners[runner_id].machine
@@ -332,6 +343,7 @@ class Cluster:
             },
             "runners": {
                 rid: {"instance_id": e.instance_id, "node_id": e.node_id, "machine": e.machine.to_dict()}
+                | ({} if e.endpoint is None else {"endpoint": e.endpoint})
                 for rid, e in self.runners.items()
             },
             "downloads": [{"node_id": node, "machine": m.to_dict()} for (node, _), m in self.downloads.items()],
@@ -405,7 +417,10 @@ def _restore_runners(value: object, placements: dict[str, _Placement]) -> dict[s
     runners: dict[str, RunnerEntry] = {}
     for rid, raw in _mapping(value, "runners").items():
         where = f"runners.{rid}"
-        r = _fields(raw, where, ("instance_id", "node_id", "machine"))
+        r = _fields(raw, where, ("instance_id", "node_id", "machine"), ignored=("endpoint",))
+        endpoint = raw.get("endpoint")
+        if endpoint is not None and not isinstance(endpoint, str):
+            raise SnapshotError(f"{where}.endpoint: expected a str, got {show(endpoint)}")
         for key in ("instance_id", "node_id"):
             if not isinstance(r[key], str):
                 raise SnapshotError(f"{where}.{key}: expected a str, got {show(r[key])}")
@@ -430,7 +445,7 @@ def _restore_runners(value: object, placements: dict[str, _Placement]) -> dict[s
                 f"{where}.machine.incarnation: {machine.incarnation} is beyond its instance's "
                 f"generation {placement.machine.generation}"
             )
-        runners[rid] = RunnerEntry(machine, r["instance_id"], r["node_id"])
+        runners[rid] = RunnerEntry(machine, r["instance_id"], r["node_id"], endpoint)
     return runners
 
 

@@ -239,6 +239,8 @@ def _connect_runners(view: ClusterView, node_id: str) -> Iterator[Action]:
         current = _current(view, inst)
         if any(r is None or r.state not in (RunnerState.IDLE, RunnerState.CONNECTING) for r in current):
             continue
+        if any(r is not None and r.endpoint is None for r in current):  # the ring is not known to every rank yet
+            continue
         last = inst.world_size - 1
         for runner in _our_current_runners(view, inst, node_id):
             if runner.state is not RunnerState.IDLE:

@@ -34,6 +34,7 @@ class RunnerStatus:
     in_flight: int = 0
     stop_requested: bool = False
     failure: Failure | None = None
+    endpoint: str | None = None  # HOST:PORT of its ring, once its node published it (one rank: not needed)
 
     @property
     def alive(self) -> bool:
@@ -46,8 +47,11 @@ class RunnerStatus:
         return self.failure is not None or self.state is RunnerState.FAILED
 
     @classmethod
-    def of(cls, machine: RunnerLifecycle, *, instance_id: str, node_id: str) -> RunnerStatus:
+    def of(
+        cls, machine: RunnerLifecycle, *, instance_id: str, node_id: str, endpoint: str | None = None
+    ) -> RunnerStatus:
         return cls(
+            endpoint=endpoint,
             runner_id=machine.runner_id,
             instance_id=instance_id,
             node_id=node_id,

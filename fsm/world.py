@@ -38,6 +38,7 @@ class Completion(enum.Enum):
     EXITED = "exited"
     FINISHED = "finished"
     DOWNLOAD = "download"
+    PUBLISHED = "published"  # a rank's ring endpoint is known (its node reserved the port)
 
 
 @attrs.frozen(order=True)
@@ -64,6 +65,8 @@ _EXPECTED_PHASE = {
 def pending_for(action: act.Action) -> Pending | None:
     """The completion the world owes after ``action`` was executed."""
     match action:
+        case act.CreateRunner(_, rid, _, _, world_size, inc, _) if world_size > 1:
+            return Pending(Completion.PUBLISHED, rid, inc)
         case act.ConnectRunner(rid, inc):
             return Pending(Completion.CONNECTED, rid, inc)
         case act.LoadModel(rid, inc, _):
@@ -87,6 +90,8 @@ def applies(cluster: Cluster, op: Pending) -> bool:
     entry = cluster.runners.get(op.key)
     if entry is None or entry.machine.incarnation != op.incarnation or not entry.machine.alive:
         return False
+    if op.kind is Completion.PUBLISHED:
+        return entry.endpoint is None
     return op.kind is Completion.EXITED or entry.machine.phase is _EXPECTED_PHASE[op.kind]
 
 
@@ -100,6 +105,9 @@ def complete(cluster: Cluster, op: Pending, now: float, *, ok: bool = True) -> b
         return True
     rid, inc = op.key, op.incarnation
     match op.kind:
+        case Completion.PUBLISHED:
+            entry = cluster.runners[rid]
+            cluster.publish(rid, inc, f"{entry.node_id}:{entry.machine.rank}")
         case Completion.EXITED:
             cluster.runner_event(rn.Exited(rid, inc, exit_code=0), now)
         case Completion.CONNECTED:
@@ -151,6 +159,17 @@ def check_action(cluster: Cluster, action: act.Action, now: float) -> None:
                 state = "never started" if download is None else download.leaf
                 raise InvariantViolated(
                     "runners only for a model on their node", f"{action} while its download is {state}"
+                )
+        case act.ConnectRunner(runner_id, incarnation):
+            instance_id = cluster.runners[runner_id].instance_id
+            unknown = [
+                e.machine.runner_id
+                for e in cluster.runners.values()
+                if e.instance_id == instance_id and e.machine.incarnation == incarnation and e.endpoint is None
+            ]
+            if unknown:
+                raise InvariantViolated(
+                    "connect only once every rank's endpoint is published", f"{action} while {unknown[0]}'s is not"
                 )
         case act.ForwardRequest(_, runner_id, incarnation):
             runner = cluster.runner(runner_id)

@@ -45,7 +45,8 @@ def reviving_plan(view, node_id, now):
     """…and a planner that, like exo's, connects runners that are Idle *or Failed*."""
     actions = fsm.plan(view, node_id, now)
     for runner in view.runners.values():
-        if runner.node_id == node_id and runner.state is fsm.RunnerState.FAILED:
+        failed = runner.state is fsm.RunnerState.FAILED
+        if runner.node_id == node_id and failed and runner.endpoint is not None:  # its ring known, like exo's
             actions.append(fsm.ConnectRunner(runner.runner_id, runner.incarnation))
     return actions
 
@@ -193,3 +194,17 @@ def eager_plan(view, node_id, now):
 
 def test_forwarding_to_a_runner_that_is_not_ready_is_found():
     found(CheckConfig(requests=1, policy=fsm.RetryPolicy(max_retries=2), plan=eager_plan), "requests go to Ready")
+
+
+def unpublished_connect_plan(view, node_id, now):
+    """A planner without the ring guard: it connects every Idle rank of a whole generation at once."""
+    actions = [a for a in fsm.plan(view, node_id, now) if not isinstance(a, fsm.ConnectRunner)]
+    for runner in view.runners.values():
+        if runner.node_id == node_id and runner.state is fsm.RunnerState.IDLE:
+            actions.append(fsm.ConnectRunner(runner.runner_id, runner.incarnation))
+    return actions
+
+
+def test_connecting_before_every_rank_endpoint_is_published_is_found():
+    trace = found(CheckConfig(plan=unpublished_connect_plan), "connect only once every rank's endpoint is published")
+    assert not any(e.startswith("published") for e in trace[-2:])

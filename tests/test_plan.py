@@ -71,6 +71,7 @@ def run(
     failure: Failure | None = None,
     stop_requested: bool = False,
     node: str | None = None,
+    endpoint: str | None = "published",
 ) -> RunnerStatus:
     """A runner status; ``where`` is a top-level state (Idle, Failed) or a sub-phase."""
     if isinstance(where, RunnerPhase):
@@ -89,6 +90,7 @@ def run(
         phase=phase,
         stop_requested=stop_requested,
         failure=failure,
+        endpoint=endpoint,
     )
 
 
@@ -489,6 +491,12 @@ def test_connect_order(r0, r1, on_a, on_b):
 def test_no_connect_until_every_rank_exists():
     v = view([inst()], [run("i", 0, IDLE)], done("a", "b"))
     assert plan(v, "a", NOW) == []
+
+
+def test_no_connect_until_every_ranks_ring_endpoint_is_published():
+    unpublished = [run("i", 0, IDLE), run("i", 1, IDLE, endpoint=None)]
+    v = view([inst(state=InstanceState.STARTING)], runners=unpublished, downloads=done("a", "b"))
+    assert plan(v, "a", NOW) == [] and plan(v, "b", NOW) == []  # not even rank 0: the hostfile is not whole
 
 
 def test_never_connect_single_rank():

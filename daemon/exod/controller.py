@@ -93,7 +93,7 @@ class Controller:
         self._reports = Reports(self)
         self.fleet = fleet  # in a cluster: the other nodes, their agents running the ranks placed there
         self.node_id = NODE if fleet is None else fleet.local
-        self.processes = Processes(config, spawn, self._reports, fleet)  # the runner processes, on their nodes
+        self.processes = Processes(config, spawn, self._reports, fleet, self._published)  # on their nodes
         self._downloads = Downloads(self.models, fleet, lambda: self.cluster, self.now, self._changed)
         self._placer = Placer(lambda: self.cluster, self.models, config, fleet)
         self._wake = trio.Event()
@@ -303,6 +303,10 @@ class Controller:
         self.requests.fail_orphaned()
         self._forget_old_deleted(now)
         self._commit()
+
+    def _published(self, runner_id: str, incarnation: int, endpoint: str) -> None:
+        if self.cluster.publish(runner_id, incarnation, endpoint):
+            self._changed()
 
     def _nodes(self) -> list[str]:
         """The nodes to plan for: this one, and every node a rank is placed on."""

@@ -9,6 +9,7 @@ to the listener (`exod.reports.Reports`), never back here.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -25,9 +26,20 @@ from exod.supervisor import Process, RunnerSpec, Spawn
 log = logging.getLogger("exod.processes")
 
 
+Published = Callable[[str, int, str], None]  # (runner id, incarnation, its ring's HOST:PORT)
+
+
 class Processes:
-    def __init__(self, config: DaemonConfig, spawn: Spawn, listener: Reports, fleet: Fleet | None = None) -> None:
+    def __init__(
+        self,
+        config: DaemonConfig,
+        spawn: Spawn,
+        listener: Reports,
+        fleet: Fleet | None = None,
+        published: Published = lambda runner_id, incarnation, endpoint: None,
+    ) -> None:
         self.config, self._spawn, self._listener, self.fleet = config, spawn, listener, fleet
+        self._published = published  # a rank's endpoint is known: the planner may connect the ring
         self._running: dict[tuple[str, int], Process] = {}
         self._rings: dict[tuple[str, int], Ring] = {}  # (instance, generation): the ring of ranks on several nodes
         self._reaped = trio.Event()  # set (and replaced) whenever a process is reaped
@@ -42,19 +54,19 @@ class Processes:
         gen = action.incarnation
         local = self.fleet is None or action.node_id == self.fleet.local
         if self.fleet is not None and set(nodes_by_rank) != {self.fleet.local}:  # a ring across nodes
-            ring = self._ring(action.instance_id, gen, nodes_by_rank, self.fleet)
+            across = self._ring(action.instance_id, gen, nodes_by_rank, self.fleet)
             spec = self._spec(action, retention.hostfile_path(self.config.state_dir, action.instance_id, gen))
             if local:
-                process: Process = _LocalInRing(self._spawn(spec, self._listener, self.config.timeouts), ring)
+                supervisor = self._spawn(spec, self._listener, self.config.timeouts)
+                process: Process = _LocalInRing(supervisor, across, self._published)
             else:
                 try:
                     link = self.fleet.link(action.node_id)
                 except AgentUnavailable as exc:
                     self._listener.on_not_started(action.runner_id, gen, exc, host=True)
                     return
-                process = RemoteProcess(
-                    attrs.evolve(spec, hostfile=None), link, ring, action.instance_id, self._listener
-                )
+                remote = attrs.evolve(spec, hostfile=None)  # its agent writes it on its node
+                process = RemoteProcess(remote, link, across, action.instance_id, self._listener, self._published)
             self._begin(nursery, action, process)
             return
         try:  # the ring's ports and its hostfile: no fds or no disk is the host's failure, never the daemon's end
@@ -63,6 +75,8 @@ class Processes:
             self._listener.on_not_started(action.runner_id, gen, exc)
             return
         self._begin(nursery, action, self._spawn(self._spec(action, hostfile), self._listener, self.config.timeouts))
+        if hostfile is not None:  # every rank's port is in it already
+            self._published(action.runner_id, gen, ring.endpoints(hostfile)[action.rank])
 
     def _begin(self, nursery: trio.Nursery, action: fsm.CreateRunner, process: Process) -> None:
         self._running[(action.runner_id, action.incarnation)] = process
@@ -157,8 +171,8 @@ class Processes:
 class _LocalInRing:
     """A runner on this node whose ring spans several: it starts once every rank's endpoint is known."""
 
-    def __init__(self, process: Process, ring: Ring) -> None:
-        self._process, self._ring = process, ring
+    def __init__(self, process: Process, ring: Ring, published: Published) -> None:
+        self._process, self._ring, self._published = process, ring, published
         self.spec = process.spec
 
     @property
@@ -169,6 +183,7 @@ class _LocalInRing:
         endpoints = await self._ring.endpoints()
         assert self.spec.hostfile is not None
         ring.write_hostfile(self.spec.hostfile, endpoints)
+        self._published(self.spec.runner_id, self.spec.incarnation, endpoints[self.spec.rank])
         await self._process.run()
 
     def post(self, command: p.Command) -> None:

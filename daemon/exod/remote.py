@@ -93,8 +93,17 @@ class AgentClient:
 class RemoteProcess:
     """A runner process on another node: `exod.supervisor.Process`, through that node's agent."""
 
-    def __init__(self, spec: RunnerSpec, link: NodeLink, ring: Ring, instance_id: str, listener: Listener) -> None:
+    def __init__(
+        self,
+        spec: RunnerSpec,
+        link: NodeLink,
+        ring: Ring,
+        instance_id: str,
+        listener: Listener,
+        published: Callable[[str, int, str], None],
+    ) -> None:
         self.spec, self.link, self.ring, self.instance_id, self.listener = spec, link, ring, instance_id, listener
+        self._published = published
         self.pid: int | None = None  # on its node; never reaped from here
         self._commands, self._outbox = trio.open_memory_channel[tuple[p.Command, str | None]](math.inf)
         self._stop = trio.Event()
@@ -113,6 +122,8 @@ class RemoteProcess:
             if self.link.lost is not None:
                 raise AgentUnavailable(self.link.lost)
             ring = await self.ring.endpoints() if s.world_size > 1 else []
+            if ring:
+                self._published(s.runner_id, s.incarnation, ring[s.rank])
             self.link.running[(s.runner_id, s.incarnation)] = self
             body = {"instance_id": self.instance_id, "runner_id": s.runner_id, "incarnation": s.incarnation}
             body |= {"rank": s.rank, "world_size": s.world_size, "ring": ring, "fault": s.fault}

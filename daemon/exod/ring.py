@@ -35,6 +35,11 @@ def hostfile(path: Path, world_size: int) -> Path:
     return path
 
 
+def endpoints(path: Path) -> list[str]:
+    """The HOST:PORT of every rank in a generation's hostfile, rank 0 first."""
+    return [entry[0] for entry in json.loads(path.read_text())]
+
+
 def write_hostfile(path: Path, endpoints: list[str]) -> Path:
     """A generation's hostfile across nodes: ``HOST:PORT`` of every rank, rank 0 first."""
     private_dir(path.parent)
