@@ -69,6 +69,7 @@ class Agent:
         self._stream: trio.MemorySendChannel[bytes] | None = None
         self._session = 0  # the stream's number: runners belong to the stream open when they were spawned
         self._nursery: trio.Nursery | None = None
+        self._generations = retention.Generations(config.state_dir, config.retention)  # their files, bounded
 
     async def run(
         self, presence: Presence | None = None, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -115,7 +116,8 @@ class Agent:
         )
         process = self._spawn(spec, _Forward(self, self._session), self.config.timeouts)
         self._running[key] = process
-        self._nursery.start_soon(self._supervise, process)
+        self._generations.started(request.instance_id, request.incarnation)
+        self._nursery.start_soon(self._supervise, process, request.instance_id)
 
     def post(self, runner_id: str, incarnation: int, request: CommandRequest) -> None:
         process = self._running.get((runner_id, incarnation))
@@ -178,7 +180,7 @@ class Agent:
         if session == self._session and self._stream is not None:
             self._stream.send_nowait((json.dumps(event) + "\n").encode())
 
-    async def _supervise(self, process: Process) -> None:
+    async def _supervise(self, process: Process, instance_id: str) -> None:
         spec = process.spec
         try:
             await process.run()
@@ -188,6 +190,7 @@ class Agent:
             self._send(self._session, {"kind": "exit", **_key(spec), "exit_code": 1, "tail": "", "stopped": False})
         finally:
             self._running.pop((spec.runner_id, spec.incarnation), None)
+            self._generations.ended(instance_id, spec.incarnation)
 
 
 class _Forward:

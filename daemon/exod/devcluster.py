@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+import fsm
 from exod.ring import free_ports
 
 MODEL = "exod/tiny-qwen2"
@@ -115,7 +116,8 @@ def place(url: str, model_id: str, ranks: int, timeout: float = 180.0, nodes: li
     if placed.status_code != 201:
         raise DevClusterError(f"placing {model_id} failed: {placed.text}")
     iid = placed.json()["instance_id"]
-    _wait(lambda: _get(url, f"/instances/{iid}")["state"] == "ready", f"{iid} to be ready", timeout)
+    ready = fsm.InstanceState.READY.value
+    _wait(lambda: _get(url, f"/instances/{iid}")["state"] == ready, f"{iid} to be ready", timeout)
     return _get(url, f"/instances/{iid}")
 
 
