@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from exod.devcluster import LocalEtcd
+from exod.devcluster import LocalEtcd, LocalEtcdCluster
 
 
 def run_with_client(url: str, body):
@@ -44,3 +44,14 @@ def etcd_server(tmp_path) -> Iterator[EtcdServer]:
 def etcd(etcd_server) -> str:
     """The client URL of a fresh single-member etcd."""
     return etcd_server.url
+
+
+@pytest.fixture
+def etcd_cluster(tmp_path) -> Iterator[LocalEtcdCluster]:
+    """A fresh three-member etcd on loopback: it keeps its quorum when one member dies."""
+    cluster = LocalEtcdCluster(tmp_path / "etcd")
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -545,3 +545,36 @@ def test_a_node_that_dies_takes_its_rank_with_it_and_the_next_generation_runs_on
     assert {r["node"] for r in after["runners"]} == {view["controller"]}  # moved to the node that is left
     assert after["attempts"] == before["attempts"] and after["uncharged"] >= 1  # the host's, not the model's
     assert served.status_code == 200
+
+
+def test_a_three_member_etcd_that_loses_a_member_disrupts_nothing(tmp_path, etcd_cluster, hf_home):
+    """Each node is given every member; the one they talk to first dies: no degraded state, no new
+    controller, no new generation; placements and chat go on through the other two."""
+    env = {**os.environ, "HF_HOME": str(hf_home)}
+    daemons = [start(tmp_path, etcd_cluster.url, n, env) for n in (1, 2)]
+    try:
+        view = until(lambda: nodes(daemons[0][1]), lambda v: len(v["nodes"]) == 2 and v["controller"], 30)
+        url = daemons[0][1]
+        placed = httpx.post(f"{url}/instances", json={"model": "exod/tiny-qwen2", "ranks": 2}, timeout=30).json()
+        before = until(lambda: instance_at(url, placed["instance_id"]), lambda i: i["state"] == "ready", 60)
+        etcd_cluster.members[0].stop()  # the first endpoint of every node
+        time.sleep(2 * TTL)  # two lease lifetimes: renewals, the election's watch and the journal all moved on
+        health = [httpx.get(f"{u}/health", timeout=10).json() for _, u in daemons]
+        after = instance_at(url, placed["instance_id"])
+        again = httpx.post(f"{daemons[1][1]}/instances", json={"model": "exod/tiny-qwen2", "ranks": 1}, timeout=30)
+        chat = {"model": "exod/tiny-qwen2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        served = httpx.post(f"{daemons[1][1]}/v1/chat/completions", json=chat, timeout=60)
+        still = nodes(daemons[1][1])
+    finally:
+        for daemon, _ in daemons:
+            daemon.send_signal(signal.SIGTERM)
+        for daemon, _ in daemons:
+            try:
+                daemon.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+    assert [h["status"] for h in health] == ["ok", "ok"], health
+    assert (after["state"], after["generation"]) == ("ready", before["generation"])
+    assert again.status_code == 201 and served.status_code == 200
+    assert still["controller"] == view["controller"] and len(still["nodes"]) == 2

@@ -41,22 +41,32 @@ def etcd_binary() -> str:
 
 
 class LocalEtcd:
-    """One etcd member on free loopback ports and a data dir; it can be stopped and started again."""
+    """One etcd member on free loopback ports and a data dir; it can be stopped and started again. Alone, it
+    is a cluster of one; `LocalEtcdCluster` makes several members of one cluster."""
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
+    def __init__(self, directory: Path, name: str = "exod") -> None:
+        self.directory, self.name = directory, name
         self.client_port, self.peer_port = free_ports(2)
         self.url = f"http://127.0.0.1:{self.client_port}"
+        self.peer = f"http://127.0.0.1:{self.peer_port}"
+        self.initial_cluster = f"{name}={self.peer}"
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 30.0) -> None:
-        peer = f"http://127.0.0.1:{self.peer_port}"
-        args = [etcd_binary(), "--name", "exod", "--data-dir", str(self.directory / "etcd-data")]
+        self.launch()
+        self.wait_healthy(timeout)
+
+    def launch(self) -> None:
+        args = [etcd_binary(), "--name", self.name, "--data-dir", str(self.directory / "etcd-data")]
         args += ["--listen-client-urls", self.url, "--advertise-client-urls", self.url]
-        args += ["--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", f"exod={peer}"]
+        args += ["--listen-peer-urls", self.peer, "--initial-advertise-peer-urls", self.peer]
+        args += ["--initial-cluster", self.initial_cluster]
         self.directory.mkdir(parents=True, exist_ok=True)
         with (self.directory / "etcd.log").open("ab") as log:
             self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        assert self.process is not None
         deadline = time.monotonic() + timeout
         while not self._healthy():
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -119,6 +129,31 @@ def place(url: str, model_id: str, ranks: int, timeout: float = 180.0, nodes: li
     ready = fsm.InstanceState.READY.value
     _wait(lambda: _get(url, f"/instances/{iid}")["state"] == ready, f"{iid} to be ready", timeout)
     return _get(url, f"/instances/{iid}")
+
+
+class LocalEtcdCluster:
+    """Several etcd members of one cluster on loopback (3: it survives the loss of one)."""
+
+    def __init__(self, directory: Path, members: int = 3) -> None:
+        self.members = [LocalEtcd(directory / f"member-{n}", name=f"m{n}") for n in range(members)]
+        initial = ",".join(f"{m.name}={m.peer}" for m in self.members)
+        for member in self.members:
+            member.initial_cluster = initial
+        self.url = ",".join(m.url for m in self.members)  # what `exod serve --cluster` takes
+
+    def start(self, timeout: float = 60.0) -> None:
+        for member in self.members:  # all first: each waits for a quorum of the others
+            member.launch()
+        try:
+            for member in self.members:
+                member.wait_healthy(timeout)
+        except DevClusterError:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for member in self.members:
+            member.stop()
 
 
 def run(nodes: int = 3, layers: int = 8, ranks: int = 3, announce: Callable[[str], object] = print) -> None:

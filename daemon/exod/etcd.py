@@ -114,12 +114,26 @@ def value_is(key: bytes, value: bytes) -> Compare:
 
 
 class Etcd:
-    """One etcd endpoint (``http://HOST:2379``); every call is one HTTP request with a timeout."""
+    """An etcd cluster through its members' endpoints (``http://A:2379,http://B:2379,…``): every call is one
+    HTTP request with a timeout, to the member in use; a member that cannot be connected to is passed over
+    for the next one (a request that never left cannot have been applied, so trying it elsewhere is safe),
+    and a member that failed after the request left is left for the next call (which may not be repeated)."""
 
     def __init__(self, url: str, *, timeout: float = 5.0, client: httpx.AsyncClient | None = None) -> None:
-        self.url = url.rstrip("/")
+        self.url = url
+        self.endpoints = [endpoint.strip().rstrip("/") for endpoint in url.split(",") if endpoint.strip()]
+        if not self.endpoints:
+            raise ValueError(f"no etcd endpoint in {url!r}: give http://HOST:2379, or several separated by commas")
         self.timeout = timeout
         self._client = client or httpx.AsyncClient(timeout=timeout)
+        self._member = 0  # the endpoint in use
+
+    @property
+    def _endpoint(self) -> str:
+        return self.endpoints[self._member]
+
+    def _next_member(self) -> None:
+        self._member = (self._member + 1) % len(self.endpoints)
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -209,7 +223,7 @@ class Etcd:
             create["start_revision"] = str(start_revision)
         try:
             timeout = httpx.Timeout(self.timeout, read=None)  # a watch waits as long as nothing changes
-            url = f"{self.url}/v3/watch"
+            url = f"{self._endpoint}/v3/watch"
             async with self._client.stream("POST", url, json={"create_request": create}, timeout=timeout) as response:
                 if response.status_code != 200:
                     raise EtcdUnavailable(f"etcd at {self.url} refused the watch: HTTP {response.status_code}")
@@ -222,6 +236,7 @@ class Etcd:
                     for raw in message.get("result", {}).get("events", []):
                         yield Event(raw.get("type") == "DELETE", _kv(raw.get("kv", {})))
         except (httpx.HTTPError, trio.BrokenResourceError) as exc:
+            self._next_member()  # the watch is made again by its caller: on the next member
             raise EtcdUnavailable(f"etcd watch at {self.url} broke: {type(exc).__name__}: {exc}") from exc
 
     # -- the gateway ------------------------------------------------------------------------------------
@@ -231,11 +246,20 @@ class Etcd:
         return [_kv(raw) for raw in answer.get("kvs", [])], _int(_header(answer).get("revision"))
 
     async def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        try:
-            response = await self._client.post(f"{self.url}{path}", json=body)
-        except httpx.HTTPError as exc:
-            raise EtcdUnavailable(f"cannot reach etcd at {self.url}: {type(exc).__name__}: {exc}") from exc
+        for _ in self.endpoints:
+            try:
+                response = await self._client.post(f"{self._endpoint}{path}", json=body)
+                break
+            except httpx.ConnectError as exc:  # never sent: the next member may take it
+                self._next_member()
+                failure: httpx.HTTPError = exc
+            except httpx.HTTPError as exc:  # sent, maybe applied: not repeated; the next call goes elsewhere
+                self._next_member()
+                raise EtcdUnavailable(f"cannot reach etcd at {self.url}: {type(exc).__name__}: {exc}") from exc
+        else:
+            raise EtcdUnavailable(f"cannot reach etcd at {self.url}: {type(failure).__name__}: {failure}") from failure
         if response.status_code >= 500:
+            self._next_member()
             raise EtcdUnavailable(f"etcd at {self.url} failed: HTTP {response.status_code}: {response.text[:200]}")
         answer = response.json()
         if response.status_code != 200 or "error" in answer:
