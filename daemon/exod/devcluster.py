@@ -94,16 +94,23 @@ class LocalEtcd:
 
 @contextlib.contextmanager
 def local_cluster(
-    root: Path, nodes: int, hf_home: Path, announce: Callable[[str], object] = print
+    root: Path,
+    nodes: int,
+    hf_home: Path,
+    announce: Callable[[str], object] = print,
+    *,
+    lease_ttl: int | None = None,
+    daemons: list[subprocess.Popen[bytes]] | None = None,
 ) -> Iterator[list[str]]:
     """An etcd and ``nodes`` nodes on 127.0.0.1 … under ``root``, every node joined; their API URLs. On the
-    way out every node is stopped (it drains and reaps its runners), then etcd."""
+    way out every node is stopped (it drains and reaps its runners), then etcd. ``daemons``, if given, is
+    filled with the nodes' processes (node-N at N - 1), for whoever wants to kill one."""
     etcd = LocalEtcd(root / "etcd")
-    daemons: list[subprocess.Popen[bytes]] = []
+    daemons = [] if daemons is None else daemons
     try:
         etcd.start()
         announce(f"etcd at {etcd.url}")
-        urls = [_start_node(root, etcd.url, n, hf_home, daemons) for n in range(1, nodes + 1)]
+        urls = [_start_node(root, etcd.url, n, hf_home, daemons, lease_ttl) for n in range(1, nodes + 1)]
         _wait(lambda: len(_get(urls[0], "/nodes")["nodes"]) == nodes, "every node to join", 60)
         yield urls
     finally:
@@ -182,12 +189,14 @@ def run(nodes: int = 3, layers: int = 8, ranks: int = 3, announce: Callable[[str
             announce("stopped: every node, its runners and etcd")
 
 
-def _start_node(root: Path, etcd: str, n: int, hf_home: Path, daemons: list[subprocess.Popen[bytes]]) -> str:
+def _start_node(
+    root: Path, etcd: str, n: int, hf_home: Path, daemons: list[subprocess.Popen[bytes]], lease_ttl: int | None
+) -> str:
     home = root / f"node-{n}"
     home.mkdir()
     address = f"127.0.0.{n}"
     config = f'[daemon]\nport = 0\noffline = true\n\n[cluster]\nurl = "{etcd}"\nnode_id = "node-{n}"\n'
-    config += f'advertise = "{address}"\n'
+    config += f'advertise = "{address}"\n' + (f"lease_ttl = {lease_ttl}\n" if lease_ttl else "")
     (home / "exod.toml").write_text(config)
     args = [sys.executable, "-m", "exod", "serve", "--config", str(home / "exod.toml")]
     args += ["--state-dir", str(home / "state"), "--host", address]
