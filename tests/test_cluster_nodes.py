@@ -578,3 +578,41 @@ def test_a_three_member_etcd_that_loses_a_member_disrupts_nothing(tmp_path, etcd
     assert (after["state"], after["generation"]) == ("ready", before["generation"])
     assert again.status_code == 201 and served.status_code == 200
     assert still["controller"] == view["controller"] and len(still["nodes"]) == 2
+
+
+def test_etcd_down_past_the_lease_fences_every_node_and_all_converges_when_it_returns(tmp_path, etcd_server, hf_home):
+    """Safety over availability: no node can prove its lease, so every runner stops — the controller's and
+    the agents' — before a lease could expire; etcd back, one controller resumes the instance."""
+    env = {**os.environ, "HF_HOME": str(hf_home)}
+    daemons = [start(tmp_path, etcd_server.url, n, env) for n in (1, 2)]
+    try:
+        view = until(lambda: nodes(daemons[0][1]), lambda v: len(v["nodes"]) == 2 and v["controller"], 30)
+        url = daemons[0][1]
+        placed = httpx.post(f"{url}/instances", json={"model": "exod/tiny-qwen2", "ranks": 2}, timeout=30).json()
+        iid = placed["instance_id"]
+        before = until(lambda: instance_at(url, iid), lambda i: i["state"] == "ready", 60)
+        assert len(runner_pids()) == 2
+        etcd_server.stop()
+        stopped_at = time.monotonic()
+        until(runner_pids, lambda pids: pids == [], 3 * TTL)  # every node fenced itself
+        fenced_after = time.monotonic() - stopped_at
+        etcd_server.start()
+        after = until(
+            lambda: httpx.get(f"{url}/instances/{iid}", timeout=10).json(),
+            lambda i: i.get("state") == "ready" and i["generation"] > before["generation"],
+            12 * TTL,
+        )
+        view_after = until(lambda: nodes(url), lambda v: len(v["nodes"]) == 2 and v["controller"], 6 * TTL)
+    finally:
+        for daemon, _ in daemons:
+            daemon.send_signal(signal.SIGTERM)
+        for daemon, _ in daemons:
+            try:
+                daemon.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+    assert fenced_after < TTL + 2.0  # TTL less the margin after the last renewal, then a stop
+    assert sorted(r["node"] for r in after["runners"]) == ["node-1", "node-2"]
+    assert after["attempts"] == before["attempts"]  # the cluster's outage, not the model's failure
+    assert view_after["controller"] in ("node-1", "node-2") and view["controller"]
