@@ -36,9 +36,9 @@ specs: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
 
-## reliability: run the fault-injection matrix and the attacks, and write what they observed to specs/reliability.md
+## reliability: run the fault-injection matrix, the attacks and the cluster's faults; write what they observed to specs/reliability.md
 ATTACK_TESTS := tests/test_attacks.py tests/test_admission.py tests/test_degraded.py tests/test_host_failures.py \
-                tests/test_state_dir.py tests/test_drain.py tests/test_retention.py
+                tests/test_state_dir.py tests/test_drain.py tests/test_retention.py tests/test_cluster_nodes.py
 reliability: $(STAMP)
 	EXOD_WRITE_RELIABILITY=1 $(BIN)/python -m pytest -q tests/test_fault_matrix.py $(ATTACK_TESTS)
 

@@ -25,3 +25,6 @@ def pytest_sessionfinish(session, exitstatus):
     if reliability_report.WRITE and exitstatus == 0 and not reliability_report.write_attacks():
         missing = sorted(set(reliability_report.ATTACKS) - set(reliability_report.OBSERVED))
         print(f"\nspecs/reliability.md: attacks table not written, not observed in this run: {missing}")
+    if reliability_report.WRITE and exitstatus == 0 and not reliability_report.write_cluster():
+        missing = sorted(set(reliability_report.CLUSTER) - set(reliability_report.CLUSTER_OBSERVED))
+        print(f"\nspecs/reliability.md: cluster table not written, not observed in this run: {missing}")

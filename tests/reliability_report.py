@@ -36,11 +36,45 @@ ATTACKS: dict[str, str] = {
 }
 OBSERVED: dict[str, str] = {}
 
+# several hosts (tests/test_cluster_nodes.py): fault -> what must happen
+CLUSTER: dict[str, str] = {
+    "controller death": "SIGKILL of the controller's daemon: another node is elected once its lease expired "
+    "and resumes every instance from etcd's state, no retry charged, the log continued",
+    "host death": "SIGKILL of a node holding a rank: its ranks lost as the host's failure (uncharged); "
+    "the next generation placed on the nodes left, and Ready",
+    "election key taken": "a controller whose term ended stops its runners and writes nothing more",
+    "etcd member loss": "a 3-member etcd loses the member every node talks to first: nothing is disrupted",
+    "etcd outage shorter than the lease": "degraded, the instance serves throughout, no new generation",
+    "etcd outage longer than the lease": "every node fences itself (its runners stop before a lease could "
+    "expire); all converges when etcd returns, no retry charged",
+}
+CLUSTER_OBSERVED: dict[str, str] = {}
+
 
 def attack(name: str, observed: str) -> None:
     """What the test of ``name`` observed, in one line, for the attacks table."""
     assert name in ATTACKS, f"unknown attack {name!r}: add it to ATTACKS"
     OBSERVED[name] = observed.replace("|", "/").replace("\n", " ")
+
+
+def cluster_fault(name: str, observed: str) -> None:
+    """What the test of cluster fault ``name`` observed, in one line, for the cluster table."""
+    assert name in CLUSTER, f"unknown cluster fault {name!r}: add it to CLUSTER"
+    CLUSTER_OBSERVED[name] = observed.replace("|", "/").replace("\n", " ")
+
+
+def write_cluster() -> bool:
+    """The cluster table, if every cluster fault was observed in this run; True if written."""
+    if set(CLUSTER_OBSERVED) != set(CLUSTER):
+        return False
+    rows = ["| fault | expected | observed |", "|---|---|---|"]
+    rows += [f"| {name} | {expected} | {CLUSTER_OBSERVED[name]} |" for name, expected in CLUSTER.items()]
+    write_section(
+        "cluster",
+        "## Several hosts\n\nReal daemons on 127.0.0.1–3 and a real etcd (tests/test_cluster_nodes.py), lease "
+        "TTL 5 s unless the row says otherwise.\n\n" + "\n".join(rows),
+    )
+    return True
 
 
 def write_section(name: str, body: str) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from etcd_harness import run_with_client
+from reliability_report import cluster_fault
 
 from daemon_harness import exod, runner_pids
 from exod.etcd_state import EtcdState
@@ -207,6 +208,11 @@ def test_a_new_controller_resumes_from_the_state_the_dead_one_wrote(tmp_path, et
     assert [seq for seq, _ in log_after] == list(range(1, len(log_after) + 1))  # … in one order, no gap
     resumes = [e for _, e in log_after[len(log) :] if e.key == iid and e.machine == "instance"]
     assert resumes and resumes[0].event == "resume"
+    cluster_fault(
+        "controller death",
+        f"another node elected; {iid} resumed in generation {resumed['generation']} with {resumed['attempts']} "
+        f"retries charged; the log went on from seq {len(log) + 1} without a gap, and replays",
+    )
     assert snapshot_after != snapshot
     assert runner_pids() == []
     replayed = exod("replay", "--cluster", etcd, env=dict(os.environ), check=False)
@@ -281,6 +287,10 @@ def test_through_a_short_etcd_outage_the_controller_keeps_serving_its_instances(
     assert during["state"] == after["state"] == "ready"
     assert during["generation"] == after["generation"] == before["generation"]
     assert view["controller"] == "node-1"
+    cluster_fault(
+        "etcd outage shorter than the lease",
+        f"/health degraded, chat 200 during it, generation {after['generation']} throughout (lease TTL {ttl} s)",
+    )
 
 
 def test_a_controller_cut_off_from_etcd_past_its_lease_stops_its_runners_then_resumes(tmp_path, etcd_server, hf_home):
@@ -340,6 +350,10 @@ def test_a_controller_whose_election_key_is_taken_stops_and_writes_nothing_more(
         refused.status_code == 503 and error["code"] == "controller_unavailable" and "node intruder" in error["message"]
     )
     assert written_at < taken_at
+    cluster_fault(
+        "election key taken",
+        "its runner stopped, placements answered 503 naming the new holder, no write of its after the new term",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -545,6 +559,11 @@ def test_a_node_that_dies_takes_its_rank_with_it_and_the_next_generation_runs_on
     assert {r["node"] for r in after["runners"]} == {view["controller"]}  # moved to the node that is left
     assert after["attempts"] == before["attempts"] and after["uncharged"] >= 1  # the host's, not the model's
     assert served.status_code == 200
+    cluster_fault(
+        "host death",
+        f"generation {after['generation']} Ready on {view['controller']} alone; attempts {after['attempts']}, "
+        f"uncharged {after['uncharged']}; chat 200",
+    )
 
 
 def test_a_three_member_etcd_that_loses_a_member_disrupts_nothing(tmp_path, etcd_cluster, hf_home):
@@ -578,6 +597,11 @@ def test_a_three_member_etcd_that_loses_a_member_disrupts_nothing(tmp_path, etcd
     assert (after["state"], after["generation"]) == ("ready", before["generation"])
     assert again.status_code == 201 and served.status_code == 200
     assert still["controller"] == view["controller"] and len(still["nodes"]) == 2
+    cluster_fault(
+        "etcd member loss",
+        f"after {2 * TTL} s without member 0: /health ok on both nodes, generation {after['generation']} still "
+        "Ready, the same controller, a placement 201 and chat 200",
+    )
 
 
 def test_etcd_down_past_the_lease_fences_every_node_and_all_converges_when_it_returns(tmp_path, etcd_server, hf_home):
@@ -616,3 +640,8 @@ def test_etcd_down_past_the_lease_fences_every_node_and_all_converges_when_it_re
     assert sorted(r["node"] for r in after["runners"]) == ["node-1", "node-2"]
     assert after["attempts"] == before["attempts"]  # the cluster's outage, not the model's failure
     assert view_after["controller"] in ("node-1", "node-2") and view["controller"]
+    cluster_fault(
+        "etcd outage longer than the lease",
+        f"every runner stopped {fenced_after:.1f} s after etcd did; once it was back, generation "
+        f"{after['generation']} Ready on both nodes, attempts {after['attempts']}",
+    )

@@ -133,7 +133,8 @@ class RemoteProcess:
                 nursery.start_soon(self._stop_when_asked)
                 await self._exited.wait()
                 nursery.cancel_scope.cancel()
-        except AgentUnavailable as exc:  # the node is out of reach: the host's failure
+        except AgentUnavailable as exc:  # the node is out of reach, or its stream is not ours: the host's failure
+            self.link.close(str(exc))
             self.lost(str(exc))
         finally:
             self.link.running.pop((s.runner_id, s.incarnation), None)
@@ -194,9 +195,10 @@ class NodeLink:
         self._scope = trio.CancelScope()
 
     def close(self, why: str) -> None:
-        """Give the node up (its lease is gone): its runners are lost, and its stream is closed, which tells
-        its agent to stop them if it still can hear."""
+        """Give the node up (its lease is gone, or its agent refused us): its runners are lost, and its stream
+        is closed, which tells its agent to stop them if it still can hear. The next use opens a new link."""
         self._why = why
+        self.lost = self.lost or why
         self._scope.cancel()
 
     async def run(self) -> None:
@@ -255,13 +257,18 @@ class Fleet:
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            await self.refresh()
-            task_status.started()
-            while True:
-                await trio.sleep(REFRESH_S)
+        """For one controller term: the links it opens live and die with it (a new term opens its own)."""
+        self._links = {}
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 await self.refresh()
+                task_status.started()
+                while True:
+                    await trio.sleep(REFRESH_S)
+                    await self.refresh()
+        finally:
+            self._links, self._nursery = {}, None
 
     async def refresh(self) -> None:
         """Read the node records now (a placement reads them fresh); a node whose record went with its
