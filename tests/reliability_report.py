@@ -53,27 +53,35 @@ CLUSTER_OBSERVED: dict[str, str] = {}
 
 def attack(name: str, observed: str) -> None:
     """What the test of ``name`` observed, in one line, for the attacks table."""
-    assert name in ATTACKS, f"unknown attack {name!r}: add it to ATTACKS"
-    OBSERVED[name] = observed.replace("|", "/").replace("\n", " ")
+    _observe(ATTACKS, OBSERVED, name, observed)
 
 
 def cluster_fault(name: str, observed: str) -> None:
     """What the test of cluster fault ``name`` observed, in one line, for the cluster table."""
-    assert name in CLUSTER, f"unknown cluster fault {name!r}: add it to CLUSTER"
-    CLUSTER_OBSERVED[name] = observed.replace("|", "/").replace("\n", " ")
+    _observe(CLUSTER, CLUSTER_OBSERVED, name, observed)
+
+
+def _observe(expected: dict[str, str], observed: dict[str, str], name: str, text: str) -> None:
+    assert name in expected, f"unknown row {name!r}: add it to the table's expectations"
+    observed[name] = text.replace("|", "/").replace("\n", " ")
 
 
 def write_cluster() -> bool:
     """The cluster table, if every cluster fault was observed in this run; True if written."""
-    if set(CLUSTER_OBSERVED) != set(CLUSTER):
-        return False
-    rows = ["| fault | expected | observed |", "|---|---|---|"]
-    rows += [f"| {name} | {expected} | {CLUSTER_OBSERVED[name]} |" for name, expected in CLUSTER.items()]
-    write_section(
-        "cluster",
+    intro = (
         "## Several hosts\n\nReal daemons on 127.0.0.1–3 and a real etcd (tests/test_cluster_nodes.py), lease "
-        "TTL 5 s unless the row says otherwise.\n\n" + "\n".join(rows),
+        "TTL 5 s unless the row says otherwise."
     )
+    return _write_table("cluster", intro, "fault", CLUSTER, CLUSTER_OBSERVED)
+
+
+def _write_table(section: str, intro: str, what: str, expected: dict[str, str], observed: dict[str, str]) -> bool:
+    """Section ``section`` as a table of what each row expected and observed, if every row was; True if so."""
+    if set(observed) != set(expected):
+        return False
+    rows = [f"| {what} | expected | observed |", "|---|---|---|"]
+    rows += [f"| {name} | {text} | {observed[name]} |" for name, text in expected.items()]
+    write_section(section, intro + "\n\n" + "\n".join(rows))
     return True
 
 
@@ -90,13 +98,8 @@ def write_section(name: str, body: str) -> None:
 
 def write_attacks() -> bool:
     """The attacks table, if every attack was observed in this run; True if written."""
-    if set(OBSERVED) != set(ATTACKS):
-        return False
-    rows = ["| attack | expected | observed |", "|---|---|---|"]
-    rows += [f"| {name} | {expected} | {OBSERVED[name]} |" for name, expected in ATTACKS.items()]
-    write_section(
-        "attacks",
+    intro = (
         "## Attacks\n\nAs an adversary on this machine would (a local client, no special rights): each row a "
-        "test with real processes (tests/test_attacks.py and the tests it names).\n\n" + "\n".join(rows),
+        "test with real processes (tests/test_attacks.py and the tests it names)."
     )
-    return True
+    return _write_table("attacks", intro, "attack", ATTACKS, OBSERVED)

@@ -58,6 +58,21 @@ def start(
     return daemon, json.loads((home / "state" / "daemon.json").read_text())["url"]
 
 
+def stop_all(daemons: list[tuple[subprocess.Popen[bytes], str]]) -> list[int]:
+    """SIGTERM every daemon still running and wait for it (killed after 30 s); their exit codes."""
+    for daemon, _ in daemons:
+        if daemon.poll() is None:
+            daemon.send_signal(signal.SIGTERM)
+    codes = []
+    for daemon, _ in daemons:
+        try:
+            codes.append(daemon.wait(timeout=30))
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            codes.append(daemon.wait())
+    return codes
+
+
 def nodes(url: str) -> dict:
     return httpx.get(f"{url}/nodes", timeout=10).json()
 
@@ -99,15 +114,8 @@ def test_three_nodes_list_each_other_elect_one_controller_and_another_when_it_di
         assert len(after["nodes"]) == 2 and controller not in [n["node_id"] for n in after["nodes"]]
         assert took >= TTL - 2  # not before the dead controller's lease expired
     finally:
-        for daemon, _ in daemons:
-            if daemon.poll() is None:
-                daemon.send_signal(signal.SIGTERM)
-        for daemon, _ in daemons:
-            try:
-                assert daemon.wait(timeout=30) in (0, -signal.SIGKILL)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
+        codes = stop_all(daemons)
+    assert set(codes) <= {0, -signal.SIGKILL}
     assert runner_pids() == []
 
 
@@ -189,15 +197,7 @@ def test_a_new_controller_resumes_from_the_state_the_dead_one_wrote(tmp_path, et
         resumed = until(lambda: instance_at(url_b, iid), lambda i: i["state"] == "ready", 60)
         snapshot_after, log_after = stored(etcd)
     finally:
-        for daemon, _ in daemons:
-            if daemon.poll() is None:
-                daemon.send_signal(signal.SIGTERM)
-        for daemon, _ in daemons:
-            try:
-                daemon.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
+        stop_all(daemons)
 
     written = next(i for i in status_of(Cluster.from_dict(snapshot))["instances"] if i["instance_id"] == iid)
     assert {k: seen_by_b[k] for k in KEPT} == {k: written[k] for k in KEPT}  # a follower shows what etcd holds
@@ -386,14 +386,7 @@ def test_three_ranks_on_three_nodes_answer_as_the_model_does_on_one(tmp_path, et
         models = httpx.get(f"{follower}/v1/models", timeout=10).json()
         status = exod("status", "--url", daemons[2][1], env=dict(os.environ)).stdout
     finally:
-        for daemon, _ in daemons:
-            daemon.send_signal(signal.SIGTERM)
-        for daemon, _ in daemons:
-            try:
-                daemon.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
+        stop_all(daemons)
     assert ready["state"] == "ready", ready
     assert sorted(r["node"] for r in ready["runners"]) == ["node-1", "node-2", "node-3"]  # one rank each
     assert answer.status_code == 200, answer.text
@@ -426,15 +419,7 @@ def test_a_forward_whose_controller_dies_mid_stream_ends_with_an_error_event_and
                     if len(events) == 2:
                         victim.send_signal(signal.SIGKILL)  # the controller, mid-stream
     finally:
-        for daemon, _ in daemons:
-            if daemon.poll() is None:
-                daemon.send_signal(signal.SIGTERM)
-        for daemon, _ in daemons:
-            try:
-                daemon.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
+        stop_all(daemons)
     assert events[-1] == "[DONE]"
     assert events[-2]["error"]["code"] == "controller_lost" and "node-" in events[-2]["error"]["message"]
 
@@ -508,14 +493,7 @@ def test_with_an_api_key_every_hop_is_authenticated_and_errors_keep_their_shape(
         hop = {**key, "x-exod-forwarded-by": "node-9"}  # as if another node forwarded it here: no second hop
         looped = httpx.post(f"{follower}/v1/chat/completions", json=chat, headers=hop, timeout=10)
     finally:
-        for daemon, _ in daemons:
-            daemon.send_signal(signal.SIGTERM)
-        for daemon, _ in daemons:
-            try:
-                daemon.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
+        stop_all(daemons)
     assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
     assert placed.status_code == 201
     assert sorted(r["node"] for r in ready["runners"]) == ["node-1", "node-2"]  # the agents took the key too
@@ -546,15 +524,7 @@ def test_a_node_that_dies_takes_its_rank_with_it_and_the_next_generation_runs_on
         chat = {"model": "exod/tiny-qwen2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         served = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
     finally:
-        for daemon, _ in daemons:
-            if daemon.poll() is None:
-                daemon.send_signal(signal.SIGTERM)
-        for daemon, _ in daemons:
-            try:
-                daemon.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
+        stop_all(daemons)
     assert sorted(r["node"] for r in before["runners"]) == ["node-1", "node-2"]
     assert {r["node"] for r in after["runners"]} == {view["controller"]}  # moved to the node that is left
     assert after["attempts"] == before["attempts"] and after["uncharged"] >= 1  # the host's, not the model's
@@ -585,14 +555,7 @@ def test_a_three_member_etcd_that_loses_a_member_disrupts_nothing(tmp_path, etcd
         served = httpx.post(f"{daemons[1][1]}/v1/chat/completions", json=chat, timeout=60)
         still = nodes(daemons[1][1])
     finally:
-        for daemon, _ in daemons:
-            daemon.send_signal(signal.SIGTERM)
-        for daemon, _ in daemons:
-            try:
-                daemon.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
+        stop_all(daemons)
     assert [h["status"] for h in health] == ["ok", "ok"], health
     assert (after["state"], after["generation"]) == ("ready", before["generation"])
     assert again.status_code == 201 and served.status_code == 200
@@ -628,14 +591,7 @@ def test_etcd_down_past_the_lease_fences_every_node_and_all_converges_when_it_re
         )
         view_after = until(lambda: nodes(url), lambda v: len(v["nodes"]) == 2 and v["controller"], 6 * TTL)
     finally:
-        for daemon, _ in daemons:
-            daemon.send_signal(signal.SIGTERM)
-        for daemon, _ in daemons:
-            try:
-                daemon.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
+        stop_all(daemons)
     assert fenced_after < TTL + 2.0  # TTL less the margin after the last renewal, then a stop
     assert sorted(r["node"] for r in after["runners"]) == ["node-1", "node-2"]
     assert after["attempts"] == before["attempts"]  # the cluster's outage, not the model's failure
