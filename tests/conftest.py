@@ -13,6 +13,7 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 from etcd_harness import etcd, etcd_cluster, etcd_server  # noqa: E402, F401 - a real etcd, for the cluster's tests
+from netns_harness import namespace  # noqa: E402, F401 - a host of its own, for partitions
 
 # Modules that start runner processes opt in with `pytestmark = pytest.mark.usefixtures("no_runner_left_behind")`.
 from daemon_harness import no_runner_left_behind  # noqa: E402, F401

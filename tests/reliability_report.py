@@ -43,6 +43,12 @@ CLUSTER: dict[str, str] = {
     "host death": "SIGKILL of a node holding a rank: its ranks lost as the host's failure (uncharged); "
     "the next generation placed on the nodes left, and Ready",
     "election key taken": "a controller whose term ended stops its runners and writes nothing more",
+    "partition of a node": "an agent holding a rank, in its own network namespace, its link cut: it kills "
+    "its runner before its lease can expire; the next generation runs on the nodes left; healed, the node "
+    "rejoins and the instance is left alone",
+    "partition of the controller": "the same for the controller: it steps down and kills its runner; the next "
+    "controller first stops the runner the old one had on an agent and waits for its key to go, then starts "
+    "the next generation: never two alive",
     "etcd member loss": "a 3-member etcd loses the member every node talks to first: nothing is disrupted",
     "etcd outage shorter than the lease": "degraded, the instance serves throughout, no new generation",
     "etcd outage longer than the lease": "every node fences itself (its runners stop before a lease could "
@@ -69,7 +75,8 @@ def _observe(expected: dict[str, str], observed: dict[str, str], name: str, text
 def write_cluster() -> bool:
     """The cluster table, if every cluster fault was observed in this run; True if written."""
     intro = (
-        "## Several hosts\n\nReal daemons on 127.0.0.1–3 and a real etcd (tests/test_cluster_nodes.py), lease "
+        "## Several hosts\n\nReal daemons on 127.0.0.1–3 (or a veth pair into a network namespace, for the "
+        "partition) and a real etcd (tests/test_cluster_nodes.py), lease "
         "TTL 5 s unless the row says otherwise."
     )
     return _write_table("cluster", intro, "fault", CLUSTER, CLUSTER_OBSERVED)

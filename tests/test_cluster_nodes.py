@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -18,8 +19,10 @@ from etcd_harness import run_with_client
 from reliability_report import cluster_fault
 
 from daemon_harness import exod, runner_pids
+from exod.devcluster import LocalEtcd
 from exod.etcd_state import EtcdState
 from exod.membership import DEFAULT_PREFIX
+from exod.nodes import node_key
 from exod.status import status_of
 from exod.tiny_model import make_tiny_model
 from fsm.cluster import Cluster, LogEntry
@@ -27,6 +30,7 @@ from fsm.cluster import Cluster, LogEntry
 pytestmark = pytest.mark.usefixtures("no_runner_left_behind")
 
 TTL = 5
+PARTITION_TTL = 10  # the default; the partitions' tests watch a whole lease lifetime go by
 CONFIG = """
 [daemon]
 port = 0
@@ -41,15 +45,25 @@ lease_ttl = {ttl}
 
 
 def start(
-    tmp_path: Path, etcd: str, n: int, env: dict[str, str] | None = None, ttl: int = TTL
+    tmp_path: Path,
+    etcd: str,
+    n: int,
+    env: dict[str, str] | None = None,
+    ttl: int = TTL,
+    *,
+    address: str | None = None,
+    wrap: Callable[[list[str]], list[str]] = list,
 ) -> tuple[subprocess.Popen[bytes], str]:
+    """Node ``node-n``'s daemon, advertising 127.0.0.n (or ``address``), its command line run by ``wrap``
+    (inside a network namespace, say); its process and API URL once it serves."""
     home = tmp_path / f"node-{n}"
     home.mkdir()
-    address = f"127.0.0.{n}"
+    address = address or f"127.0.0.{n}"
     (home / "exod.toml").write_text(CONFIG.format(etcd=etcd, node=f"node-{n}", address=address, ttl=ttl))
     args = ["serve", "--config", str(home / "exod.toml"), "--state-dir", str(home / "state"), "--host", address]
     log = (home / "serve.log").open("wb")
-    daemon = subprocess.Popen([sys.executable, "-m", "exod", *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+    argv = wrap([sys.executable, "-m", "exod", *args])
+    daemon = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 60
     while not (home / "state" / "daemon.json").exists():
         assert daemon.poll() is None, (home / "serve.log").read_text()
@@ -73,8 +87,8 @@ def stop_all(daemons: list[tuple[subprocess.Popen[bytes], str]]) -> list[int]:
     return codes
 
 
-def nodes(url: str) -> dict:
-    return httpx.get(f"{url}/nodes", timeout=10).json()
+def nodes(url: str, headers: dict[str, str] | None = None) -> dict:
+    return httpx.get(f"{url}/nodes", headers=headers, timeout=10).json()
 
 
 def until(read, done, timeout: float):
@@ -126,8 +140,8 @@ def hf_home(tmp_path_factory):
     return home
 
 
-def instance_at(url: str, iid: str) -> dict:
-    return httpx.get(f"{url}/instances/{iid}", timeout=10).json()
+def instance_at(url: str, iid: str, headers: dict[str, str] | None = None) -> dict:
+    return httpx.get(f"{url}/instances/{iid}", headers=headers, timeout=10).json()
 
 
 def stored(etcd: str) -> tuple[dict, list]:
@@ -600,4 +614,107 @@ def test_etcd_down_past_the_lease_fences_every_node_and_all_converges_when_it_re
         "etcd outage longer than the lease",
         f"every runner stopped {fenced_after:.1f} s after etcd did; once it was back, generation "
         f"{after['generation']} Ready on both nodes, attempts {after['attempts']}",
+    )
+
+
+def runners_of(iid: str) -> dict[int, int]:
+    """The live runner processes of instance ``iid`` on this machine, whatever their node: pid → generation."""
+    found = {}
+    for pid in runner_pids():
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if "--runner-id" in argv and argv[argv.index("--runner-id") + 1].startswith(f"{iid}/"):
+            found[pid] = int(argv[argv.index("--incarnation") + 1])
+    return found
+
+
+@pytest.mark.parametrize("cut", ["node", "controller"])
+def test_a_partitioned_node_fences_itself_and_the_instance_recovers_without_two_generations(
+    tmp_path, namespace, hf_home_8_layers, cut
+):
+    """One node is a host of its own (a network namespace behind a veth pair) holding a rank, and its link
+    is cut. It kills its runner before its lease can expire (its own clock). The instance recovers on the
+    nodes left; healed, the node joins again and the instance is left alone. Never two generations alive,
+    watched throughout.
+
+    ``node``: node-3, an agent, holds rank 1 of 2. ``controller``: node-1, the controller, holds rank 0 of 3;
+    the agents on node-2 and node-3 still run the others (their streams from the old controller just went
+    silent). One of them is elected; the next generation starts only once the other's runner is gone
+    (`exod.remote.Fleet`): the new controller asks that agent to stop it, and waits for its key to go."""
+    env = {**os.environ, "HF_HOME": str(hf_home_8_layers), "EXOD_API_KEY": "partition-test"}  # a key: not loopback
+    auth = {"Authorization": "Bearer partition-test"}
+    inner = 1 if cut == "controller" else 3
+    outer = iter(namespace.outside)
+    addresses = {n: namespace.inside if n == inner else next(outer) for n in (1, 2, 3)}
+    etcd = LocalEtcd(tmp_path / "etcd", host=namespace.outside[0])
+    etcd.start()
+    daemons = []
+
+    def node(n: int) -> tuple[subprocess.Popen[bytes], str]:
+        wrap = namespace.run if n == inner else list
+        return start(tmp_path, etcd.url, n, env, PARTITION_TTL, address=addresses[n], wrap=wrap)
+
+    try:
+        daemons.append(node(1))
+        until(lambda: nodes(daemons[0][1], auth), lambda v: v["controller"] == "node-1", 30)
+        daemons += [node(2), node(3)]
+        url = daemons[1][1]  # node-2: outside, whichever is cut
+        until(lambda: nodes(url, auth), lambda v: len(v["nodes"]) == 3, 30)
+        pinned = ["node-1", "node-3"] if cut == "node" else ["node-1", "node-2", "node-3"]
+        body = {"model": "exod/tiny-qwen2", "ranks": len(pinned), "nodes": pinned}
+        iid = httpx.post(f"{url}/instances", json=body, headers=auth, timeout=30).json()["instance_id"]
+        before = until(lambda: instance_at(url, iid, auth), lambda i: i["state"] == "ready", 60)
+        inside = set(namespace.pids()) & set(runners_of(iid))
+        assert len(inside) == 1  # the cut node's rank
+
+        namespace.cut()
+        cut_at, generations_seen = time.monotonic(), []
+        while inside & set(alive := runners_of(iid)):  # the cut node fences itself: its runner is killed
+            generations_seen.append(sorted(set(alive.values())))
+            assert time.monotonic() - cut_at < PARTITION_TTL, "the cut node never fenced itself"
+            time.sleep(0.02)
+        fenced_after = time.monotonic() - cut_at
+        key = node_key(DEFAULT_PREFIX.encode(), f"node-{inner}")
+        lease_then = run_with_client(etcd.url, lambda client: client.get(key))  # still there: not expired
+        expired_after = None
+        while True:
+            generations_seen.append(sorted(set(runners_of(iid).values())))
+            now = time.monotonic() - cut_at
+            listed = [n["node_id"] for n in nodes(url, auth)["nodes"]]
+            if expired_after is None and f"node-{inner}" not in listed:
+                expired_after = now
+            after = instance_at(url, iid, auth)
+            if after.get("state") == "ready" and after["generation"] > before["generation"]:
+                break
+            assert now < 6 * PARTITION_TTL, f"not recovered: {after}"
+            time.sleep(0.05)
+        controller = nodes(url, auth)["controller"]
+
+        namespace.heal()
+        until(lambda: nodes(url, auth), lambda v: f"node-{inner}" in [n["node_id"] for n in v["nodes"]], 30)
+        time.sleep(TTL)  # back a while: nothing of the instance moves
+        settled = instance_at(url, iid, auth)
+        chat = {"model": "exod/tiny-qwen2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        served = httpx.post(f"{url}/v1/chat/completions", json=chat, headers=auth, timeout=60)
+        still = nodes(url, auth)["controller"]
+    finally:
+        stop_all(daemons)
+        etcd.stop()
+    assert lease_then is not None and expired_after is not None  # it killed its runner before its lease expired
+    assert all(len(generations) <= 1 for generations in generations_seen)  # never two generations at once
+    left = sorted(f"node-{n}" for n in (1, 2, 3) if n != inner)
+    assert sorted({r["node"] for r in after["runners"]}) == left  # moved off the cut node
+    assert after["attempts"] == before["attempts"]  # the network's failure, not the model's
+    if cut == "node":  # a new controller resumes without a failure (`Cluster.recover`)
+        assert after["uncharged"] > before["uncharged"]
+    assert (settled["state"], settled["generation"]) == ("ready", after["generation"])
+    assert controller in left and still == controller and served.status_code == 200
+    cluster_fault(
+        f"partition of {'a node' if cut == 'node' else 'the controller'}",
+        f"node-{inner}'s runner killed {fenced_after:.1f} s after the cut, its lease gone at "
+        f"{expired_after:.1f} s; generation {after['generation']} Ready on {' and '.join(left)}, attempts "
+        f"{after['attempts']}, never two generations alive; node-{inner} back, generation "
+        f"{settled['generation']} still Ready, {still} still the controller",
     )

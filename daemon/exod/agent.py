@@ -9,10 +9,16 @@ Crash-only, like a runner's hang-up watchdog: the runners belong to the controll
 When that stream ends (the controller died, was deposed, or the network between them broke), the agent
 stops every runner it started for it; the next controller resumes their instances in a new generation.
 A second stream (a new controller) ends the first one's runners too.
+
+Fencing (DESIGN §5): each runner is claimed in etcd (`exod.nodes.runner_key`, on the node's lease) before
+it is spawned, and released once it is reaped. A node that cannot renew its lease kills its runners before
+the lease may expire, so a key that vanished with the lease is a runner surely dead: the controller waits
+for it before a new generation, and two generations never run at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -28,8 +34,9 @@ from exod import protocol as p
 from exod import retention, ring
 from exod.config import DaemonConfig
 from exod.errors import ApiError
+from exod.etcd import EtcdError
 from exod.models import ModelFiles
-from exod.nodes import Presence
+from exod.nodes import Presence, runner_key, runners_prefix
 from exod.orphans import start_ticks
 from exod.store import ProcessRecord, Store
 from exod.supervisor import Process, RunnerSpec, Spawn, Supervisor
@@ -66,10 +73,13 @@ class Agent:
         self.config, self.store, self.advertise, self._spawn = config, store, advertise, spawn
         self.models = ModelFiles(hf_home=config.hf_home, offline=config.offline, timeout=config.download_timeout)
         self._running: dict[tuple[str, int], Process] = {}
+        self._scopes: dict[tuple[str, int], trio.CancelScope] = {}  # cancelling one kills its runner at once
         self._stream: trio.MemorySendChannel[bytes] | None = None
         self._session = 0  # the stream's number: runners belong to the stream open when they were spawned
         self._nursery: trio.Nursery | None = None
         self._generations = retention.Generations(config.state_dir, config.retention)  # their files, bounded
+        self._presence: Presence | None = None  # in a cluster: the node's lease, which the runners' keys are on
+        self._released: set[bytes] = set()  # keys of reaped runners, deleted from etcd as soon as it answers
 
     async def run(
         self, presence: Presence | None = None, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -77,15 +87,25 @@ class Agent:
         """Supervise what the controller asks this node to run, until cancelled (which kills and reaps it).
 
         Fencing (DESIGN §5): once the node's lease may have expired by its own clock (``presence``), another
-        controller may place its ranks elsewhere, so its runners stop first."""
+        controller may place its ranks elsewhere, so its runners are killed first."""
+        self._presence = presence
+        if presence is not None:  # a previous daemon's runners were reaped before this agent was made
+            with contextlib.suppress(EtcdError):  # if not now, their keys go with that daemon's lease
+                await presence.etcd.delete(runners_prefix(presence.prefix, presence.record.node_id), prefix=True)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
             while True:
-                await trio.sleep(BEAT_S)
-                margin = FENCE_MARGIN * presence.ttl if presence is not None else 0.0
-                if presence is not None and self._running and trio.current_time() > presence.alive_until - margin:
-                    self._end_session("this node's lease may have expired (etcd out of reach)")
+                now = trio.current_time()
+                wake = now + BEAT_S
+                if presence is not None:
+                    fence_at = presence.alive_until - FENCE_MARGIN * presence.ttl
+                    if now < fence_at:
+                        wake = min(wake, fence_at)
+                    elif self._running:
+                        self._end_session("this node's lease may have expired (etcd out of reach)", kill=True)
+                await trio.sleep_until(wake)
+                await self._release_keys()
 
     # -- what the controller asks -------------------------------------------------------------------
 
@@ -93,12 +113,15 @@ class Agent:
         """Ports free now on this node's advertised address, for one generation's ring."""
         return ring.free_ports(count, host=self.advertise)
 
-    def spawn(self, request: SpawnRequest) -> None:
-        if self._stream is None or self._nursery is None:
-            raise ApiError(409, "no controller is connected to this agent: open GET /agent/reports first")
+    async def spawn(self, request: SpawnRequest) -> None:
         key = (request.runner_id, request.incarnation)
-        if key in self._running:
-            raise ApiError(409, f"runner {request.runner_id}/{request.incarnation} already runs here")
+        session = self._session
+        self._check_spawn(key)
+        await self._claim(key)  # in etcd first: no process runs that the controller could not know of
+        if self._session != session:  # a new controller connected meanwhile: this one's runners are over
+            self._released.add(self._key_of(key))
+            raise ApiError(409, "the controller that asked for this runner is no longer connected")
+        self._check_spawn(key)
         hostfile = None
         if request.world_size > 1:
             path = retention.hostfile_path(self.config.state_dir, request.instance_id, request.incarnation)
@@ -114,10 +137,48 @@ class Agent:
             ),
             fault=request.fault,
         )
+        assert self._nursery is not None
         process = self._spawn(spec, _Forward(self, self._session), self.config.timeouts)
         self._running[key] = process
+        self._scopes[key] = trio.CancelScope()
         self._generations.started(request.instance_id, request.incarnation)
         self._nursery.start_soon(self._supervise, process, request.instance_id)
+
+    def _check_spawn(self, key: tuple[str, int]) -> None:
+        if self._stream is None or self._nursery is None:
+            raise ApiError(409, "no controller is connected to this agent: open GET /agent/reports first")
+        if key in self._running:
+            raise ApiError(409, f"runner {key[0]}/{key[1]} already runs here")
+
+    def _key_of(self, key: tuple[str, int]) -> bytes:
+        assert self._presence is not None
+        return runner_key(self._presence.prefix, self._presence.record.node_id, *key)
+
+    async def _claim(self, key: tuple[str, int]) -> None:
+        """Write the runner's key on the node's lease; refused (503) while etcd cannot be reached or the lease
+        is not surely alive: a runner spawned then could outlive the lease unknown to the controller."""
+        presence = self._presence
+        if presence is None:
+            return
+        if trio.current_time() >= presence.alive_until - FENCE_MARGIN * presence.ttl:
+            raise ApiError(503, "this node cannot renew its lease in etcd: it runs nothing until it can")
+        try:
+            await presence.etcd.put(self._key_of(key), b"", lease=presence.lease)
+        except EtcdError as exc:
+            raise ApiError(503, f"this node cannot claim the runner in etcd: {exc}") from exc
+
+    async def _release_keys(self) -> None:
+        """Delete the keys of reaped runners (retried at every beat while etcd does not answer)."""
+        if self._presence is None:
+            self._released.clear()
+            return
+        for key in sorted(self._released):
+            try:
+                await self._presence.etcd.delete(key)
+            except EtcdError as exc:
+                log.debug("runner key %r not released yet: %s", key, exc)
+                return
+            self._released.discard(key)
 
     def post(self, runner_id: str, incarnation: int, request: CommandRequest) -> None:
         process = self._running.get((runner_id, incarnation))
@@ -167,14 +228,19 @@ class Agent:
 
     # -- the runners ---------------------------------------------------------------------------------
 
-    def _end_session(self, why: str) -> None:
+    def _end_session(self, why: str, *, kill: bool = False) -> None:
+        """The runners of the open stream stop: asked to (a controller went), or killed at once (fencing:
+        the lease may expire before a graceful stop would end)."""
         if self._stream is not None:
             self._stream.close()
             self._stream = None
         if self._running:
-            log.warning("stopping %d runner(s): %s", len(self._running), why)
-        for process in list(self._running.values()):
-            process.stop()
+            log.warning("%s %d runner(s): %s", "killing" if kill else "stopping", len(self._running), why)
+        for key, process in list(self._running.items()):
+            if kill:
+                self._scopes[key].cancel()
+            else:
+                process.stop()
 
     def _send(self, session: int, event: dict[str, Any]) -> None:
         if session == self._session and self._stream is not None:
@@ -182,15 +248,22 @@ class Agent:
 
     async def _supervise(self, process: Process, instance_id: str) -> None:
         spec = process.spec
+        key = (spec.runner_id, spec.incarnation)
         try:
-            await process.run()
+            with self._scopes[key]:  # cancelled: killed and reaped (`Supervisor.run`)
+                await process.run()
         except Exception as exc:  # the runner's failure, never the agent's
             log.exception("supervisor of %s/%d failed", spec.runner_id, spec.incarnation)
             self._send(self._session, {"kind": "report", **_key(spec), "report": json.loads(_failed(spec, exc))})
             self._send(self._session, {"kind": "exit", **_key(spec), "exit_code": 1, "tail": "", "stopped": False})
         finally:
-            self._running.pop((spec.runner_id, spec.incarnation), None)
+            self._running.pop(key, None)
+            self._scopes.pop(key, None)
             self._generations.ended(instance_id, spec.incarnation)
+            self.store.forget_process(*key)  # killed by fencing, it never said its exit
+            if self._presence is not None:
+                self._released.add(self._key_of(key))
+        await self._release_keys()
 
 
 class _Forward:
@@ -237,7 +310,7 @@ def router(agent: Agent) -> APIRouter:
 
     @api.post("/runners", status_code=202)
     async def spawn(body: SpawnRequest) -> dict[str, Any]:
-        agent.spawn(body)
+        await agent.spawn(body)
         return {"runner_id": body.runner_id, "incarnation": body.incarnation}
 
     @api.post("/runners/{runner_id:path}/{incarnation}/commands", status_code=202)

@@ -41,14 +41,14 @@ def etcd_binary() -> str:
 
 
 class LocalEtcd:
-    """One etcd member on free loopback ports and a data dir; it can be stopped and started again. Alone, it
-    is a cluster of one; `LocalEtcdCluster` makes several members of one cluster."""
+    """One etcd member on free ports (of loopback, or ``host``) and a data dir; it can be stopped and started
+    again. Alone, it is a cluster of one; `LocalEtcdCluster` makes several members of one cluster."""
 
-    def __init__(self, directory: Path, name: str = "exod") -> None:
+    def __init__(self, directory: Path, name: str = "exod", host: str = "127.0.0.1") -> None:
         self.directory, self.name = directory, name
-        self.client_port, self.peer_port = free_ports(2)
-        self.url = f"http://127.0.0.1:{self.client_port}"
-        self.peer = f"http://127.0.0.1:{self.peer_port}"
+        self.client_port, self.peer_port = free_ports(2, host=host)
+        self.url = f"http://{host}:{self.client_port}"
+        self.peer = f"http://{host}:{self.peer_port}"
         self.initial_cluster = f"{name}={self.peer}"
         self.process: subprocess.Popen[bytes] | None = None
 

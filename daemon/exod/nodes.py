@@ -64,6 +64,29 @@ def node_key(prefix: bytes, node_id: str) -> bytes:
     return prefix + b"nodes/" + node_id.encode()
 
 
+def runners_prefix(prefix: bytes, node_id: str) -> bytes:
+    return prefix + f"runners/{node_id}/".encode()
+
+
+def runner_key(prefix: bytes, node_id: str, runner_id: str, incarnation: int) -> bytes:
+    """A runner process that ``node_id``'s agent runs, kept under the node's lease from before it is spawned
+    until after it is reaped (`exod.agent`)."""
+    return runners_prefix(prefix, node_id) + f"{runner_id}/{incarnation}".encode()
+
+
+async def live_runners(etcd: Etcd, prefix: bytes) -> dict[str, set[tuple[str, int]]]:
+    """The runner processes that may be alive on each node: those its agent holds a key for. A node that is
+    gone is not listed (its keys went with its lease, after it fenced itself), so the controller never
+    starts a new generation beside an old one that may still run (DESIGN §5, fencing)."""
+    kvs, _ = await etcd.get_prefix(prefix + b"runners/")
+    alive: dict[str, set[tuple[str, int]]] = {}
+    for kv in kvs:
+        node_id, runner = kv.key[len(prefix) + len(b"runners/") :].decode().split("/", 1)
+        runner_id, incarnation = runner.rsplit("/", 1)
+        alive.setdefault(node_id, set()).add((runner_id, int(incarnation)))
+    return alive
+
+
 async def list_nodes(etcd: Etcd, prefix: bytes) -> list[NodeStatus]:
     """Every node whose lease is alive, sorted by id."""
     kvs, _ = await etcd.get_prefix(prefix + b"nodes/")

@@ -6,7 +6,9 @@ of each runner there. A `RemoteProcess` is what `exod.processes` needs of any ru
 post, stop, the exit), over the agent's API; commands go one at a time, in order, as to a local one.
 
 A node whose stream breaks (it died, or the network did) takes its runners with it: each is reported
-as failed by the host (uncharged, `fsm.Failure.host`) and gone, and the instance starts again.
+as failed by the host (uncharged, `fsm.Failure.host`) at once, and as exited once its key in etcd is gone
+(`exod.nodes.live_runners`): reaped by its agent, or killed when its node fenced itself before its lease
+expired. Until then it may still run, so no new generation starts beside it (DESIGN §5, fencing).
 
 `Ring` gives every rank of a generation the same hostfile, from each rank's node: its advertised
 address and a port its agent reserved there.
@@ -25,6 +27,7 @@ import httpx
 import trio
 
 from exod import protocol as p
+from exod.etcd import EtcdError
 from exod.nodes import NodeRecord
 from exod.supervisor import Listener, RunnerSpec
 
@@ -170,26 +173,40 @@ class RemoteProcess:
             case "stall":
                 self.listener.on_stall(self.spec, event["phase"], event["seconds"])
             case "exit":
-                self.listener.on_exit(self.spec, event["exit_code"], event["tail"], event["stopped"])
-                self._exited.set()
+                self.link.unconfirmed.discard(self)
+                if not self._exited.is_set():
+                    self.listener.on_exit(self.spec, event["exit_code"], event["tail"], event["stopped"])
+                    self._exited.set()
 
     def lost(self, why: str) -> None:
-        """Its node is gone: a failure of the host, and no process any more."""
-        if self._exited.is_set():
+        """Its node is out of reach: a failure of the host. The process may still run there until its node
+        fences itself, so its exit is said only once its key is gone (`gone`, from `Fleet.refresh`)."""
+        if self._exited.is_set() or self in self.link.unconfirmed:
             return
         s = self.spec
         failed = p.Failed(s.runner_id, s.incarnation, "NodeLost", why, "", retryable=True, host=True)
         self.listener.on_report(s, failed)
-        self.listener.on_exit(s, -9, "", False)
-        self._exited.set()
+        self.link.unconfirmed.add(self)
+
+    def gone(self) -> None:
+        """Its key is gone from etcd: the process is surely dead."""
+        self.link.unconfirmed.discard(self)
+        if not self._exited.is_set():
+            self.listener.on_exit(self.spec, -9, "", False)
+            self._exited.set()
+
+    @property
+    def exited(self) -> bool:
+        return self._exited.is_set()
 
 
 class NodeLink:
     """One node's agent as this controller drives it: its report stream, and the runners it runs for us."""
 
-    def __init__(self, client: AgentClient) -> None:
+    def __init__(self, client: AgentClient, unconfirmed: set[RemoteProcess]) -> None:
         self.client = client
         self.running: dict[tuple[str, int], RemoteProcess] = {}
+        self.unconfirmed = unconfirmed  # the fleet's: runners lost with their node, maybe alive until fenced
         self.connected = trio.Event()
         self.lost: str | None = None
         self._scope = trio.CancelScope()
@@ -248,21 +265,26 @@ class Fleet:
         self,
         local: str,
         records: Callable[[], Awaitable[list[NodeRecord]]],
+        runners: Callable[[], Awaitable[dict[str, set[tuple[str, int]]]]],
         api_key: str | None,
     ) -> None:
-        self.local, self._records, self._api_key = local, records, api_key
+        self.local, self._records, self._runners, self._api_key = local, records, runners, api_key
         self.nodes: dict[str, NodeRecord] = {}
         self._links: dict[str, NodeLink] = {}
+        self._unconfirmed: set[RemoteProcess] = set()
         self._client = httpx.AsyncClient(timeout=30.0)
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """For one controller term: the links it opens live and die with it (a new term opens its own)."""
-        self._links = {}
+        """For one controller term: the links it opens live and die with it (a new term opens its own).
+
+        It is started once every runner an earlier term left on an agent is gone (`settle`)."""
+        self._links, self._unconfirmed = {}, set()
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 await self.refresh()
+                await self._settle()
                 task_status.started()
                 while True:
                     await trio.sleep(REFRESH_S)
@@ -281,6 +303,33 @@ class Fleet:
         for node_id, link in self._links.items():
             if node_id not in self.nodes and link.lost is None:
                 link.close(f"node {node_id}'s lease expired")
+        if self._unconfirmed:
+            with contextlib.suppress(EtcdError):  # etcd away: they stay unconfirmed, which is the safe side
+                alive = await self._runners()
+                for process in list(self._unconfirmed):
+                    node, s = process.link.client.node.node_id, process.spec
+                    if (s.runner_id, s.incarnation) not in alive.get(node, ()):
+                        process.gone()
+
+    async def _settle(self) -> None:
+        """Wait until no runner of an earlier term is alive on any agent. Opening a link ends the earlier
+        term's stream there, and its agent stops them; on a node out of reach they go when it fences itself
+        (its keys with its lease). Meanwhile this term starts nothing."""
+        while True:
+            try:
+                alive = {node: keys for node, keys in (await self._runners()).items() if keys}
+            except EtcdError as exc:  # the membership fences this term if it lasts
+                log.warning("cannot read the runners left by the previous controller: %s", exc)
+                await trio.sleep(REFRESH_S)
+                continue
+            if not alive:
+                return
+            for node in alive:
+                with contextlib.suppress(AgentUnavailable):
+                    self.link(node)
+            log.info("waiting for the runners of the previous controller to stop on %s", ", ".join(sorted(alive)))
+            await trio.sleep(REFRESH_S)
+            await self.refresh()
 
     def rooms(self) -> tuple[dict[str, int], dict[str, tuple[str, ...]]]:
         """For admission: the memory of each live node (its ``memory_total``: admission subtracts what is
@@ -295,6 +344,6 @@ class Fleet:
             record = self.nodes.get(node_id)
             if record is None or not record.api_url or self._nursery is None:
                 raise AgentUnavailable(f"node {node_id} is not a live node of the cluster")
-            link = self._links[node_id] = NodeLink(AgentClient(record, self._api_key, self._client))
+            link = self._links[node_id] = NodeLink(AgentClient(record, self._api_key, self._client), self._unconfirmed)
             self._nursery.start_soon(link.run)
         return link

@@ -41,7 +41,7 @@ from exod.etcd import Etcd, EtcdError
 from exod.etcd_state import EtcdState
 from exod.http_server import serve_http
 from exod.membership import Membership
-from exod.nodes import NodeRecord, list_nodes
+from exod.nodes import NodeRecord, list_nodes, live_runners
 from exod.orphans import reap_orphans
 from exod.remote import Fleet
 from exod.state import SqliteState, StateStore, StateUnavailable
@@ -161,7 +161,10 @@ def _fleet(membership: Membership, config: ServeConfig) -> Fleet:
     async def records() -> list[NodeRecord]:
         return [node.record for node in await list_nodes(membership.etcd, membership.prefix)]
 
-    return Fleet(membership.node_id, records, config.api_key)
+    async def runners() -> dict[str, set[tuple[str, int]]]:
+        return await live_runners(membership.etcd, membership.prefix)
+
+    return Fleet(membership.node_id, records, runners, config.api_key)
 
 
 def _agent(membership: Membership, config: ServeConfig, store: Store) -> Agent:
