@@ -17,6 +17,24 @@ checker takes every event there is:
 * ``submit`` — a chat request arrives (up to ``requests`` of them): it must be forwarded to Ready
   runners of the current generation, or cancelled with a Deleted instance, and never left waiting.
 
+With ``hosts`` set, the ranks live on a cluster of that many nodes (DESIGN §5), and the adversary also
+hits whole nodes (up to ``node_failures`` times):
+
+* ``kill N`` — the node dies with its runners; ``cut N`` — it is cut off (a partition), its runners
+  running on. Either way the controller gives its runners up at once, as failures of the host;
+* ``heal N`` — a cut node's link returns: its agent stops what it ran, and it joins again;
+
+and the cluster answers by itself (progress events):
+
+* ``fence N`` — a cut node kills its runners (its own clock, at TTL − margin);
+* ``expire N`` — a node's lease expires, with the runner keys on it; only once it has fenced itself (the
+  premise of fencing: its clock runs at a bounded rate, so TTL − margin comes first);
+* ``confirm`` — the controller reads the runner keys: a given-up runner whose key is gone has exited
+  (`exod.remote.Fleet`). With ``waits_for_keys`` off (a planted bug) it says so at once.
+
+A new generation is placed again off nodes whose lease expired (`fsm.place_again`'s rule: ranks on live
+nodes stay, the others go where the fewest ranks are).
+
 It explores breadth-first, so the first violation found has a shortest trace,
 and checks the invariants of DESIGN §3.5 on every transition and state:
 
@@ -27,7 +45,8 @@ and checks the invariants of DESIGN §3.5 on every transition and state:
 4. Charged generations started per streak ≤ max_retries + 1 (a start after a host failure is free;
    invariant 5 holds it to the backoff all the same).
 5. No start before its deadline.
-6. Never two generations alive at once, never more than N live runners.
+6. Never two generations alive at once, never more than N live runners; with hosts, never two generations
+   of processes running at once, counting those that run on, unknown, on a cut node.
 7. An event of an older incarnation changes nothing (probed in every state).
 8. The budget resets iff Ready continuously for ≥ reset_after.
 9. Determinism: a sample of transitions is recomputed and must agree.
@@ -52,6 +71,7 @@ from typing import Any
 import attrs
 
 from fsm import actions as act
+from fsm import download as dl
 from fsm import instance as inst
 from fsm import runner as rn
 from fsm.cluster import Cluster, RunnerEntry
@@ -150,7 +170,65 @@ class Submit:
         return "submit"
 
 
-Event = Plan | CompleteAll | FailDownloads | Deliver | Tick | Inject | Delete | Submit
+class NodeFault(enum.Enum):
+    """What the adversary does to a whole node (with ``hosts``)."""
+
+    KILL = "kill"  # the host dies, its runners with it
+    CUT = "cut"  # the host is cut off: its runners run on until it fences itself
+
+
+@attrs.frozen
+class HitNode:
+    fault: NodeFault
+    node: str
+
+    def __str__(self) -> str:
+        return f"{self.fault.value} {self.node}"
+
+
+@attrs.frozen
+class Heal:
+    """A cut node's link returns."""
+
+    node: str
+
+    def __str__(self) -> str:
+        return f"heal {self.node}"
+
+
+@attrs.frozen
+class Fence:
+    """A cut node kills its runners: it could not renew its lease for TTL − margin."""
+
+    node: str
+
+    def __str__(self) -> str:
+        return f"fence {self.node}"
+
+
+@attrs.frozen
+class Expire:
+    """A node's lease expires, and the runner keys on it go."""
+
+    node: str
+
+    def __str__(self) -> str:
+        return f"expire {self.node}"
+
+
+@attrs.frozen
+class Confirm:
+    """The controller reads the runner keys: each runner given up with its node whose key is gone exited."""
+
+    def __str__(self) -> str:
+        return "confirm"
+
+
+Event = (
+    Plan | CompleteAll | FailDownloads | Deliver | Tick | Inject | Delete | Submit | HitNode | Heal | Fence | Expire
+) | Confirm
+
+UP, CUT, DEAD = "up", "cut", "dead"  # a node's link, with hosts
 
 
 def _faults(values: Any) -> tuple[Fault, ...]:
@@ -185,6 +263,20 @@ class CheckConfig:
         give_up = sum(backoff.ceiling(n) for n in range(1, self.policy.max_retries + 1))
         return self.policy.reset_after + give_up + 1.0
 
+    # A cluster of ``hosts`` nodes (≥ ranks; rank r starts on node r), hit by the adversary up to
+    # ``node_failures`` times (kill or cut). 0: one node per rank, and no node ever fails.
+    hosts: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    node_failures: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    # The controller's fencing rule: a runner given up with its node has exited only once its key is gone
+    # (`exod.remote.Fleet`). False plants the bug the rule prevents.
+    waits_for_keys: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if self.hosts and self.hosts < self.ranks:
+            raise ValueError(f"hosts ({self.hosts}) must be 0 or at least ranks ({self.ranks})")
+        if self.node_failures and not self.hosts:
+            raise ValueError("node_failures needs hosts: the nodes that may fail")
+
     # True: all pending completions arrive in one event, each node plans once per "plan" event, and
     # time only passes when nothing else can happen (a discrete clock with maximal progress). This keeps
     # the space small enough to be exhaustive; False explores each completion and each node on its own.
@@ -192,7 +284,7 @@ class CheckConfig:
 
     @property
     def nodes(self) -> list[str]:
-        return [f"n{r}" for r in range(self.ranks)]
+        return [f"n{r}" for r in range(self.hosts or self.ranks)]
 
 
 @attrs.frozen
@@ -245,6 +337,12 @@ class _State:
     streak_starts: int  # charged generations started in the current streak (invariant 4)
     requests: tuple[str, ...] = ()  # chat requests waiting in the cluster (not yet forwarded or cancelled)
     submitted: int = 0  # requests the adversary has sent so far
+    # with hosts:
+    placement: tuple[str, ...] = ()  # the node of each rank (it moves between generations)
+    hosts: tuple[tuple[str, str, bool], ...] = ()  # (node, link, lease alive)
+    lost: tuple[tuple[str, int, str, bool], ...] = ()  # runners given up with their node: (id, inc, node, key)
+    ghosts: tuple[tuple[str, int, str], ...] = ()  # their processes, still running on a cut node
+    node_faults: int = 0  # node faults the adversary has caused so far
 
 
 class _Fail(Exception):
@@ -321,21 +419,46 @@ class _System:
     def __init__(self, config: CheckConfig, table: _TransitionTable | None = None) -> None:
         self.config = config
         self.cluster = _PooledCluster(config, table)
-        self.slots = [Slot(r, node, f"{INSTANCE}/{r}") for r, node in enumerate(config.nodes)]
+        self.slots = [Slot(r, node, f"{INSTANCE}/{r}") for r, node in enumerate(config.nodes[: config.ranks])]
         self.cluster.place(INSTANCE, MODEL, self.slots, policy=config.policy)
         self.placement = self.cluster.instances[INSTANCE]
         self.cluster.adopt(self.placement.machine)
         self.download_objects: dict[str, Any] = {}
         self._stale_proven: set[Any] = set()
+        # the cluster's nodes, with hosts (loaded from each state, captured into the next)
+        self.links: dict[str, str] = {}
+        self.leases: dict[str, bool] = {}
+        self.lost: dict[tuple[str, int], tuple[str, bool]] = {}  # (id, inc) → (node, its key still there)
+        self.ghosts: set[tuple[str, int, str]] = set()
+        self.node_faults = 0
 
     # -- state <-> cluster -----------------------------------------------------------------
 
     def initial(self) -> _State:
-        return _State(self.placement.machine.snapshot(), (), (), (), 0.0, 0.0, 0)
+        state = _State(self.placement.machine.snapshot(), (), (), (), 0.0, 0.0, 0)
+        if not self.config.hosts:
+            return state
+        nodes = self.config.nodes
+        placement = tuple(slot.node_id for slot in self.slots)
+        state = attrs.evolve(state, placement=placement, hosts=tuple((node, UP, True) for node in nodes))
+        world = self._world(state)  # the model is on every node already: node faults are what is explored
+        for node in nodes:
+            self.cluster.download_event(node, dl.Begin(MODEL, 0.0))
+            self.cluster.download_event(node, dl.Complete(MODEL, 0.0))
+        return self.capture(world, 0.0, 0, 0)
 
     def load(self, state: _State) -> None:
         c = self.cluster
         self.placement.machine.reload(state.instance)
+        if state.placement:
+            self.placement.slots = tuple(
+                attrs.evolve(slot, node_id=node) for slot, node in zip(self.slots, state.placement, strict=True)
+            )
+        self.links = {node: link for node, link, _ in state.hosts}
+        self.leases = {node: lease for node, _, lease in state.hosts}
+        self.lost = {(rid, inc): (node, key) for rid, inc, node, key in state.lost}
+        self.ghosts = set(state.ghosts)
+        self.node_faults = state.node_faults
         live = dict(state.runners)
         for rid in list(c.runners):
             if rid not in live:
@@ -348,7 +471,7 @@ class _System:
             else:
                 machine.reload(snap)
             c.pool[rid] = machine
-            node = self.slots[snap.rank].node_id
+            node = self.placement.slots[snap.rank].node_id
             unpublished = Pending(Completion.PUBLISHED, rid, snap.incarnation) in state.pending
             c.runners[rid] = RunnerEntry(machine, INSTANCE, node, None if unpublished else f"{node}:{snap.rank}")
         c.downloads.clear()
@@ -365,16 +488,22 @@ class _System:
         c = self.cluster
         for (node, _), machine in c.downloads.items():
             self.download_objects.setdefault(node, machine)
+        unreachable = set(self.lost)  # what was asked of them never comes back
         return _State(
             self.placement.machine.snapshot(),
             tuple(sorted((rid, e.machine.snapshot()) for rid, e in c.runners.items())),
             tuple(sorted((node, m.snapshot()) for (node, _), m in c.downloads.items())),
-            tuple(sorted(p for p in world.pending if applies(c, p))),
+            tuple(sorted(p for p in world.pending if applies(c, p) and (p.key, p.incarnation) not in unreachable)),
             world.now,
             streak_delay,
             starts,
             tuple(sorted(world.requests)),
             submitted,
+            tuple(slot.node_id for slot in self.placement.slots) if self.config.hosts else (),
+            tuple((node, self.links[node], self.leases[node]) for node in sorted(self.links)),
+            tuple(sorted((rid, inc, node, key) for (rid, inc), (node, key) in self.lost.items())),
+            tuple(sorted(self.ghosts)),
+            self.node_faults,
         )
 
     # -- events ------------------------------------------------------------------------
@@ -414,8 +543,13 @@ class _System:
                 yield Tick()
         if state.submitted < self.config.requests:
             yield Submit()
+        yield from self._node_events(state)
         if state.instance.leaf == InstanceState.DELETED.value:
             return  # the adversary rests: all that is left to prove is the teardown
+        if state.node_faults < self.config.node_failures:
+            for node, link, lease in state.hosts:
+                if link == UP and lease:
+                    yield from (HitNode(fault, node) for fault in NodeFault)
         for rid, snap in state.runners:  # faults hit healthy runners (a failing one is already being torn down)
             if snap.leaf != RunnerPhase.STOPPED.value and snap.failure is None and not snap.stop_requested:
                 for fault in self.config.faults:
@@ -423,17 +557,35 @@ class _System:
         if self.config.deletes:
             yield Delete()
 
+    @staticmethod
+    def _node_events(state: _State) -> Iterator[Event]:
+        """What the cluster does by itself about its nodes, and a cut node's link returning."""
+        if any(not key for *_, key in state.lost):
+            yield Confirm()
+        ghosts = {node for *_, node in state.ghosts}
+        for node, link, lease in state.hosts:
+            if link == CUT and node in ghosts:
+                yield Fence(node)
+            if link != UP and lease and node not in ghosts:  # fenced (or dead) before its lease can expire
+                yield Expire(node)
+            if link == CUT:
+                yield Heal(node)
+
     def _may_fail_download(self, state: _State) -> bool:
         return sum(snap.attempts for _, snap in state.downloads) < self.config.download_failures
 
     @staticmethod
     def progress(event: Event) -> bool:
         """Events that need no adversary: the system moving on by itself."""
-        return isinstance(event, (Plan, CompleteAll, Tick)) or (isinstance(event, Deliver) and event.ok)
+        return isinstance(event, (Plan, CompleteAll, Tick, Confirm, Fence, Expire)) or (
+            isinstance(event, Deliver) and event.ok
+        )
 
     def _world(self, state: _State) -> World:
         self.load(state)
         world = World(self.cluster, self.config.nodes, state.now, plan=self.config.plan)
+        if self.config.hosts:
+            world.before = self._place_again
         world.pending = list(state.pending)
         for request_id in state.requests:
             world.submit(request_id, INSTANCE)
@@ -495,6 +647,25 @@ class _System:
                 label = f"{fault.value} {rid}#{machine.incarnation}"
             case Delete():
                 c.delete(INSTANCE, world.now)
+            case HitNode(fault, node):
+                self.node_faults += 1
+                self.links[node] = DEAD if fault is NodeFault.KILL else CUT
+                on_it = [rid for rid, e in c.runners.items() if e.node_id == node and e.machine.alive]
+                for rid in [rid for rid in on_it if (rid, c.runner(rid).incarnation) not in self.lost]:
+                    self._give_up(rid, node, key=True, running=fault is NodeFault.CUT, now=world.now)
+            case Heal(node):  # its agent stops what it ran (their controller's stream is gone), and it rejoins
+                self.links[node], self.leases[node] = UP, True
+                self.ghosts = {g for g in self.ghosts if g[2] != node}
+                self.lost = {k: (n, key and n != node) for k, (n, key) in self.lost.items()}
+            case Fence(node):
+                self.ghosts = {g for g in self.ghosts if g[2] != node}
+            case Expire(node):
+                self.leases[node] = False
+                self.lost = {k: (n, key and n != node) for k, (n, key) in self.lost.items()}
+            case Confirm():
+                for rid, inc in [k for k, (_, key) in self.lost.items() if not key]:
+                    self._confirm(rid, inc, world.now)
+        self._check_hosts()
         after = self.placement.machine
         if after.attempts + after.uncharged < before.attempts + before.uncharged:  # a reset ends the streak
             streak_delay, starts = 0.0, 0
@@ -503,8 +674,7 @@ class _System:
             raise _Fail("4 creations per streak", f"{starts} generations started in one failure streak")
         return self.capture(world, streak_delay, starts, submitted), label
 
-    @staticmethod
-    def _plan(world: World, node: str) -> int:
+    def _plan(self, world: World, node: str) -> int:
         """Plan and execute on ``node`` (`World.step` checks 1, 5 and 6 per action); returns the charged
         generations it started: the first, and each after a failure that was not the host's."""
         try:
@@ -514,10 +684,63 @@ class _System:
         except Exception as exc:
             action = world.executed[-1][1] if world.executed else None
             raise _Fail("actions apply", f"an action could not be applied after {action}: {exc}") from exc
+        for action in actions:  # a runner asked of a node out of reach: never spawned, so it has no key
+            if isinstance(action, act.CreateRunner) and self.links.get(action.node_id, UP) != UP:
+                self._give_up(action.runner_id, action.node_id, key=False, running=False, now=world.now)
         last = world.cluster.instance(INSTANCE).last_failure  # a start leaves it: the previous generation's
         return sum(
             isinstance(a, act.StartGeneration) and (a.generation == 1 or last is None or last.charged) for a in actions
         )
+
+    # -- the nodes (with hosts) ----------------------------------------------------------------
+
+    def _give_up(self, rid: str, node: str, *, key: bool, running: bool, now: float) -> None:
+        """The controller gives a runner up with its node: a failure of the host, at once; its exit once its
+        key is gone (or at once, with the planted bug)."""
+        machine = self.cluster.runner(rid)
+        inc = machine.incarnation
+        if machine.runner_state is not RunnerState.FAILED:
+            failure = Failure.host(f"node {node} lost")
+            self.cluster.runner_event(rn.Fail(rid, inc, failure=failure), now)
+        self.lost[(rid, inc)] = (node, key)
+        if running:
+            self.ghosts.add((rid, inc, node))
+        if not self.config.waits_for_keys:
+            self._confirm(rid, inc, now)
+
+    def _confirm(self, rid: str, inc: int, now: float) -> None:
+        del self.lost[(rid, inc)]
+        self.cluster.runner_event(rn.Exited(rid, inc, exit_code=-9, stop_delivered=False), now)
+
+    def _place_again(self, action: act.Action) -> None:
+        """Before a new generation, as the controller does: ranks on nodes whose lease expired move to live
+        ones (fewest ranks first, then by name); if no node is live they stay, and fail as the host's."""
+        if not isinstance(action, act.StartGeneration):
+            return
+        live = [node for node in self.config.nodes if self.leases[node]]
+        nodes = [slot.node_id for slot in self.placement.slots]
+        if not live or all(node in live for node in nodes) or self.cluster.has_live_runners(INSTANCE):
+            return
+        for rank, node in enumerate(nodes):
+            if node not in live:
+                nodes[rank] = min(live, key=lambda n: (sum(1 for m in nodes if m == n), n))
+        self.cluster.move(INSTANCE, nodes)
+
+    def _check_hosts(self) -> None:
+        """Invariant 6 on the hosts: the processes that run, known or not, are of one generation."""
+        if not self.config.hosts:
+            return
+        running = {
+            e.machine.incarnation
+            for rid, e in self.cluster.runners.items()
+            if e.machine.alive and (rid, e.machine.incarnation) not in self.lost
+        } | {inc for _, inc, _ in self.ghosts}
+        if len(running) > 1:
+            ghosts = ", ".join(f"{rid}#{inc} on {node}" for rid, inc, node in sorted(self.ghosts)) or "none"
+            raise _Fail(
+                "6 one generation at a time, on the hosts",
+                f"generations {sorted(running)} run at once (still running on a cut node: {ghosts})",
+            )
 
     # -- invariants --------------------------------------------------------------------------
 
@@ -588,8 +811,8 @@ class _System:
                 raise _Fail("7 stale events are no-ops", "a stale generation's failure moved the instance")
 
     def settled(self, state: _State) -> bool:
-        if state.requests or state.pending:
-            return False  # every request forwarded or cancelled, every completion in
+        if state.requests or state.pending or state.lost or state.ghosts:
+            return False  # every request forwarded or cancelled, every completion in, every lost runner gone
         m = state.instance
         runners = [s for _, s in state.runners]
         if m.leaf == InstanceState.DELETED.value:

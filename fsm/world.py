@@ -217,6 +217,9 @@ class World:
         self.pending: list[Pending] = []
         self.requests: dict[str, PendingRequest] = {}  # the request book: waiting to be forwarded or cancelled
         self.executed: list[tuple[float, act.Action]] = []
+        # what the driver does before an action is executed (the checker's controller: a generation's ranks
+        # move off nodes that are gone, as `exod.placer.Placer.place_again` does)
+        self.before: Callable[[act.Action], None] | None = None
 
     def submit(self, request_id: str, instance_id: str) -> None:
         """A chat request arrives."""
@@ -229,6 +232,8 @@ class World:
         """Plan on ``node_id`` and execute every action; their completions become pending."""
         actions = self.plan(self.view(), node_id, self.now)
         for action in actions:
+            if self.before is not None:
+                self.before(action)
             check_action(self.cluster, action, self.now)
             self.cluster.execute(action, self.now)
             self.executed.append((self.now, action))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import attrs
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -208,3 +209,38 @@ def unpublished_connect_plan(view, node_id, now):
 def test_connecting_before_every_rank_endpoint_is_published_is_found():
     trace = found(CheckConfig(plan=unpublished_connect_plan), "connect only once every rank's endpoint is published")
     assert not any(e.startswith("published") for e in trace[-2:])
+
+
+# -- several hosts: nodes die, are cut off, heal; leases expire ----------------------------------------
+
+NODES = CheckConfig(
+    ranks=2, hosts=3, node_failures=2, faults=(), deletes=False, policy=fsm.RetryPolicy(max_retries=1), horizon=30.0
+)
+
+
+def test_three_nodes_two_ranks_two_node_failures_never_run_two_generations_and_always_settle():
+    """Kills, cuts and heals in every order, with leases expiring only after a cut node fenced itself."""
+    result = check(NODES)
+    assert result.ok, result.report()
+    assert result.exhaustive and "ready" in result.reached
+
+
+def test_node_failures_with_runner_faults_and_deletes_hold_too():
+    result = check(attrs.evolve(NODES, node_failures=1, faults=("crash", "error"), deletes=True))
+    assert result.ok, result.report()
+    assert result.exhaustive and {"ready", "deleted:requested"} <= result.reached
+
+
+def test_a_controller_that_does_not_wait_for_the_old_generations_keys_is_found():
+    """It takes a lost runner for exited at once: the next generation starts on a live node while the old
+    one still runs on a cut node that has not fenced itself yet."""
+    trace = found(attrs.evolve(NODES, waits_for_keys=False), "6 one generation at a time, on the hosts")
+    assert any(e.startswith("cut") for e in trace) and len(trace) <= 10
+    assert not any(e.startswith("fence") for e in trace)
+
+
+def test_the_nodes_need_at_least_one_per_rank_and_node_failures_need_nodes():
+    with pytest.raises(ValueError, match="at least ranks"):
+        CheckConfig(ranks=3, hosts=2)
+    with pytest.raises(ValueError, match="needs hosts"):
+        CheckConfig(node_failures=1)

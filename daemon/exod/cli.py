@@ -535,6 +535,20 @@ def specs(check: bool, directory: Path) -> None:
     help="What the adversary does to runners, of crash, error, fatal, host (the host's failures: uncharged).",
 )
 @click.option("--horizon", type=click.FloatRange(min=1), default=None, help="Seconds of the clock to explore.")
+@click.option(
+    "--hosts",
+    type=click.IntRange(0, 6),
+    default=0,
+    show_default=True,
+    help="Nodes of a cluster the ranks run on (at least --ranks); 0: one node per rank, never failing.",
+)
+@click.option(
+    "--node-failures",
+    type=click.IntRange(0, 4),
+    default=0,
+    show_default=True,
+    help="Times the adversary may kill or cut off a node (needs --hosts); a cut node may heal.",
+)
 def check(
     ranks: int,
     max_retries: int,
@@ -545,6 +559,8 @@ def check(
     requests: int,
     faults: str,
     horizon: float | None,
+    hosts: int,
+    node_failures: int,
 ) -> None:
     """Model-check the composed system; a violated invariant prints its shortest trace and exits 1."""
     import fsm
@@ -557,17 +573,22 @@ def check(
         raise click.BadParameter(
             f"{exc}; choose from {', '.join(f.value for f in Fault)}", param_hint="--faults"
         ) from None
-    config = CheckConfig(
-        faults=chosen,
-        horizon=horizon,
-        ranks=ranks,
-        policy=fsm.RetryPolicy(max_retries=max_retries),
-        depth=depth,
-        max_states=max_states,
-        deletes=not no_deletes,
-        coarse=not fine,
-        requests=requests,
-    )
+    try:
+        config = CheckConfig(
+            faults=chosen,
+            horizon=horizon,
+            ranks=ranks,
+            policy=fsm.RetryPolicy(max_retries=max_retries),
+            depth=depth,
+            max_states=max_states,
+            deletes=not no_deletes,
+            coarse=not fine,
+            requests=requests,
+            hosts=hosts,
+            node_failures=node_failures,
+        )
+    except ValueError as exc:  # --hosts below --ranks, or node failures without hosts
+        raise click.UsageError(str(exc)) from None
     import time
 
     result = run_check(config, timer=time.perf_counter)
