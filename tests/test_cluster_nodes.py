@@ -542,6 +542,8 @@ def test_a_node_that_dies_takes_its_rank_with_it_and_the_next_generation_runs_on
     assert sorted(r["node"] for r in before["runners"]) == ["node-1", "node-2"]
     assert {r["node"] for r in after["runners"]} == {view["controller"]}  # moved to the node that is left
     assert after["attempts"] == before["attempts"] and after["uncharged"] >= 1  # the host's, not the model's
+    victim_id = next(r["node"] for r in before["runners"] if r["node"] != view["controller"])
+    assert f"node {victim_id} lost" in after["last_failure"]  # the log says why
     assert served.status_code == 200
     cluster_fault(
         "host death",
@@ -708,7 +710,7 @@ def test_a_partitioned_node_fences_itself_and_the_instance_recovers_without_two_
     assert sorted({r["node"] for r in after["runners"]}) == left  # moved off the cut node
     assert after["attempts"] == before["attempts"]  # the network's failure, not the model's
     if cut == "node":  # a new controller resumes without a failure (`Cluster.recover`)
-        assert after["uncharged"] > before["uncharged"]
+        assert after["uncharged"] > before["uncharged"] and "node node-3 lost" in after["last_failure"]
     assert (settled["state"], settled["generation"]) == ("ready", after["generation"])
     assert controller in left and still == controller and served.status_code == 200
     cluster_fault(
@@ -716,5 +718,5 @@ def test_a_partitioned_node_fences_itself_and_the_instance_recovers_without_two_
         f"node-{inner}'s runner killed {fenced_after:.1f} s after the cut, its lease gone at "
         f"{expired_after:.1f} s; generation {after['generation']} Ready on {' and '.join(left)}, attempts "
         f"{after['attempts']}, never two generations alive; node-{inner} back, generation "
-        f"{settled['generation']} still Ready, {still} still the controller",
+        f"{settled['generation']} still Ready, {still} still the controller (lease TTL {PARTITION_TTL} s)",
     )

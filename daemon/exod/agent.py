@@ -94,18 +94,29 @@ class Agent:
                 await presence.etcd.delete(runners_prefix(presence.prefix, presence.record.node_id), prefix=True)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            if presence is not None:
+                nursery.start_soon(self._fence, presence)
+                nursery.start_soon(self._release_keys_forever)
             task_status.started()
-            while True:
-                now = trio.current_time()
-                wake = now + BEAT_S
-                if presence is not None:
-                    fence_at = presence.alive_until - FENCE_MARGIN * presence.ttl
-                    if now < fence_at:
-                        wake = min(wake, fence_at)
-                    elif self._running:
-                        self._end_session("this node's lease may have expired (etcd out of reach)", kill=True)
-                await trio.sleep_until(wake)
-                await self._release_keys()
+            await trio.sleep_forever()
+
+    async def _fence(self, presence: Presence) -> None:
+        """Kill the runners once the lease may have expired, by this node's monotonic clock: at its TTL less
+        the margin after the last renewal was asked for. Its own task: nothing else may delay it."""
+        while True:
+            now = trio.current_time()
+            fence_at = presence.alive_until - FENCE_MARGIN * presence.ttl
+            if now < fence_at:
+                await trio.sleep_until(min(fence_at, now + BEAT_S))  # a renewal moves it on meanwhile
+                continue
+            if self._running:
+                self._end_session("this node's lease may have expired (etcd out of reach)", kill=True)
+            await trio.sleep(BEAT_S / 10)
+
+    async def _release_keys_forever(self) -> None:
+        while True:
+            await trio.sleep(BEAT_S)
+            await self._release_keys()
 
     # -- what the controller asks -------------------------------------------------------------------
 

@@ -183,8 +183,9 @@ class RemoteProcess:
         fences itself, so its exit is said only once its key is gone (`gone`, from `Fleet.refresh`)."""
         if self._exited.is_set() or self in self.link.unconfirmed:
             return
-        s = self.spec
-        failed = p.Failed(s.runner_id, s.incarnation, "NodeLost", why, "", retryable=True, host=True)
+        s, node = self.spec, self.link.client.node.node_id
+        lost = f"node {node} lost ({why.removeprefix(f'node {node}: ')})"
+        failed = p.Failed(s.runner_id, s.incarnation, "NodeLost", lost, "", retryable=True, host=True)
         self.listener.on_report(s, failed)
         self.link.unconfirmed.add(self)
 
@@ -194,10 +195,6 @@ class RemoteProcess:
         if not self._exited.is_set():
             self.listener.on_exit(self.spec, -9, "", False)
             self._exited.set()
-
-    @property
-    def exited(self) -> bool:
-        return self._exited.is_set()
 
 
 class NodeLink:
@@ -278,7 +275,7 @@ class Fleet:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """For one controller term: the links it opens live and die with it (a new term opens its own).
 
-        It is started once every runner an earlier term left on an agent is gone (`settle`)."""
+        It is started once every runner an earlier term left on an agent is gone (`_settle`)."""
         self._links, self._unconfirmed = {}, set()
         try:
             async with trio.open_nursery() as nursery:
@@ -315,6 +312,7 @@ class Fleet:
         """Wait until no runner of an earlier term is alive on any agent. Opening a link ends the earlier
         term's stream there, and its agent stops them; on a node out of reach they go when it fences itself
         (its keys with its lease). Meanwhile this term starts nothing."""
+        said: set[str] = set()
         while True:
             try:
                 alive = {node: keys for node, keys in (await self._runners()).items() if keys}
@@ -327,7 +325,9 @@ class Fleet:
             for node in alive:
                 with contextlib.suppress(AgentUnavailable):
                     self.link(node)
-            log.info("waiting for the runners of the previous controller to stop on %s", ", ".join(sorted(alive)))
+            if set(alive) != said:
+                said = set(alive)
+                log.info("waiting for the runners of the previous controller to stop on %s", ", ".join(sorted(said)))
             await trio.sleep(REFRESH_S)
             await self.refresh()
 
