@@ -115,9 +115,18 @@ def test_unknown_model_is_404(client):
         ({"model": MODEL, "messages": MESSAGES, "temperature": 7}, "temperature"),
         ({"model": MODEL, "messages": MESSAGES, "max_tokens": -1}, "max_tokens"),
         ({"model": MODEL, "messages": MESSAGES, "max_tokens": 10**6}, "max_tokens"),
-        ({"model": MODEL, "messages": MESSAGES, "n": 2}, "n"),
-        ({"model": MODEL, "messages": MESSAGES, "frobnicate": True}, "frobnicate"),
+        ({"model": MODEL, "messages": MESSAGES, "n": 0}, "n"),
+        ({"model": MODEL, "messages": MESSAGES, "temperature": "hot"}, "temperature"),
+        ({"model": MODEL, "messages": MESSAGES, "tools": "get_weather"}, "tools"),
+        ({"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function"}]}, "tools.0.function"),
+        ({"model": MODEL, "messages": MESSAGES, "top_logprobs": 2}, None),  # needs logprobs: true
+        ({"model": MODEL, "messages": MESSAGES, "logit_bias": {"fox": 1}}, "logit_bias"),
         ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"model": MODEL, "messages": [{"role": "user"}]}, "messages.0"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages.0.content",
+        ),
     ],
 )
 def test_invalid_payloads_get_400_in_openai_shape(daemon, body, param):
@@ -150,7 +159,6 @@ def raw_chat(content: str = "hi", model: str = MODEL, more: str = "") -> bytes:
         (raw_chat(content="a\\ud800b"), "messages.0.content"),
         (raw_chat(model="exod/\\ud800"), "model"),
         (raw_chat(more=', "user": "\\udfff"'), "user"),
-        (raw_chat(more=', "\\ud800": 1'), None),  # a key: pydantic names no place
     ],
 )
 def test_lone_surrogates_are_a_400_naming_the_parameter(daemon, raw, param):
@@ -241,6 +249,7 @@ def test_an_event_id_beyond_the_newest_waits_for_newer_events(daemon):
 def test_openapi_documents_the_statuses_the_api_sends(daemon):
     spec = httpx.get(f"{daemon['url']}/openapi.json").json()
     error = {"$ref": "#/components/schemas/ErrorBody"}
+    anthropic = {"$ref": "#/components/schemas/AnthropicErrorBody"}
     assert "HTTPValidationError" not in spec["components"]["schemas"]
     assert set(spec["components"]["schemas"]["ErrorBody"]["properties"]) == {"error"}
     for path, operations in spec["paths"].items():
@@ -249,8 +258,9 @@ def test_openapi_documents_the_statuses_the_api_sends(daemon):
             assert "422" not in answers, (method, path)
             assert "401" not in answers, (method, path)  # this daemon has no API key
             assert {"408", "413"} <= set(answers), (method, path)
+            shape = anthropic if path.startswith("/v1/messages") else error  # each dialect its own errors
             if operation.get("parameters") or operation.get("requestBody"):
-                assert answers["400"]["content"]["application/json"]["schema"] == error, (method, path)
+                assert answers["400"]["content"]["application/json"]["schema"] == shape, (method, path)
     paths = spec["paths"]
     assert {"400", "404", "429", "502", "503"} <= set(paths["/v1/chat/completions"]["post"]["responses"])
     assert "404" in paths["/instances/{instance_id}"]["get"]["responses"]
@@ -553,3 +563,119 @@ def test_abandoned_streams_stay_counted_until_the_runners_finish_them(daemon):
     families = {f.name: f for f in text_string_to_metric_families(text)}
     outcomes = {s.labels["outcome"]: s.value for s in families["exod_requests"].samples if s.name.endswith("_total")}
     assert outcomes.get("cancelled", 0) >= 3 and outcomes.get("rejected_429", 0) >= 1
+
+
+# -- what real clients send (#14) ----------------------------------------------------------------------
+
+
+def test_parameters_exod_has_no_use_for_are_ignored_and_nulls_mean_the_default(client):
+    """What clients send routinely: OpenAI's server and mlx_lm.server accept all of it, so does exod."""
+    done = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "developer", "content": "Answer briefly.", "name": "ops"},
+            {"role": "user", "content": [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "a story."}]},
+        ],
+        max_tokens=3,
+        temperature=None,
+        top_p=None,
+        response_format={"type": "json_object"},
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        parallel_tool_calls=True,
+        stream_options=None,
+        extra_body={"store": False, "metadata": {"k": "v"}, "service_tier": "auto", "frobnicate": True},
+    )
+    assert done.usage.completion_tokens == 3 and done.choices[0].finish_reason == "length"
+
+
+def test_n_choices_are_n_samples(client):
+    done = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, n=3, temperature=1.0, seed=7)
+    assert [c.index for c in done.choices] == [0, 1, 2]
+    assert done.usage.completion_tokens == 24 and done.usage.prompt_tokens > 0  # the prompt counted once
+    assert len({c.message.content for c in done.choices}) > 1  # three samples, not one thrice
+
+
+def test_logprobs_are_the_models_own_greedy_picks_its_likeliest(client):
+    done = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = done.choices[0].logprobs.content
+    assert len(content) == 6
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        ranked = [alt.logprob for alt in entry.top_logprobs]
+        assert ranked == sorted(ranked, reverse=True)
+        assert entry.token == entry.top_logprobs[0].token and entry.logprob == ranked[0]  # greedy: the top one
+    assert "".join(e.token for e in content) == done.choices[0].message.content
+
+
+def test_streamed_logprobs_come_with_their_tokens(client):
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True, stream=True
+        )
+    )
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert len(entries) == 4 and all(e.logprob <= 0 and e.top_logprobs == [] for e in entries)
+
+
+def test_logit_bias_steers_sampling(daemon, client):
+    first = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, temperature=0, logprobs=True)
+    token = first.choices[0].logprobs.content[0].token
+    runner_up = (
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=1, temperature=0, logprobs=True, top_logprobs=2
+        )
+        .choices[0]
+        .logprobs.content[0]
+        .top_logprobs[1]
+        .token
+    )
+    assert runner_up != token
+    ids = tokenizer_ids(daemon["hf"], runner_up)
+    forced = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=1, temperature=0, logit_bias={str(ids[0]): 100}
+    )
+    assert forced.choices[0].message.content == runner_up.lstrip()  # +100 on a logit: greedy picks it
+
+
+def tokenizer_ids(hf, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(MODEL, hf_home=hf, offline=True)))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) == 1, (text, ids)
+    return ids
+
+
+def test_a_model_by_id_and_an_unknown_one(client):
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nobody/nothing")
+
+
+def test_text_completions_with_echo_logprobs_and_a_token_prompt(daemon, client):
+    done = client.completions.create(
+        model=MODEL, prompt="The quick brown", max_tokens=4, temperature=0, logprobs=2, echo=True
+    )
+    choice = done.choices[0]
+    assert choice.text.startswith("The quick brown") and len(choice.logprobs.tokens) == 4
+    assert choice.logprobs.text_offset[0] == len("The quick brown")
+    assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
+    by_tokens = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2, temperature=0)
+    assert by_tokens.usage.prompt_tokens == 3 and by_tokens.usage.completion_tokens == 2
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL, prompt="The quick brown", max_tokens=4, temperature=0, stream=True
+        )
+    )
+    again = client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=4, temperature=0)
+    assert streamed == again.choices[0].text == choice.text.removeprefix("The quick brown")
+
+
+def test_an_anthropic_client_authenticates_with_x_api_key(keyed):
+    assert httpx.get(f"{keyed}/v1/models", headers={"x-api-key": "s3cret"}).status_code == 200
+    denied = httpx.post(f"{keyed}/v1/messages", headers={"x-api-key": "wrong"}, json={})
+    assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"  # its shape

@@ -147,6 +147,7 @@ class Agent:
                 self.config.state_dir, request.instance_id, request.rank, request.incarnation
             ),
             fault=request.fault,
+            script=self.config.script,
         )
         assert self._nursery is not None
         process = self._spawn(spec, _Forward(self, self._session), self.config.timeouts)

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import fsm
-from exod import chat
+from exod import chat, completions, messages, responses_api
 from exod.agent import Agent
 from exod.agent import router as agent_router
 from exod.controller import Controller, PlacementRefused, StoreUnavailable
@@ -98,15 +98,16 @@ class _Guard:
         headers = dict(scope.get("headers") or [])
         if self.api_key and scope["path"] not in OPEN_PATHS:
             # bytes, as they came: any header value compares (a non-ASCII str would make compare_digest raise)
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
+            bearer = hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {self.api_key}".encode())
+            anthropic = hmac.compare_digest(headers.get(b"x-api-key", b""), self.api_key.encode())  # its clients
+            if not (bearer or anthropic):
                 denied = ApiError(
                     401,
-                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                    "missing or wrong API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                     code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"},
                 )
-                await denied.response()(scope, receive, send)
+                await denied.response(scope["path"])(scope, receive, send)
                 return
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body):
@@ -168,6 +169,9 @@ def create_app(
         app.include_router(agent_router(agent))
     metrics = Metrics(controller)
     app.include_router(chat.router(controller, metrics, max_tokens_ceiling))
+    app.include_router(completions.router(controller, metrics, max_tokens_ceiling))
+    app.include_router(messages.router(controller, metrics, max_tokens_ceiling))
+    app.include_router(responses_api.router(controller, metrics, max_tokens_ceiling))
 
     async def current() -> dict[str, Any]:
         """The instances: the controller's own, or on another node of a cluster what etcd holds of them."""

@@ -34,6 +34,7 @@ class DaemonConfig:
     max_requests_per_instance: int = 16  # in flight + queued; beyond it: Overloaded (HTTP 429)
     queue_timeout: float = 30.0  # a request no Ready runner took by then fails instead of waiting on
     faults: tuple[FaultSpec, ...] = ()  # injected faults, for tests (exod.faults); empty in production
+    script: str | None = None  # text every generation emits instead of sampling ([script], tests only)
     memory_bytes: int = attrs.Factory(lambda: host_memory())  # what admission may reserve on this node
     limits: fsm.Limits = attrs.Factory(lambda self: fsm.Limits.for_memory(self.memory_bytes), takes_self=True)
     retention: Retention = attrs.Factory(Retention)  # what the transition log and the runner files keep
@@ -122,6 +123,7 @@ _SECTIONS = {
     "place": {"model", "path", "ranks"},
     "cluster": {f.name for f in attrs.fields(ClusterConfig)},  # url, node_id, advertise, lease_ttl, prefix
     "fault": {"rank", "generation", "phase", "kind"},  # fault injection, for tests: never set by default
+    "script": {"text"},  # scripted output, for tests (a tool call from a random-weight model): never by default
     "retention": {f.name for f in attrs.fields(Retention)},  # max_log_rows, max_log_age_days, keep_runner_logs
     "limits": {
         "max_requests_per_instance",
@@ -145,6 +147,13 @@ _LISTS = frozenset({"place", "fault"})  # the sections written [[...]], once per
 
 def _listed(body: Any) -> list[Any]:
     return body if isinstance(body, list) else [body]
+
+
+def _script(section: dict[str, Any], where: str) -> str | None:
+    text = section.get("text")
+    if text is not None and (not isinstance(text, str) or not text):
+        raise ConfigError(f"{where}: [script] text must be a non-empty string, got {text!r}")
+    return text
 
 
 def default_state_dir() -> Path:
@@ -226,6 +235,7 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
         max_requests_per_instance=int(limits.get("max_requests_per_instance", 16)),
         queue_timeout=float(limits.get("queue_timeout", 30.0)),
         faults=faults,
+        script=_script(data.get("script", {}), where),
         memory_bytes=memory,
         limits=admission,
         retention=Retention(**kept),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,6 +28,15 @@ _TYPES = {
     429: "rate_limit_error",
 }
 _LOCATIONS = {"body", "query", "header", "path", "cookie"}  # FastAPI's first `loc` part: not part of the name
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _union_member(part: object) -> bool:
+    """pydantic names the member of a union that failed in the error's place (``str``, ``list[...]``,
+    ``function-after[...]``): not part of the parameter's name."""
+    return isinstance(part, str) and ("[" in part or part in _TYPE_TAGS)
 
 
 def _encodable(text: str) -> str:
@@ -54,9 +63,25 @@ class ApiError(Exception):
         self.error_type = error_type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
         self.headers = headers or {}
 
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+    def response(self, path: str = "") -> JSONResponse:
+        """OpenAI's error shape; Anthropic's on its Messages API (``path``), whose clients read that one."""
+        if path.startswith(ANTHROPIC_PATHS):
+            kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+            body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": self.message}}
+        else:
+            body = {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+ANTHROPIC_PATHS = ("/v1/messages",)
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 class ErrorDetail(BaseModel):
@@ -72,9 +97,22 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
-def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """The ``responses=`` of an operation that can send these error statuses."""
-    return {status: {"model": ErrorBody, "description": HTTPStatus(status).phrase} for status in statuses}
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorBody(BaseModel):
+    """Every error response of Anthropic's Messages API: its shape."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+def responses(*statuses: int, anthropic: bool = False) -> dict[int | str, dict[str, Any]]:
+    """The ``responses=`` of an operation that can send these error statuses (in Anthropic's shape)."""
+    body = AnthropicErrorBody if anthropic else ErrorBody
+    return {status: {"model": body, "description": HTTPStatus(status).phrase} for status in statuses}
 
 
 def install(app: FastAPI, *, everywhere: Callable[[str], tuple[int, ...]] = lambda _path: ()) -> None:
@@ -85,28 +123,29 @@ def install(app: FastAPI, *, everywhere: Callable[[str], tuple[int, ...]] = lamb
     """
 
     @app.exception_handler(ApiError)
-    async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return exc.response()
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
-        return ApiError(exc.status_code, message, headers=dict(exc.headers or {})).response()
+        return ApiError(exc.status_code, message, headers=dict(exc.headers or {})).response(request.url.path)
 
     @app.exception_handler(Exception)
-    async def unexpected(_request: Request, exc: Exception) -> JSONResponse:
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         logging.getLogger("exod.api").exception("unhandled error")
-        return ApiError(500, f"internal error ({type(exc).__name__}); see the daemon's log").response()
+        error = ApiError(500, f"internal error ({type(exc).__name__}); see the daemon's log")
+        return error.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        loc = list(first.get("loc", ()))
+        loc = [part for part in first.get("loc", ()) if not _union_member(part)]
         if loc and loc[0] in _LOCATIONS:
             loc = loc[1:]
         where = ".".join(str(part) for part in loc)
         message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
-        return ApiError(400, message, param=where or None).response()
+        return ApiError(400, message, param=where or None).response(request.url.path)
 
     plain_openapi = app.openapi
 
@@ -120,13 +159,15 @@ def install(app: FastAPI, *, everywhere: Callable[[str], tuple[int, ...]] = lamb
 
 def _documented(schema: dict[str, Any], everywhere: Callable[[str], tuple[int, ...]]) -> dict[str, Any]:
     """FastAPI's document with 422 (never sent) replaced by 400, and the middleware's statuses added."""
-    _, defs = models_json_schema([(ErrorBody, "serialization")], ref_template="#/components/schemas/{model}")
+    bodies = [(ErrorBody, "serialization"), (AnthropicErrorBody, "serialization")]
+    _, defs = models_json_schema(bodies, ref_template="#/components/schemas/{model}")
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components.update(defs["$defs"])
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
-    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
     for path, operations in schema.get("paths", {}).items():
+        shape = "AnthropicErrorBody" if path.startswith(ANTHROPIC_PATHS) else "ErrorBody"
+        error = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{shape}"}}}}
         for operation in operations.values():
             answers = operation.setdefault("responses", {})
             statuses = [400] if answers.pop("422", None) is not None else []

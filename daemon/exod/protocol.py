@@ -10,7 +10,7 @@ from a library can never corrupt the protocol.
 Every message is one line of JSON (UTF-8, ``\\n``-terminated) with a ``"type"`` tag.
 
 * supervisor → runner: `Connect`, `Load`, `WarmUp`, `Generate`, `Shutdown`.
-* runner → supervisor: `Status`, `Progress`, `Token`, `Done`, `RequestError`,
+* runner → supervisor: `Status`, `Progress`, `Token`, `ToolCall`, `Done`, `RequestError`,
   `Failed`; each carries ``runner_id`` and ``incarnation`` so that a late line from
   an older process can be recognised as stale by the runner machine.
 
@@ -50,6 +50,7 @@ class Phase(enum.Enum):
 class FinishReason(enum.Enum):
     STOP = "stop"  # end-of-sequence token or a stop string
     LENGTH = "length"  # max_tokens reached
+    TOOL_CALLS = "tool_calls"  # the model called a tool (`ToolCall`) and stopped
 
 
 # -- base classes -----------------------------------------------------------------
@@ -112,22 +113,30 @@ class Generate(Command):
     """One request. Every rank of an instance gets every Generate, in the same order.
 
     Exactly one of ``prompt_messages`` (chat messages, run through the model's chat
-    template) and ``prompt_tokens`` (already tokenized) is given.
+    template), ``prompt_text`` (a raw prompt, tokenized as it is) and ``prompt_tokens``
+    (already tokenized) is given.
     """
 
     type = "generate"
     request_id: str
-    prompt_messages: list[dict[str, str]] | None = None
+    prompt_messages: list[dict[str, Any]] | None = None
     prompt_tokens: list[int] | None = None
+    prompt_text: str | None = None
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None  # None: derived from request_id, identical on every rank
     stop: list[str] = attrs.field(factory=list)
+    tools: list[dict[str, Any]] | None = None  # OpenAI function tools, for the chat template
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) → added to its logit
 
     def __attrs_post_init__(self) -> None:
-        if (self.prompt_messages is None) == (self.prompt_tokens is None):
-            raise ProtocolError("Generate needs exactly one of prompt_messages and prompt_tokens")
+        given = [x for x in (self.prompt_messages, self.prompt_tokens, self.prompt_text) if x is not None]
+        if len(given) != 1:
+            raise ProtocolError("Generate needs exactly one of prompt_messages, prompt_text and prompt_tokens")
         if self.max_tokens < 1:
             raise ProtocolError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
@@ -154,13 +163,36 @@ class Progress(Report):
 
 
 @attrs.frozen
+class Alternative:
+    """A token the model could have chosen, with its log-probability."""
+
+    token_id: int
+    text: str
+    logprob: float
+
+
+@attrs.frozen
 class Token(Report):
-    """A piece of streamed output (rank 0 only). ``token_id`` is None for a final flush of text."""
+    """A piece of streamed output (rank 0 only). ``token_id`` is None for a final flush of text.
+
+    With `Generate.logprobs`: the chosen token with its log-probability, and the likeliest alternatives."""
 
     type = "token"
     request_id: str
     text: str
     token_id: int | None
+    chosen: Alternative | None = None  # the token, its own text and log-probability
+    top_logprobs: list[Alternative] | None = None
+
+
+@attrs.frozen
+class ToolCall(Report):
+    """The model called a tool (rank 0 only): its text between the tokenizer's tool-call markers, parsed."""
+
+    type = "tool_call"
+    request_id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI's clients expect it
 
 
 @attrs.frozen
@@ -181,6 +213,7 @@ class Done(Report):
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
+    stop_sequence: str | None = None  # the stop string that ended it (Anthropic's clients ask which)
 
 
 @attrs.frozen
@@ -206,7 +239,7 @@ class Failed(Report):
 
 
 COMMANDS: tuple[type[Command], ...] = (Connect, Load, WarmUp, Generate, Shutdown)
-REPORTS: tuple[type[Report], ...] = (Status, Progress, Token, Heartbeat, Done, RequestError, Failed)
+REPORTS: tuple[type[Report], ...] = (Status, Progress, Token, ToolCall, Heartbeat, Done, RequestError, Failed)
 _BY_TAG: dict[str, type[Message]] = {cls.type: cls for cls in (*COMMANDS, *REPORTS)}
 
 _converter = cattrs.Converter(forbid_extra_keys=True)

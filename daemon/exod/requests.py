@@ -85,7 +85,7 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> p.Token | p.Done:
+    async def __anext__(self) -> p.Token | p.ToolCall | p.Done:
         if self._done:
             raise StopAsyncIteration
         await self.wait_forwarded()
@@ -163,15 +163,18 @@ class RequestBook:
     def submit(
         self,
         instance_id: str,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]] | None = None,
         *,
         max_tokens: int = 128,
         temperature: float = 0.0,
         top_p: float = 1.0,
         seed: int | None = None,
         stop: list[str] | None = None,
+        **options: Any,
     ) -> RequestStream:
-        """Queue a chat completion on an instance; refuses at once (not later) when it cannot take it."""
+        """Queue a generation on an instance: chat ``messages``, or a prompt (``prompt_text``,
+        ``prompt_tokens``); ``options`` are `exod.protocol.Generate`'s others (tools, logprobs, penalties).
+        Refuses at once (not later) when it cannot take it."""
         if self._closed is not None:
             raise ShuttingDown(self._closed)
         placement = self.cluster.instances.get(instance_id)
@@ -190,6 +193,7 @@ class RequestBook:
             top_p=top_p,
             seed=seed,
             stop=stop or [],
+            **options,
         )
         try:
             p.from_json(command.to_line())  # what the runner will decode: refuse it here, not there
@@ -254,7 +258,7 @@ class RequestBook:
             request.channel.send_nowait(error)
             request.answered.set()  # a queued request learns it at once, not at its queue timeout
 
-    def deliver(self, runner_id: str, report: p.Token | p.Done) -> None:
+    def deliver(self, runner_id: str, report: p.Token | p.ToolCall | p.Done) -> None:
         """A token, or the end, from a runner; only the request's rank 0 is heard."""
         request = self._requests.get(report.request_id)
         if request is None or request.leader != runner_id:

@@ -241,11 +241,12 @@ def _failure_fields(exc: BaseException, *, loading: bool = False) -> dict[str, A
 class Runner:
     """Executes commands on the main thread; holds the group, the model and the tokenizer."""
 
-    def __init__(self, channel: Channel, *, rank: int, world_size: int) -> None:
+    def __init__(self, channel: Channel, *, rank: int, world_size: int, script: str | None = None) -> None:
         self.channel = channel
         self.faults = channel.injector
         self.rank = rank
         self.world_size = world_size
+        self.script = script  # tests only: every generation emits this text (its log-probabilities are real)
         self.group: Any = None
         self.model: Any = None
         self.tokenizer: Any = None
@@ -362,36 +363,29 @@ class Runner:
             self.channel.send(p.RequestError, request_id=request.request_id, message=f"{type(exc).__name__}: {exc}")
             return
         seed = request.seed if request.seed is not None else zlib.crc32(request.request_id.encode())
-        stream = self._stream(prompt, request.max_tokens, request.temperature, request.top_p, seed)
-        completion_tokens = 0
+        stream = self._stream(prompt, request.max_tokens, request.temperature, request.top_p, seed, request)
+        output = _Output(self, request)
         finish = p.FinishReason.LENGTH
-        pending = ""  # decoded text not sent yet: held back while it could be the start of a stop string
         for count, response in enumerate(stream):
             if count == 1:
                 self.faults.at(FaultPhase.BUSY)
             if self.rank > 0 and count and count % HEARTBEAT_TOKENS == 0:
                 self.channel.send(p.Heartbeat, request_id=request.request_id, tokens=count)
-            is_eos = response.finish_reason == "stop"
-            token_id = None if is_eos else response.token
-            completion_tokens += 0 if is_eos else 1
-            pending += response.text
-            if is_eos:
+            if response.finish_reason == "stop":
                 finish = p.FinishReason.STOP
-            hit = _first_stop(pending, request.stop)
-            if hit is not None:
-                self._emit(request.request_id, pending[:hit], token_id)
-                pending, finish = "", p.FinishReason.STOP
+                output.add(response.text, None, response)
                 break
-            keep = _stop_prefix_len(pending, request.stop)
-            self._emit(request.request_id, pending[: len(pending) - keep], token_id)
-            pending = pending[len(pending) - keep :]
-        self._emit(request.request_id, pending, None)
+            if output.add(response.text, response.token, response):
+                finish = p.FinishReason.STOP
+                break
+        output.flush()
         self.channel.send(
             p.Done,
             request_id=request.request_id,
-            finish_reason=finish,
+            finish_reason=p.FinishReason.TOOL_CALLS if output.tool_calls else finish,
             prompt_tokens=len(prompt),
-            completion_tokens=completion_tokens,
+            completion_tokens=output.tokens,
+            stop_sequence=output.stop_sequence,
         )
 
     # -- helpers ------------------------------------------------------------------
@@ -399,32 +393,170 @@ class Runner:
     def _prompt(self, request: p.Generate) -> list[int]:
         if request.prompt_tokens is not None:
             tokens = list(request.prompt_tokens)
+        elif request.prompt_text is not None:
+            tokens = self.tokenizer.encode(request.prompt_text)
         else:
-            tokens = self.tokenizer.apply_chat_template(request.prompt_messages, add_generation_prompt=True)
+            extra = {"tools": request.tools} if request.tools else {}
+            if request.tools and not getattr(self.tokenizer, "has_tool_calling", False):
+                raise ValueError("this model's chat template does not support tools; send the request without them")
+            tokens = self.tokenizer.apply_chat_template(request.prompt_messages, add_generation_prompt=True, **extra)
             if isinstance(tokens, str):  # some tokenizers return text
                 tokens = self.tokenizer.encode(tokens, add_special_tokens=False)
         if not tokens:
             raise ValueError("empty prompt")
         return list(tokens)
 
-    def _stream(self, prompt: list[int], max_tokens: int, temperature: float, top_p: float, seed: int) -> Iterator[Any]:
+    def _stream(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int,
+        request: p.Generate | None = None,
+    ) -> Iterator[Any]:
         import mlx.core as mx
 
         import_mlx_lm()
         from mlx_lm import stream_generate
-        from mlx_lm.sample_utils import make_sampler
+        from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
         mx.random.seed(seed)  # same seed on every rank: ranks sample the same token from the same logits
         sampler = make_sampler(temp=temperature, top_p=top_p)
-        return stream_generate(self.model, self.tokenizer, prompt, max_tokens=max_tokens, sampler=sampler)
+        if self.script is not None and request is not None:
+            sampler = _scripted(self.tokenizer.encode(self.script, add_special_tokens=False), self.tokenizer)
+        processors = None
+        if request is not None:
+            bias = {int(k): v for k, v in (request.logit_bias or {}).items()}
+            processors = make_logits_processors(
+                logit_bias=bias or None,
+                presence_penalty=request.presence_penalty or None,
+                frequency_penalty=request.frequency_penalty or None,
+            )
+        return stream_generate(
+            self.model, self.tokenizer, prompt, max_tokens=max_tokens, sampler=sampler, logits_processors=processors
+        )
 
-    def _emit(self, request_id: str, text: str, token_id: int | None) -> None:
+    def _emit(self, request_id: str, text: str, token_id: int | None, logprobs: tuple[Any, Any] = (None, None)) -> None:
         if self.rank == 0 and (text or token_id is not None):
-            self.channel.send(p.Token, request_id=request_id, text=text, token_id=token_id)
+            chosen, top = logprobs
+            fields = {"text": text, "token_id": token_id, "chosen": chosen, "top_logprobs": top}
+            self.channel.send(p.Token, request_id=request_id, **fields)
 
 
-def _first_stop(text: str, stops: list[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+class _Output:
+    """What one generation says, as it comes: text held back while it could be the start of a stop string
+    or of a tool call, tool calls parsed once complete (the tokenizer's markers and parser, as mlx-lm's),
+    and each token's log-probabilities when asked for."""
+
+    def __init__(self, runner: Runner, request: p.Generate) -> None:
+        self.runner, self.request = runner, request
+        tokenizer = runner.tokenizer
+        calls = bool(request.tools) and getattr(tokenizer, "has_tool_calling", False)
+        self.start: str | None = tokenizer.tool_call_start if calls else None
+        self.end: str | None = tokenizer.tool_call_end if calls else None
+        self.parser = tokenizer.tool_parser if calls else None
+        self.pending = ""  # text not sent yet
+        self.call: str | None = None  # inside a tool call: its text so far
+        self.tool_calls = 0
+        self.tokens = 0
+        self.stop_sequence: str | None = None  # the stop string that ended the generation, if one did
+
+    def add(self, text: str, token_id: int | None, response: Any) -> bool:
+        """Take one step of the generation; True once a stop string was hit (the generation ends)."""
+        self.tokens += token_id is not None
+        logprobs = self._logprobs(token_id, response)
+        if self.call is not None:
+            self.call += text
+            self._finish_call()
+            self._send("", token_id, logprobs)
+            return False
+        self.pending += text
+        if self.start is not None and (at := self.pending.find(self.start)) >= 0:
+            before, self.call = self.pending[:at], self.pending[at + len(self.start) :]
+            self.pending = ""
+            hit = _first_stop(before, self.request.stop)
+            self._send(before if hit is None else before[: hit[0]], token_id, logprobs)
+            if hit is not None:
+                self.stop_sequence = hit[1]
+                return True
+            self._finish_call()
+            return False
+        hit = _first_stop(self.pending, self.request.stop)
+        if hit is not None:
+            self._send(self.pending[: hit[0]], token_id, logprobs)
+            self.pending, self.stop_sequence = "", hit[1]
+            return True
+        keep = _stop_prefix_len(self.pending, [*self.request.stop, *([self.start] if self.start else [])])
+        self._send(self.pending[: len(self.pending) - keep], token_id, logprobs)
+        self.pending = self.pending[len(self.pending) - keep :]
+        return False
+
+    def flush(self) -> None:
+        if self.call is not None:  # a tool call cut short (max_tokens): its text, as it is
+            self.pending += (self.start or "") + self.call
+            self.call = None
+        self._send(self.pending, None, (None, None))
+        self.pending = ""
+
+    def _finish_call(self) -> None:
+        assert self.call is not None and self.end is not None and self.parser is not None
+        at = self.call.find(self.end)
+        if at < 0:
+            return
+        body, rest = self.call[:at], self.call[at + len(self.end) :]
+        self.call = None
+        try:
+            parsed = self.parser(body, self.request.tools)
+        except Exception as exc:  # not a call after all: it stays text
+            log.warning("tool call not parsed (%s): %r", exc, body[:200])
+            self.pending += f"{self.start}{body}{self.end}"
+        else:
+            for call in parsed if isinstance(parsed, list) else [parsed]:
+                arguments = call.get("arguments", {})
+                arguments = arguments if isinstance(arguments, str) else json.dumps(arguments)
+                if self.runner.rank == 0:
+                    self.runner.channel.send(
+                        p.ToolCall, request_id=self.request.request_id, name=str(call["name"]), arguments=arguments
+                    )
+                self.tool_calls += 1
+        self.pending += rest.lstrip("\n") if self.tool_calls else rest
+
+    def _send(self, text: str, token_id: int | None, logprobs: tuple[Any, Any]) -> None:
+        self.runner._emit(self.request.request_id, text, token_id, logprobs)
+
+    def _logprobs(self, token_id: int | None, response: Any) -> tuple[Any, Any]:
+        k = self.request.logprobs
+        if k is None or token_id is None or self.runner.rank != 0:
+            return None, None
+        import mlx.core as mx
+
+        values = response.logprobs.reshape(-1)
+        decode = self.runner.tokenizer.decode
+        chosen = p.Alternative(token_id, decode([token_id]), float(values[token_id].item()))
+        if k == 0:
+            return chosen, []
+        ids = mx.argpartition(-values, kth=k - 1)[:k].tolist()
+        top = sorted((p.Alternative(i, decode([i]), float(values[i].item())) for i in ids), key=lambda a: -a.logprob)
+        return chosen, top
+
+
+def _scripted(tokens: list[int], tokenizer: Any) -> Any:
+    """A sampler that chooses ``tokens`` in turn, then the end of the sequence (tests only)."""
+    import mlx.core as mx
+
+    left = iter(tokens)
+    eos = tokenizer.eos_token_id
+
+    def sample(logprobs: Any) -> Any:
+        return mx.array([next(left, eos)] * logprobs.shape[0])
+
+    return sample
+
+
+def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """Where the first stop string in ``text`` begins, and which one it is."""
+    hits = [(i, s) for s in stops if s and (i := text.find(s)) >= 0]
     return min(hits) if hits else None
 
 
@@ -475,6 +607,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--control-fd", type=int, required=True, help="inherited end of a Unix socketpair")
     parser.add_argument("--hostfile", type=Path, help="ring hostfile; sets MLX_HOSTFILE (default: from the env)")
     parser.add_argument("--fault", type=Fault.parse, help="PHASE:KIND fault to inject (tests only; see exod.faults)")
+    parser.add_argument("--script", help="text every generation emits instead of sampling (tests only)")
     args = parser.parse_args(argv)
     if not 0 <= args.rank < args.world_size:
         parser.error(f"rank {args.rank} out of range for world size {args.world_size}")
@@ -500,7 +633,9 @@ def main(argv: list[str] | None = None) -> NoReturn:
     if args.fault is not None:
         log.warning("fault injection armed: %s", args.fault)
     channel.start_reader()  # before importing mlx: EOF must end the process even during a slow import
-    Runner(channel, rank=args.rank, world_size=args.world_size).serve()
+    if args.script is not None:
+        log.warning("scripted output armed: every generation emits %r", args.script[:80])
+    Runner(channel, rank=args.rank, world_size=args.world_size, script=args.script).serve()
 
 
 if __name__ == "__main__":

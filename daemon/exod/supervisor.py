@@ -51,6 +51,7 @@ class RunnerSpec:
     hostfile: Path | None
     log_path: Path
     fault: str | None = None  # "PHASE:KIND", for tests (exod.faults); None in production
+    script: str | None = None  # text every generation emits instead of sampling, for tests; None in production
 
 
 class Listener(Protocol):
@@ -205,6 +206,8 @@ class Supervisor:
             argv += ["--hostfile", str(s.hostfile)]
         if s.fault is not None:
             argv += ["--fault", s.fault]
+        if s.script is not None:
+            argv += ["--script", s.script]
         return argv
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

@@ -1,0 +1,240 @@
+"""Tool calls and the other dialects — OpenAI's Responses, Anthropic's Messages — end to end: a real `exod
+serve`, a real runner, the tiny model, the official `openai` and `anthropic` clients.
+
+A random-weight model never calls a tool, so this daemon's runners emit a given text instead of sampling
+(`[script]`, a test-only hook like fault injection); the tokens are the tiny model's, the log-probabilities
+its own. The tools still reach the prompt through the tiny model's chat template, and the call is parsed
+with the tokenizer's markers and parser, as mlx-lm does."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from daemon_harness import runner_pids, start_daemon, wait_instance
+from exod.tiny_model import make_tiny_model
+
+MODEL = "exod/tiny-qwen2"
+SAID = "Let me check."
+CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+SCRIPT = SAID + "<tool_call>\n" + json.dumps(CALL) + "\n</tool_call>"
+CONFIG = f"""
+[daemon]
+port = 0
+offline = true
+
+[script]
+text = {json.dumps(SCRIPT)}
+
+[[place]]
+model = "{MODEL}"
+ranks = 1
+"""
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city, now.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+ENOUGH = 200  # tokens: the script is about 70 of the tiny model's
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dialects")
+    hf = tmp / "hf"
+    make_tiny_model(MODEL, layers=2, hf_home=hf)
+    (tmp / "exod.toml").write_text(CONFIG)
+    process, url = start_daemon(tmp, {**os.environ, "HF_HOME": str(hf), "HF_HUB_OFFLINE": "1"})
+    try:
+        wait_instance(url, lambda i: i["state"] == "ready")
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    assert runner_pids() == []
+
+
+@pytest.fixture
+def client(daemon):
+    return openai.OpenAI(base_url=f"{daemon}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def claude(daemon):
+    return anthropic.Anthropic(base_url=daemon, api_key="unused", max_retries=0, timeout=60)
+
+
+# -- chat completions -------------------------------------------------------------------------------
+
+
+def test_a_tool_call_is_parsed_into_tool_calls(client):
+    done = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=ENOUGH)
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == SAID
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == CALL["arguments"]
+
+
+def test_without_tools_the_same_output_is_plain_text(client):
+    done = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=ENOUGH)
+    assert done.choices[0].message.content == SCRIPT and not done.choices[0].message.tool_calls
+    assert done.choices[0].finish_reason == "stop"
+
+
+def test_a_streamed_tool_call_comes_as_a_delta(client):
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=ENOUGH, stream=True)
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert text == SAID and [c.choices[0].finish_reason for c in chunks][-1] == "tool_calls"
+    [call] = calls
+    assert call.index == 0 and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == CALL["arguments"]
+
+
+def test_the_tools_and_the_tool_turns_reach_the_prompt_through_the_chat_template(client):
+    def prompt_tokens(**kwargs) -> int:
+        return client.chat.completions.create(model=MODEL, max_tokens=1, **kwargs).usage.prompt_tokens
+
+    bare = prompt_tokens(messages=ASK)
+    with_tools = prompt_tokens(messages=ASK, tools=TOOLS)
+    turn = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 degrees."},
+    ]
+    answered = prompt_tokens(messages=turn, tools=TOOLS)
+    assert bare < with_tools < answered
+    assert prompt_tokens(messages=ASK, tools=TOOLS, tool_choice="none") == bare  # none: the tools stay out
+
+
+def test_logprobs_of_a_scripted_output_are_the_models_own(client):
+    done = client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=5, logprobs=True, top_logprobs=2, temperature=0
+    )
+    content = done.choices[0].logprobs.content
+    assert (
+        "".join(e.token for e in content)
+        == done.choices[0].message.content
+        == SAID[: len(done.choices[0].message.content)]
+    )
+    assert all(e.logprob <= e.top_logprobs[0].logprob <= 0 for e in content)  # forced, not always the likeliest
+
+
+# -- the Responses API ------------------------------------------------------------------------------
+
+RESPONSES_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]
+
+
+def test_responses_answer_with_a_message_and_a_function_call(client):
+    done = client.responses.create(
+        model=MODEL,
+        input="What is the weather in Paris?",
+        instructions="Be brief.",
+        tools=RESPONSES_TOOLS,
+        max_output_tokens=ENOUGH,
+    )
+    assert done.status == "completed" and done.output_text == SAID
+    [message, call] = done.output
+    assert message.type == "message" and call.type == "function_call" and call.name == "get_weather"
+    assert json.loads(call.arguments) == CALL["arguments"] and call.call_id.startswith("call_")
+    assert done.usage.input_tokens > 0 and done.usage.output_tokens > 0
+
+
+def test_responses_stream_from_created_to_completed_and_take_function_call_output(client):
+    conversation = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "Sunny."},
+    ]
+    with client.responses.stream(
+        model=MODEL, input=conversation, tools=RESPONSES_TOOLS, max_output_tokens=ENOUGH
+    ) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "response.output_text.delta" in kinds and "response.function_call_arguments.done" in kinds
+    assert [item.type for item in final.output] == ["message", "function_call"] and final.output_text == SAID
+
+
+def test_responses_cut_short_are_incomplete(client):
+    done = client.responses.create(model=MODEL, input="hi", max_output_tokens=3)
+    assert done.status == "incomplete" and done.incomplete_details.reason == "max_output_tokens"
+
+
+def test_responses_are_stateless_and_say_so(client):
+    with pytest.raises(openai.BadRequestError, match="send the whole conversation"):
+        client.responses.create(model=MODEL, input="hi", previous_response_id="resp_123")
+
+
+# -- Anthropic's Messages API -----------------------------------------------------------------------
+
+CLAUDE_TOOLS = [
+    {"name": "get_weather", "description": "The weather.", "input_schema": TOOLS[0]["function"]["parameters"]}
+]
+
+
+def test_messages_answer_with_text_and_tool_use(claude):
+    done = claude.messages.create(
+        model=MODEL,
+        max_tokens=ENOUGH,
+        system="Be brief.",
+        messages=ASK,
+        tools=CLAUDE_TOOLS,
+        extra_headers={"anthropic-version": "2023-06-01"},
+    )
+    assert done.stop_reason == "tool_use" and done.role == "assistant"
+    [text, use] = done.content
+    assert text.type == "text" and text.text == SAID
+    assert use.type == "tool_use" and use.name == "get_weather" and use.input == CALL["arguments"]
+    assert done.usage.input_tokens > 0 and done.usage.output_tokens > 0
+
+
+def test_messages_stream_events_and_take_tool_results(claude):
+    conversation = [
+        {"role": "user", "content": [{"type": "text", "text": "What is the weather in Paris?"}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny."}]},
+    ]
+    with claude.messages.stream(model=MODEL, max_tokens=ENOUGH, messages=conversation, tools=CLAUDE_TOOLS) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "message_delta" in kinds
+    assert [block.type for block in final.content] == ["text", "tool_use"] and final.stop_reason == "tool_use"
+    assert final.content[0].text == SAID and final.content[1].input == CALL["arguments"]
+
+
+def test_messages_say_which_stop_sequence_ended_them(claude):
+    done = claude.messages.create(model=MODEL, max_tokens=ENOUGH, messages=ASK, stop_sequences=["check"])
+    assert (done.stop_reason, done.stop_sequence) == ("stop_sequence", "check")
+    assert done.content[0].text == "Let me "
+
+
+def test_messages_errors_are_in_anthropics_shape(claude, daemon):
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        claude.messages.create(model="nobody/nothing", max_tokens=5, messages=ASK)
+    assert missing.value.body["type"] == "error" and missing.value.body["error"]["type"] == "not_found_error"
+    image = [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": ""}}]}]
+    refused = httpx.post(f"{daemon}/v1/messages", json={"model": MODEL, "max_tokens": 5, "messages": image})
+    assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error"
+    assert "text" in refused.json()["error"]["message"]
