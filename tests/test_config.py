@@ -42,7 +42,13 @@ def test_file_values_and_cli_overrides(tmp_path):
     [
         ("[deamon]\nport = 1\n", r"unknown section \[deamon\]"),
         ("[daemon]\nprot = 1\n", r"unknown key\(s\) \['prot'\]"),
-        ("[daemon]\nport = 70000\n", "port must be"),
+        ("[daemon]\nport = 70000\n", r"\[daemon\] port: input should be less than or equal to 65535, got 70000"),
+        ('[daemon]\noffline = "no"\n', r"\[daemon\] offline: input should be a valid boolean, got 'no'"),
+        ("[daemon]\nhost = 5\n", r"\[daemon\] host: input should be a valid string, got 5"),
+        ("[daemon]\nport = true\n", r"\[daemon\] port: input should be a valid integer"),
+        ("[[place]]\nmodel = 3\n", r"\[place\] model: input should be a valid string, got 3"),
+        ("[timeouts]\nconnect = -1\n", r"\[timeouts\] connect: input should be greater than 0"),
+        ("[cluster]\nurl = 'http://e:2379'\n", r"\[cluster\] node_id: field required"),
         ("[retry]\ncap = 1\ninitial = 5\n", "cap"),
         ("[retry]\nmax_retries = 0\n", "max_retries"),
         ('[[place]]\nmodel = "../etc"\n', "org/name"),
@@ -96,10 +102,10 @@ def test_connection_limits_have_defaults_and_come_from_limits(tmp_path):
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("[limits]\nread_timeout = 0\n", "read_timeout must be a positive number"),
-        ("[limits]\nkeep_alive_timeout = -1\n", "keep_alive_timeout must be a positive number"),
-        ("[limits]\nmax_connections = 2.5\n", "max_connections must be a whole number"),
-        ('[limits]\nmax_connections = "many"\n', "max_connections must be a positive number"),
+        ("[limits]\nread_timeout = 0\n", r"\[limits\] read_timeout: input should be greater than 0, got 0"),
+        ("[limits]\nkeep_alive_timeout = -1\n", r"\[limits\] keep_alive_timeout: input should be greater than 0"),
+        ("[limits]\nmax_connections = 2.5\n", r"\[limits\] max_connections: input should be a valid integer"),
+        ('[limits]\nmax_connections = "many"\n', r"\[limits\] max_connections: input should be a valid integer"),
     ],
 )
 def test_connection_limit_mistakes_are_named(tmp_path, text, message):
@@ -114,6 +120,8 @@ def test_connection_limit_mistakes_are_named(tmp_path, text, message):
         ("[[retention]]\nmax_log_rows = 5\n", r"retention must be written \[retention\] \(once\)"),
         ('[place]\nmodel = "exod/tiny-qwen2"\n', r"place must be written \[\[place\]\] \(one per entry\)"),
         ("daemon = 5\n", r"daemon must be written \[daemon\] \(once\)"),
+        ("daemon = 1\n", r"daemon must be written \[daemon\] \(once\)"),
+        ("place = 3\n", r"place must be written \[\[place\]\] \(one per entry\)"),
     ],
 )
 def test_a_section_written_in_the_wrong_form_is_named(tmp_path, text, message):

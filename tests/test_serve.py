@@ -131,3 +131,38 @@ def test_binding_beyond_loopback_needs_a_key_or_insecure(tmp_path, env):
     refused = exod("serve", "--host", "0.0.0.0", "--state-dir", str(tmp_path / "s"), env=env, check=False)
     assert refused.returncode != 0 and "--api-key" in refused.stderr
     assert not (tmp_path / "s" / "state.db").exists()  # refused before touching anything
+
+
+def test_a_port_in_use_is_one_line_and_starts_nothing(tmp_path, env):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        state = tmp_path / "s"
+        args = ("serve", "--config", str(tmp_path / "exod.toml"), "--port", str(port), "--state-dir", str(state))
+        refused = exod(*args, env=env, check=False)
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert (
+        refused.stderr.strip().splitlines()[-1]
+        == f"Error: port {port} is in use on 127.0.0.1; pick another with --port"
+    )
+    assert not (state / "state.db").exists() and runner_pids() == []  # nothing placed, nothing started
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ('[daemon]\noffline = "no"\n', "[daemon] offline: input should be a valid boolean, got 'no'"),
+        ("[daemon]\nhost = 5\n", "[daemon] host: input should be a valid string, got 5"),
+        ("place = 3\n", "place must be written [[place]] (one per entry)"),
+    ],
+)
+def test_a_wrong_configuration_is_one_line_naming_the_key(tmp_path, env, text, named):
+    (tmp_path / "bad.toml").write_text(text)
+    refused = exod(
+        "serve", "--config", str(tmp_path / "bad.toml"), "--state-dir", str(tmp_path / "s"), env=env, check=False
+    )
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().endswith(named) and len(refused.stderr.strip().splitlines()) == 1

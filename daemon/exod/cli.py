@@ -168,6 +168,7 @@ def serve(
     import fsm
     from exod.config import ConfigError, load
     from exod.controller import PlacementRefused
+    from exod.http_server import BindError
     from exod.models import ModelNotFound
     from exod.serve import ClusterUnavailable
     from exod.serve import serve as run_daemon
@@ -205,7 +206,7 @@ def serve(
         raise click.ClickException(str(exc)) from exc
     try:
         trio.run(run_daemon, cfg)
-    except (StateDirError, StoreError, ModelNotFound, fsm.InvalidConfig, ClusterUnavailable) as exc:
+    except (StateDirError, StoreError, ModelNotFound, fsm.InvalidConfig, ClusterUnavailable, BindError) as exc:
         raise click.ClickException(str(exc)) from exc
     except PlacementRefused as exc:
         raise click.ClickException(f"cannot place what the configuration asks: {exc}") from exc

@@ -6,15 +6,17 @@ import os
 import tomllib
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import attrs
 import platformdirs
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 import fsm
 from exod.faults import Fault, FaultSpec
-from exod.membership import ClusterConfig
+from exod.membership import DEFAULT_PREFIX, ClusterConfig
 from exod.models import validate_model_id
+from exod.nodes import DEFAULT_TTL
 from exod.retention import Retention
 from exod.supervisor import Timeouts
 from fsm.admit import MIB
@@ -116,44 +118,127 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-_SECTIONS = {
-    "daemon": {"host", "port", "state_dir", "hf_home", "offline"},
-    "retry": {"initial", "factor", "cap", "max_retries", "reset_after"},
-    "timeouts": {f.name for f in attrs.fields(Timeouts)},  # connect, load_progress, warm_up, generate, …
-    "place": {"model", "path", "ranks"},
-    "cluster": {f.name for f in attrs.fields(ClusterConfig)},  # url, node_id, advertise, lease_ttl, prefix
-    "fault": {"rank", "generation", "phase", "kind"},  # fault injection, for tests: never set by default
-    "script": {"text"},  # scripted output, for tests (a tool call from a random-weight model): never by default
-    "retention": {f.name for f in attrs.fields(Retention)},  # max_log_rows, max_log_age_days, keep_runner_logs
-    "limits": {
-        "max_requests_per_instance",
-        "queue_timeout",
-        "max_tokens",
-        "max_body_bytes",
-        "read_timeout",
-        "keep_alive_timeout",
-        "max_connections",
-        "drain_timeout",
-        "runners_per_node",
-        "ranks_per_instance",
-        "instances_per_model",
-        "runner_memory_mib",
-    },
-}
+# The file's schema, checked by pydantic: unknown sections and keys, and wrong types, are errors that name them
+# (strict: `offline = "no"` is not true, `host = 5` is not a host). What the values mean is checked after.
+_STRICT = ConfigDict(extra="forbid", strict=True)
+Positive = Annotated[float, Field(gt=0)]
+Whole = Annotated[int, Field(ge=1)]
+
+
+class _Daemon(BaseModel):
+    model_config = _STRICT
+
+    host: str = "127.0.0.1"
+    port: int = Field(8420, ge=0, le=65535)
+    state_dir: str | None = None
+    hf_home: str | None = None
+    offline: bool | None = None
+
+
+class _Retry(BaseModel):
+    model_config = _STRICT
+
+    initial: Positive = fsm.RetryPolicy().backoff.initial
+    factor: float = Field(fsm.RetryPolicy().backoff.factor, ge=1)
+    cap: Positive = fsm.RetryPolicy().backoff.cap
+    max_retries: Whole = fsm.RetryPolicy().max_retries
+    reset_after: Positive = fsm.RetryPolicy().reset_after
+
+
+_Timeouts = create_model(  # one positive number per phase of `exod.supervisor.Timeouts`
+    "_Timeouts", __config__=_STRICT, **{f.name: (Positive, f.default) for f in attrs.fields(Timeouts)}
+)
+
+
+class _Place(BaseModel):
+    model_config = _STRICT
+
+    model: str | None = None
+    path: str | None = None
+    ranks: Whole = 1
+
+
+class _Cluster(BaseModel):
+    model_config = _STRICT
+
+    url: str
+    node_id: str
+    advertise: str
+    lease_ttl: int = Field(DEFAULT_TTL, ge=2)
+    prefix: str = DEFAULT_PREFIX
+
+
+class _Fault(BaseModel):  # fault injection, for tests: never set by default
+    model_config = _STRICT
+
+    rank: int | None = Field(None, ge=0)
+    generation: int | None = Field(None, ge=1)
+    phase: str
+    kind: str
+
+
+class _Script(BaseModel):  # scripted output, for tests (a tool call from a random-weight model): never by default
+    model_config = _STRICT
+
+    text: str = Field(..., min_length=1)
+
+
+class _Retention(BaseModel):
+    model_config = _STRICT
+
+    max_log_rows: Whole = Retention().max_log_rows
+    max_log_age_days: Positive = Retention().max_log_age_days  # a day and a half is fine
+    keep_runner_logs: Whole = Retention().keep_runner_logs
+
+
+class _Limits(BaseModel):
+    model_config = _STRICT
+
+    max_requests_per_instance: Whole = 16
+    queue_timeout: Positive = 30.0
+    max_tokens: Whole = 4096
+    max_body_bytes: Whole = 1 << 20
+    read_timeout: Positive = 30.0
+    keep_alive_timeout: Positive = 5.0
+    max_connections: Whole = 256
+    drain_timeout: Positive = 30.0
+    runners_per_node: Whole | None = None  # None: from this host's memory
+    ranks_per_instance: Whole | None = None
+    instances_per_model: Whole = 8
+    runner_memory_mib: Whole = 512
+
+
+class _File(BaseModel):
+    model_config = _STRICT
+
+    daemon: _Daemon = Field(default_factory=_Daemon)
+    retry: _Retry = Field(default_factory=_Retry)
+    timeouts: _Timeouts = Field(default_factory=_Timeouts)  # type: ignore[valid-type]
+    place: list[_Place] = []
+    cluster: _Cluster | None = None
+    fault: list[_Fault] = []
+    script: _Script | None = None
+    retention: _Retention = Field(default_factory=_Retention)
+    limits: _Limits = Field(default_factory=_Limits)
 
 
 _LISTS = frozenset({"place", "fault"})  # the sections written [[...]], once per entry
 
 
-def _listed(body: Any) -> list[Any]:
-    return body if isinstance(body, list) else [body]
-
-
-def _script(section: dict[str, Any], where: str) -> str | None:
-    text = section.get("text")
-    if text is not None and (not isinstance(text, str) or not text):
-        raise ConfigError(f"{where}: [script] text must be a non-empty string, got {text!r}")
-    return text
+def _named(error: ValidationError, where: str) -> ConfigError:
+    """pydantic's first complaint, in the file's own terms: the section, the key, what is expected."""
+    first = error.errors()[0]
+    loc = [part for part in first["loc"] if isinstance(part, str)]
+    section, key = [*loc, "", ""][:2]
+    if first["type"] == "extra_forbidden" and not key:
+        return ConfigError(f"{where}: unknown section [{section}]; known: {sorted(_File.model_fields)}")
+    if first["type"] == "extra_forbidden":
+        return ConfigError(f"{where}: unknown key(s) {[key]} in [{section}]")
+    if not key and first["type"] in ("list_type", "model_type", "dict_type", "model_attributes_type"):
+        form = f"[[{section}]] (one per entry)" if section in _LISTS else f"[{section}] (once)"
+        return ConfigError(f"{where}: {section} must be written {form}")
+    got = first.get("input")
+    return ConfigError(f"{where}: [{section}] {key}: {first['msg'][0].lower()}{first['msg'][1:]}, got {got!r}")
 
 
 def default_state_dir() -> Path:
@@ -170,109 +255,73 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
         raise ConfigError(f"cannot read {where}: {exc.strerror}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{where} is not valid TOML: {exc}") from exc
-    for section, body in data.items():
-        if section not in _SECTIONS:
-            raise ConfigError(f"{where}: unknown section [{section}]; known: {sorted(_SECTIONS)}")
-        if isinstance(body, list) != (section in _LISTS) or not all(isinstance(e, dict) for e in _listed(body)):
-            form = f"[[{section}]] (one per entry)" if section in _LISTS else f"[{section}] (once)"
-            raise ConfigError(f"{where}: {section} must be written {form}")
-        for entry in _listed(body):
-            if unknown := set(entry) - _SECTIONS[section]:
-                raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)} in [{section}]")
-    d = {**data.get("daemon", {}), **{k: v for k, v in overrides.items() if v is not None}}
     try:
-        retry = data.get("retry", {})
-        default = fsm.RetryPolicy()
+        file = _File.model_validate(data)
+    except ValidationError as exc:
+        raise _named(exc, where) from None
+    d = file.daemon.model_copy(update={k: v for k, v in overrides.items() if v is not None})
+    retry, limits = file.retry, file.limits
+    try:
         policy = fsm.RetryPolicy(
-            backoff=fsm.Backoff(
-                initial=retry.get("initial", default.backoff.initial),
-                factor=retry.get("factor", default.backoff.factor),
-                cap=retry.get("cap", default.backoff.cap),
-            ),
-            max_retries=retry.get("max_retries", default.max_retries),
-            reset_after=retry.get("reset_after", default.reset_after),
+            backoff=fsm.Backoff(initial=retry.initial, factor=retry.factor, cap=retry.cap),
+            max_retries=retry.max_retries,
+            reset_after=retry.reset_after,
         )
-        timeouts = Timeouts(**{k: float(v) for k, v in data.get("timeouts", {}).items()})
-        placements = tuple(_placement(p) for p in data.get("place", []))
+        placements = tuple(_placement(p) for p in file.place)
         faults = tuple(
-            FaultSpec(Fault.parse(f"{f['phase']}:{f['kind']}"), rank=f.get("rank"), generation=f.get("generation"))
-            for f in data.get("fault", [])
+            FaultSpec(Fault.parse(f"{f.phase}:{f.kind}"), rank=f.rank, generation=f.generation) for f in file.fault
         )
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError) as exc:
         raise ConfigError(f"{where}: {exc}") from exc
-    port = d.get("port", 8420)
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ConfigError(f"{where}: port must be an int in 0..65535, got {port!r}")
-    limits = data.get("limits", {})
-    for key, value in limits.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ConfigError(f"{where}: [limits] {key} must be a positive number, got {value!r}")
-    whole = ("max_connections", "runners_per_node", "ranks_per_instance", "instances_per_model", "runner_memory_mib")
-    for key in whole:
-        if key in limits and not isinstance(limits[key], int):
-            raise ConfigError(f"{where}: [limits] {key} must be a whole number, got {limits[key]!r}")
-    kept = data.get("retention", {})
-    for key, value in kept.items():  # whole numbers, but for the age: a day and a half is fine
-        number = (int, float) if key == "max_log_age_days" else int
-        if isinstance(value, bool) or not isinstance(value, number) or value <= 0:
-            what = "a positive number" if key == "max_log_age_days" else "a whole number >= 1"
-            raise ConfigError(f"{where}: [retention] {key} must be {what}, got {value!r}")
-    connections = limits.get("max_connections", 256)
     memory = host_memory()
-    sized = fsm.Limits.for_memory(memory, runner_floor_bytes=limits.get("runner_memory_mib", 512) * MIB)
+    sized = fsm.Limits.for_memory(memory, runner_floor_bytes=limits.runner_memory_mib * MIB)
     admission = fsm.Limits(
-        runners_per_node=limits.get("runners_per_node", sized.runners_per_node),
-        ranks_per_instance=limits.get("ranks_per_instance", sized.ranks_per_instance),
-        instances_per_model=limits.get("instances_per_model", sized.instances_per_model),
+        runners_per_node=limits.runners_per_node or sized.runners_per_node,
+        ranks_per_instance=limits.ranks_per_instance or sized.ranks_per_instance,
+        instances_per_model=limits.instances_per_model,
         runner_floor_bytes=sized.runner_floor_bytes,
     )
     daemon = DaemonConfig(
-        state_dir=Path(d.get("state_dir") or default_state_dir()).expanduser(),
-        hf_home=Path(d["hf_home"]).expanduser() if d.get("hf_home") else None,
-        offline=d.get("offline"),
-        timeouts=timeouts,
+        state_dir=Path(d.state_dir or default_state_dir()).expanduser(),
+        hf_home=Path(d.hf_home).expanduser() if d.hf_home else None,
+        offline=d.offline,
+        timeouts=Timeouts(**file.timeouts.model_dump()),
         policy=policy,
-        max_requests_per_instance=int(limits.get("max_requests_per_instance", 16)),
-        queue_timeout=float(limits.get("queue_timeout", 30.0)),
+        max_requests_per_instance=limits.max_requests_per_instance,
+        queue_timeout=limits.queue_timeout,
         faults=faults,
-        script=_script(data.get("script", {}), where),
+        script=file.script.text if file.script else None,
         memory_bytes=memory,
         limits=admission,
-        retention=Retention(**kept),
+        retention=Retention(**file.retention.model_dump()),
     )
     return ServeConfig(
         daemon=daemon,
-        host=str(d.get("host", "127.0.0.1")),
-        port=port,
+        host=d.host,
+        port=d.port,
         placements=placements,
-        max_tokens=int(limits.get("max_tokens", 4096)),
-        max_body_bytes=int(limits.get("max_body_bytes", 1 << 20)),
-        read_timeout=float(limits.get("read_timeout", 30.0)),
-        keep_alive_timeout=float(limits.get("keep_alive_timeout", 5.0)),
-        max_connections=connections,
-        drain_timeout=float(limits.get("drain_timeout", 30.0)),
-        cluster=_cluster(data.get("cluster"), where),
+        max_tokens=limits.max_tokens,
+        max_body_bytes=limits.max_body_bytes,
+        read_timeout=limits.read_timeout,
+        keep_alive_timeout=limits.keep_alive_timeout,
+        max_connections=limits.max_connections,
+        drain_timeout=limits.drain_timeout,
+        cluster=_cluster(file.cluster, where),
     )
 
 
-def _cluster(section: dict[str, Any] | None, where: str) -> ClusterConfig | None:
-    if not section:
+def _cluster(section: _Cluster | None, where: str) -> ClusterConfig | None:
+    if section is None:
         return None
-    missing = sorted({"url", "node_id", "advertise"} - set(section))
-    if missing:
-        raise ConfigError(f"{where}: [cluster] needs {missing} (or pass --cluster, --node-id and --advertise)")
     try:
-        return ClusterConfig(**section)
+        return ClusterConfig(**section.model_dump())
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: [cluster]: {exc}") from exc
 
 
-def _placement(entry: dict[str, Any]) -> Placement:
-    if ("model" in entry) == ("path" in entry):
+def _placement(entry: _Place) -> Placement:
+    if (entry.model is None) == (entry.path is None):
         raise ValueError("each [[place]] needs exactly one of model = 'org/name' or path = '/a/model/dir'")
-    ranks = entry.get("ranks", 1)
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise ValueError(f"[[place]] ranks must be an int >= 1, got {ranks!r}")
-    if "model" in entry:
-        return Placement(ranks, model=validate_model_id(entry["model"]))
-    return Placement(ranks, path=Path(entry["path"]).expanduser())
+    if entry.model is not None:
+        return Placement(entry.ranks, model=validate_model_id(entry.model))
+    return Placement(entry.ranks, path=Path(entry.path).expanduser())  # type: ignore[arg-type]

@@ -28,6 +28,8 @@ hypercorn's per-connection `TCPServer`, and serves them with `trio.serve_listene
 
 from __future__ import annotations
 
+import errno
+import socket
 from functools import partial
 from typing import Any
 
@@ -132,10 +134,30 @@ class LimitedListener(trio.abc.Listener[trio.SocketStream]):
         await self.listener.aclose()
 
 
+class BindError(OSError):
+    """The API's address cannot be listened on; the message says why and what to do."""
+
+
+def bind(config: ServeConfig) -> list[socket.socket]:
+    """The API's sockets, bound: done before anything else starts, so that a port in use starts nothing."""
+    try:
+        return list(hypercorn_config(config).create_sockets().insecure_sockets)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise BindError(f"port {config.port} is in use on {config.host}; pick another with --port") from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise BindError(f"{config.host} is not an address of this machine; pick another with --host") from None
+        raise BindError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
+
+
 async def serve_http(
-    app: ASGIApp, config: ServeConfig, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
+    app: ASGIApp,
+    config: ServeConfig,
+    sockets: list[socket.socket] | None = None,
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` on ``config.host:config.port`` until cancelled; ``task_status`` gets the URLs bound.
+    """Serve ``app`` on ``sockets`` (`bind`, by default now) until cancelled; ``task_status`` gets their URLs.
 
     At most ``config.max_connections`` connections are open at a time; see the module docstring for the rest.
     """
@@ -155,7 +177,7 @@ async def serve_http(
     async with trio.open_nursery() as nursery:
         await nursery.start(lifespan.handle_lifespan)
         await lifespan.wait_for_startup()
-        sockets = hc.create_sockets().insecure_sockets
+        sockets = bind(config) if sockets is None else sockets
         listeners = []
         for sock in sockets:
             sock.listen(hc.backlog)

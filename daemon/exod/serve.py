@@ -39,7 +39,7 @@ from exod.drain import Drain, Gate
 from exod.election import Deposed, Term
 from exod.etcd import Etcd, EtcdError
 from exod.etcd_state import EtcdState
-from exod.http_server import serve_http
+from exod.http_server import bind, serve_http
 from exod.membership import Membership
 from exod.nodes import NodeRecord, list_nodes, live_runners
 from exod.orphans import reap_orphans
@@ -69,6 +69,7 @@ def daemon_address(state_dir: Path) -> str | None:
 async def serve(config: ServeConfig, *, announce=print) -> None:
     state_dir = config.daemon.state_dir
     with state_dir_lock(state_dir):
+        sockets = bind(config)  # first: a port in use is one line, with nothing started and no state written
         store = Store.open(config.daemon.db_path, retention=config.daemon.retention)
         try:
             membership = await _join(config)
@@ -95,7 +96,7 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                 )
                 drain = Drain()
                 app = Gate(app, drain)
-                urls = await nursery.start(partial(serve_http, app, config))
+                urls = await nursery.start(partial(serve_http, app, config, sockets))
                 url = urls[0]
                 try:  # how the CLI finds the daemon; on a full disk it serves all the same
                     write_private(state_dir / "daemon.json", json.dumps({"pid": os.getpid(), "url": url}))
