@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import openai
 
@@ -21,7 +22,9 @@ def main() -> None:
     parser.add_argument("--model", default="exod/tiny-qwen2")
     args = parser.parse_args()
 
-    client = openai.OpenAI(base_url=f"{args.url}/v1", api_key=os.environ.get("EXOD_API_KEY", "unused"))
+    client = openai.OpenAI(
+        base_url=f"{args.url}/v1", api_key=os.environ.get("EXOD_API_KEY", "unused"), max_retries=0
+    )
     print("models:", [m.id for m in client.models.list().data])
 
     messages = [{"role": "user", "content": "What does a runner do when its peer fails?"}]
@@ -37,4 +40,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except openai.APIConnectionError:
+        sys.exit("no exod daemon answers there: start one with `make run` (or pass --url)")
+    except openai.APIStatusError as exc:
+        sys.exit(f"exod answered {exc.status_code}: {exc.message}")

@@ -1,4 +1,4 @@
-"""examples/drive_runner.py and examples/custom_retry_policy.py run and print what they claim."""
+"""The examples/ programs run and print what they claim (or, without a daemon, one line saying so)."""
 
 from __future__ import annotations
 
@@ -72,3 +72,19 @@ def test_model_check_example_proves_the_real_planner_and_breaks_the_variant():
     real, variant = out.stdout.split("== a planner without one_for_all ==")
     assert "all invariants hold" in real and "exhaustive" in real
     assert "invariant violated: 10 no deadlock" in variant and "shortest trace" in variant
+
+
+def test_the_openai_client_example_without_a_daemon_says_so_in_one_line():
+    import socket
+
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "openai_client.py"), "--url", f"http://127.0.0.1:{port}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == "no exod daemon answers there: start one with `make run` (or pass --url)"
