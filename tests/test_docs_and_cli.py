@@ -63,3 +63,38 @@ def test_package_imports_as_documented():
         check=True,
     ).stdout
     assert "fsm.runner.RunnerLifecycle" in out and "fsm.instance.InstanceRetry" in out and "function plan" in out
+
+
+def test_logs_prints_the_newest_generation_or_one_rank_and_follows(tmp_path):
+    logs = tmp_path / "logs" / "m-1"
+    logs.mkdir(parents=True)
+    for rank, generation in [(0, 1), (1, 1), (0, 2), (1, 2)]:
+        (logs / f"rank{rank}-gen{generation}.log").write_text(f"rank {rank} of generation {generation}\n")
+    runner = CliRunner()
+    newest = runner.invoke(main, ["logs", "m-1", "--state-dir", str(tmp_path)])
+    assert (
+        newest.exit_code == 0
+        and "rank 0 of generation 2" in newest.output
+        and "rank 1 of generation 2" in newest.output
+    )
+    assert "generation 1" not in newest.output
+    one = runner.invoke(main, ["logs", "m-1", "--rank", "1", "--generation", "1", "--state-dir", str(tmp_path)])
+    assert one.exit_code == 0 and "rank 1 of generation 1" in one.output and "rank 0" not in one.output
+    missing = runner.invoke(main, ["logs", "m-2", "--state-dir", str(tmp_path)])
+    assert missing.exit_code != 0 and "no runner logs of m-2" in missing.output
+
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "exod", "logs", "m-1", "--rank", "0", "--follow", "--state-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert follower.stdout is not None
+        assert follower.stdout.readline().startswith("==> ")
+        assert follower.stdout.readline() == "rank 0 of generation 2\n"
+        with (logs / "rank0-gen2.log").open("a") as log:
+            log.write("written later\n")
+        assert follower.stdout.readline() == "written later\n"
+    finally:
+        follower.kill()
+        follower.wait()

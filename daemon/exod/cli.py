@@ -366,6 +366,52 @@ def _offline_status(state_dir: Path) -> dict:
 
 
 @main.command()
+@click.argument("instance_id")
+@click.option("--rank", type=click.IntRange(0), default=None, help="One rank (default: every rank).")
+@click.option("--generation", type=click.IntRange(1), default=None, help="Default: the newest kept here.")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing what the runners write, until Ctrl-C.")
+@STATE_DIR
+def logs(instance_id: str, rank: int | None, generation: int | None, follow: bool, state_dir) -> None:
+    """Print the runner logs of INSTANCE_ID kept in this node's state dir (in a cluster, each node keeps the
+    logs of the ranks it ran)."""
+    import time
+
+    from exod import retention
+
+    directory = _state_dir(state_dir)
+    try:
+        kept = retention.runner_logs(directory, instance_id)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="INSTANCE_ID") from exc
+    if not kept:
+        raise click.ClickException(
+            f"no runner logs of {instance_id} in {directory}: see `exod status` for the instances, "
+            "or pass the node's --state-dir"
+        )
+    chosen = generation or max(g for _, g in kept)
+    paths = [path for (r, g), path in sorted(kept.items()) if g == chosen and rank in (None, r)]
+    if not paths:
+        ranks = sorted(r for r, g in kept if g == chosen)
+        raise click.ClickException(f"generation {chosen} of {instance_id} has logs of ranks {ranks} here, not {rank}")
+    offsets = {}
+    for path in paths:
+        click.echo(f"==> {path} <==")
+        text = path.read_text(errors="replace")
+        click.echo(text, nl=False)
+        offsets[path] = len(text.encode())
+    while follow:
+        time.sleep(0.5)
+        for path in paths:
+            with path.open("rb") as file:
+                file.seek(offsets[path])
+                if more := file.read():
+                    offsets[path] += len(more)
+                    prefix = f"[{path.stem}] " if len(paths) > 1 else ""
+                    for line in more.decode(errors="replace").splitlines():
+                        click.echo(prefix + line)
+
+
+@main.command()
 @click.argument("model_id")
 @click.argument("prompt")
 @click.option("--max-tokens", type=click.IntRange(1), default=128, show_default=True)

@@ -37,6 +37,7 @@ from exod.config import DaemonConfig
 from exod.downloads import Downloads
 from exod.journal import Journal
 from exod.models import ModelFiles, ModelNotFound
+from exod.narrate import narrate
 from exod.orphans import reap_orphans, start_ticks
 from exod.placer import Placer
 from exod.processes import Processes
@@ -279,6 +280,8 @@ class Controller:
     def _commit(self) -> None:
         """Hand what changed to the journal, which writes it in order (and keeps it while the store refuses)."""
         if self.cluster.log:
+            for entry in self.cluster.log:
+                narrate(entry)
             self.journal.save(self.cluster.to_dict, self.cluster.log, self.now())
             self.cluster.log.clear()
 

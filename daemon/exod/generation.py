@@ -8,6 +8,7 @@ The dialects (`exod.chat`, `exod.completions`, `exod.responses_api`, `exod.messa
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -29,6 +30,8 @@ from exod.requests import (
     RequestStream,
     ShuttingDown,
 )
+
+log = logging.getLogger("exod.requests")
 
 
 @attrs.frozen
@@ -127,9 +130,15 @@ class Generation:
         if self._recorded:
             return
         self._recorded = True
+        ids = ", ".join(s.request_id for s in self.streams)
+        log.debug("%s [%s]: %s, %d tokens, %.3f s", self.model, ids, outcome, completion_tokens, self.elapsed)
         self.metrics.requests.labels(self.model, outcome).inc()
-        self.metrics.latency.labels(self.model).observe(time.monotonic() - self.started)
+        self.metrics.latency.labels(self.model).observe(self.elapsed)
         self.metrics.tokens.labels(self.model).inc(completion_tokens)
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
 
     def close(self) -> None:
         """The caller is done (or went away): whatever was not recorded was cancelled."""
@@ -140,6 +149,7 @@ class Generation:
     def rejected(self, error: ApiError) -> ApiError:
         """Count ``error`` as this request's outcome, and return it to raise."""
         self._recorded = True
+        log.debug("%s: rejected %d: %s", self.model, error.status, error.message)
         self.metrics.requests.labels(self.model, f"rejected_{error.status}").inc()
         return error
 

@@ -57,6 +57,17 @@ def runner_log_path(state_dir: Path, instance_id: str, rank: int, generation: in
     return _instance_dir(state_dir, "logs", instance_id) / f"rank{rank}-gen{generation}.log"
 
 
+def runner_logs(state_dir: Path, instance_id: str) -> dict[tuple[int, int], Path]:
+    """The runner logs this node keeps for an instance, by (rank, generation)."""
+    directory = _instance_dir(state_dir, "logs", instance_id)
+    found = {}
+    for path in directory.glob("rank*-gen*.log") if directory.is_dir() else ():
+        rank, _, generation = path.stem.removeprefix("rank").partition("-gen")
+        if rank.isdigit() and generation.isdigit():
+            found[(int(rank), int(generation))] = path
+    return found
+
+
 def hostfile_path(state_dir: Path, instance_id: str, generation: int) -> Path:
     """Where generation ``generation`` of the instance finds its MLX ring (`exod.ring.hostfile` writes it)."""
     return _instance_dir(state_dir, "run", instance_id) / f"gen{generation}.hostfile.json"
