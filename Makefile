@@ -9,7 +9,8 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[test]"
+	@echo "installing exod and what it needs into $(VENV) (a few minutes the first time: MLX, mlx-lm, transformers)"
+	$(BIN)/pip install --progress-bar on -e ".[test]"
 	touch $(STAMP)
 
 ## run: the daemon on its embedded default (the generated tiny model placed on 2 ranks), until Ctrl-C

@@ -98,3 +98,20 @@ def test_logs_prints_the_newest_generation_or_one_rank_and_follows(tmp_path):
     finally:
         follower.kill()
         follower.wait()
+
+
+def test_serve_prints_commands_that_work_as_printed(tmp_path, monkeypatch):
+    """`make run` starts .venv/bin/exod, which is not on the PATH: the commands it prints say so."""
+    from exod.serve import _command
+
+    script = tmp_path / "venv" / "bin" / "exod"
+    script.parent.mkdir(parents=True)
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr(sys, "argv", [str(script), "serve"])
+    assert _command() == str(script)
+    monkeypatch.setenv("PATH", str(script.parent))
+    assert _command() == "exod"  # on the PATH, and this one
+    monkeypatch.setattr(sys, "argv", ["/somewhere/exod/__main__.py", "serve"])  # python -m exod
+    assert _command() == f"{sys.executable} -m exod"

@@ -22,7 +22,9 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
+import sys
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 from pathlib import Path
@@ -110,9 +112,10 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                     nursery.start_soon(_lead, controller, membership, config, wanted)
                     announce(f"exod: node {membership.node_id} of the cluster at {membership.config.url}")
                 announce(f"exod serving on {url} (state in {state_dir})")
+                exod = _command()
                 announce(
-                    f"  try:  exod status --state-dir {state_dir}\n"
-                    f"        exod place exod/tiny-qwen2 --ranks 1 --url {url}\n"
+                    f"  try:  {exod} status --state-dir {state_dir}\n"
+                    f"        {exod} place exod/tiny-qwen2 --ranks 1 --url {url}\n"
                     f"        curl {url}/instances\n"
                     "  stop: Ctrl-C (requests in progress finish, then every runner is stopped and reaped)"
                 )
@@ -138,6 +141,18 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
             with contextlib.suppress(OSError):
                 (state_dir / "daemon.json").unlink()
             store.close()
+
+
+def _command() -> str:
+    """How to run `exod` from the caller's shell, as it is: ``exod`` when that is on the PATH and is this one,
+    else the path it was started by (`make run` starts ``.venv/bin/exod``), else ``python -m exod``."""
+    started = Path(sys.argv[0])
+    on_path = shutil.which("exod")
+    if started.name == "exod" and on_path and Path(on_path).resolve() == started.resolve():
+        return "exod"
+    if started.name == "exod" and started.exists():
+        return str(started)
+    return f"{sys.executable} -m exod"
 
 
 async def _restore(controller: Controller, state: StateStore) -> None:
