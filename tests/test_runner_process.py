@@ -376,7 +376,7 @@ def test_malformed_command_fails_the_runner(spawn) -> None:
 
 def test_an_undecodable_request_is_that_request_s_error_and_the_runner_lives_on(spawn) -> None:
     runner = spawn(incarnation=1)
-    runner.sock.sendall(b'{"type": "generate", "request_id": "bad", "prompt_messages": [{"role": null}]}\n')
+    runner.sock.sendall(b'{"type": "generate", "request_id": "bad", "prompt_messages": "not a list"}\n')
     refused = runner.recv_until(p.RequestError)[-1]
     assert refused.request_id == "bad" and "invalid request" in refused.message
     runner.sock.sendall(p.Generate(request_id="early", prompt_tokens=[1, 2]).to_line())

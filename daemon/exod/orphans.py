@@ -11,31 +11,23 @@ from __future__ import annotations
 import os
 import select
 import signal
-import sys
 import time
 from collections.abc import Iterable
-from pathlib import Path
+
+import psutil
 
 from exod.store import ProcessRecord
 
 
 def start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (Linux), or None if there is no such process."""
-    if sys.platform.startswith("linux"):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except (FileNotFoundError, ProcessLookupError):
-            return None
-        # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
-        fields = stat[stat.rindex(")") + 2 :].split()
-        return int(fields[19])  # field 22 overall
-    try:  # elsewhere: existence only (start time is not portable)
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    """The process's start time (ms since the epoch, from the kernel, by psutil on Linux and macOS alike), or
+    None if there is no such process. With the pid it names one process: a recycled pid starts later."""
+    try:
+        return round(psutil.Process(pid).create_time() * 1000)
+    except psutil.NoSuchProcess:
         return None
-    except PermissionError:
+    except psutil.Error:  # it exists, but cannot be looked at (another user's): not ours to identify
         return 0
-    return 0
 
 
 def is_same_process(record: ProcessRecord) -> bool:

@@ -128,6 +128,7 @@ class Channel:
 
 
 HEARTBEAT_TOKENS = 16  # ranks > 0 report that generation goes on every this many tokens
+PEEK_S = 0.05  # without POLLRDHUP: how often a channel with unread commands is looked at again
 HANGUP_GRACE_S = 1.0  # time the reader thread gets to end the process cleanly before the watchdog kills it
 _watchdog_pid: int | None = None
 
@@ -152,16 +153,45 @@ def start_hangup_watchdog(control_fd: int) -> None:
         return
     try:  # the watchdog: no imports, no threads, no MLX
         os.close(alive_w)
-        poller = select.poll()
-        poller.register(control_fd, select.POLLRDHUP)
-        poller.register(alive_r, select.POLLIN)
-        events = dict(poller.poll())
-        if alive_r not in events:  # the channel hung up while the runner lives
+        if hung_up(control_fd, alive_r):  # the channel hung up while the runner lives
             time.sleep(HANGUP_GRACE_S)
             if not select.select([alive_r], [], [], 0)[0]:
                 os.kill(parent, signal.SIGKILL)
     finally:
         os._exit(0)
+
+
+def hung_up(control_fd: int, alive_r: int, *, rdhup: bool = hasattr(select, "POLLRDHUP")) -> bool:
+    """Block until the control channel hangs up (True) or the runner exits, closing ``alive_r`` (False).
+
+    Neither may consume a byte of the channel, which the runner reads. Linux says "peer closed" alone
+    (POLLRDHUP). Elsewhere (macOS, MLX's main platform) POLLHUP says it when the peer is gone, and a
+    readable channel is peeked at: nothing to read means the peer closed; bytes mean commands the runner
+    has yet to read, so look again a little later."""
+    poller = select.poll()
+    poller.register(alive_r, select.POLLIN)
+    if rdhup:
+        poller.register(control_fd, select.POLLRDHUP)
+        return alive_r not in dict(poller.poll())
+    poller.register(control_fd, select.POLLIN | select.POLLHUP)
+    channel = socket.socket(fileno=os.dup(control_fd))
+    try:
+        while True:
+            events = dict(poller.poll())
+            if alive_r in events:
+                return False
+            if events.get(control_fd, 0) & (select.POLLHUP | select.POLLERR):
+                return True
+            try:
+                if channel.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                    return True
+            except BlockingIOError:
+                pass
+            except OSError:  # reset: hung up as well
+                return True
+            time.sleep(PEEK_S)
+    finally:
+        channel.close()
 
 
 def exit_now(code: int) -> NoReturn:
