@@ -22,9 +22,7 @@ def main() -> None:
     parser.add_argument("--model", default="exod/tiny-qwen2")
     args = parser.parse_args()
 
-    client = openai.OpenAI(
-        base_url=f"{args.url}/v1", api_key=os.environ.get("EXOD_API_KEY", "unused"), max_retries=0
-    )
+    client = openai.OpenAI(base_url=f"{args.url}/v1", api_key=os.environ.get("EXOD_API_KEY", "unused"), max_retries=0)
     print("models:", [m.id for m in client.models.list().data])
 
     messages = [{"role": "user", "content": "What does a runner do when its peer fails?"}]
