@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 import fsm
 
@@ -34,7 +35,6 @@ __all__ = [
     "validate_model_id",
 ]
 
-_PART = re.compile(r"[A-Za-z0-9._-]+")
 _TRUE = {"1", "true", "yes", "on"}
 MAKE_TINY_HINT = "To make a local tiny model for tests and demos, run: exod model make-tiny --repo-id ORG/NAME"
 
@@ -73,13 +73,10 @@ def validate_model_id(model_id: str) -> str:
         raise InvalidModelId(f"model id {model_id!r} must contain exactly one '/'; {example}")
     if any(not p for p in parts):
         raise InvalidModelId(f"model id {model_id!r} has an empty organisation or name; {example}")
-    if ".." in model_id or any(p == "." for p in parts):
-        raise InvalidModelId(f"model id {model_id!r} contains '.' or '..' path components; {example}")
-    for p in parts:
-        if not _PART.fullmatch(p):
-            raise InvalidModelId(
-                f"model id {model_id!r} has characters other than letters, digits, '.', '_' and '-'; {example}"
-            )
+    try:  # the hub's own rule (characters, '..' and '--', the ends, the length)
+        validate_repo_id(model_id)
+    except HFValidationError as exc:
+        raise InvalidModelId(f"model id {model_id!r} is not a valid repo id ({exc}); {example}") from None
     return model_id
 
 
