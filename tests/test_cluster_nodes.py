@@ -720,3 +720,40 @@ def test_a_partitioned_node_fences_itself_and_the_instance_recovers_without_two_
         f"{after['attempts']}, never two generations alive; node-{inner} back, generation "
         f"{settled['generation']} still Ready, {still} still the controller (lease TTL {PARTITION_TTL} s)",
     )
+
+
+def test_every_dialect_answers_from_a_node_that_is_not_the_controller(tmp_path, etcd, hf_home):
+    """Chat, text completions, Responses and Anthropic's Messages, asked of the follower with the official
+    clients, streamed or not, on an instance whose ranks are on both nodes."""
+    import anthropic
+    import openai
+
+    env = {**os.environ, "HF_HOME": str(hf_home)}
+    daemons = [start(tmp_path, etcd, n, env) for n in (1, 2)]
+    try:
+        view = until(lambda: nodes(daemons[0][1]), lambda v: len(v["nodes"]) == 2 and v["controller"], 30)
+        follower = daemons[1][1] if view["controller"] == "node-1" else daemons[0][1]
+        placed = httpx.post(f"{follower}/instances", json={"model": "exod/tiny-qwen2", "ranks": 2}, timeout=30)
+        iid = placed.json()["instance_id"]
+        until(lambda: instance_at(follower, iid), lambda i: i["state"] == "ready", 60)
+        client = openai.OpenAI(base_url=f"{follower}/v1", api_key="unused", max_retries=0, timeout=60)
+        claude = anthropic.Anthropic(base_url=follower, api_key="unused", max_retries=0, timeout=60)
+        ask = [{"role": "user", "content": "hi"}]
+        model = "exod/tiny-qwen2"
+        chat = client.chat.completions.create(model=model, messages=ask, max_tokens=3, logprobs=True)
+        text = client.completions.create(model=model, prompt="The quick", max_tokens=3)
+        response = client.responses.create(model=model, input="hi", max_output_tokens=3)
+        with client.responses.stream(model=model, input="hi", max_output_tokens=3) as stream:
+            streamed = [event.type for event in stream]
+        message = claude.messages.create(model=model, max_tokens=3, messages=ask)
+        with claude.messages.stream(model=model, max_tokens=3, messages=ask) as stream:
+            said = "".join(stream.text_stream)
+            final = stream.get_final_message()
+        found = client.models.retrieve(model)
+    finally:
+        stop_all(daemons)
+    assert chat.usage.completion_tokens == 3 and len(chat.choices[0].logprobs.content) == 3
+    assert text.usage.completion_tokens == 3 and response.usage.output_tokens == 3
+    assert streamed[0] == "response.created" and streamed[-1] == "response.completed"
+    assert message.usage.output_tokens == 3 and message.stop_reason == "max_tokens"
+    assert final.stop_reason == "max_tokens" and said == final.content[0].text and found.id == model
