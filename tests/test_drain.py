@@ -203,7 +203,7 @@ def test_drain_timeout_is_a_positive_number_in_limits(tmp_path):
     assert load(path).drain_timeout == 2.5
     for bad in ("0", "-1", '"soon"', "true"):
         path.write_text(f"[limits]\ndrain_timeout = {bad}\n")
-        with pytest.raises(ConfigError, match="drain_timeout must be a positive number"):
+        with pytest.raises(ConfigError, match=r"\[limits\] drain_timeout: input should be"):
             load(path)
 
 

@@ -52,10 +52,10 @@ def test_the_embedded_default_and_a_retention_section(tmp_path):
 @pytest.mark.parametrize(
     ("line", "message"),
     [
-        ("max_log_rows = 0", "[retention] max_log_rows must be a whole number >= 1, got 0"),
-        ("max_log_rows = 10.5", "[retention] max_log_rows must be a whole number >= 1, got 10.5"),
-        ("keep_runner_logs = true", "[retention] keep_runner_logs must be a whole number >= 1, got True"),
-        ("max_log_age_days = -1", "[retention] max_log_age_days must be a positive number, got -1"),
+        ("max_log_rows = 0", "[retention] max_log_rows: input should be greater than or equal to 1, got 0"),
+        ("max_log_rows = 10.5", "[retention] max_log_rows: input should be a valid integer, got 10.5"),
+        ("keep_runner_logs = true", "[retention] keep_runner_logs: input should be a valid integer, got True"),
+        ("max_log_age_days = -1", "[retention] max_log_age_days: input should be greater than 0, got -1"),
         ("max_log_days = 3", "unknown key(s) ['max_log_days'] in [retention]"),
     ],
 )

@@ -13,9 +13,10 @@ from typing import Any
 
 import trio
 from fastapi import FastAPI, Header, Query
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
+from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import fsm
@@ -279,11 +280,11 @@ def create_app(
             raise ApiError(501, str(exc), param="format") from exc
         return Response(body, media_type=MEDIA_TYPES[fmt])
 
-    @app.get("/events", response_class=StreamingResponse)
+    @app.get("/events", response_class=EventSourceResponse)
     async def events(
         last_event_id: int | None = Header(None, ge=0, le=MAX_SEQ, description="resume after this sequence number"),
         after: int = Query(0, ge=0, le=MAX_SEQ, description="resume after this sequence number, if no Last-Event-ID"),
-    ) -> StreamingResponse:
+    ) -> EventSourceResponse:
         """Server-sent events: every lifecycle transition, from the durable log, resumable.
 
         A resume point must be a sequence number the log could hold (0..2^63-1), or it is a 400 before the
@@ -293,30 +294,30 @@ def create_app(
         """
         start = last_event_id if last_event_id is not None else after
 
-        async def stream() -> AsyncIterator[str]:
+        async def stream() -> AsyncIterator[ServerSentEvent]:
             seen = start
             while True:
                 try:
                     if seen < (oldest := await controller.log_start()) - 1:  # also when a slow reader is overtaken
                         doc = {"oldest_seq": oldest, "after": seen}
-                        yield f"id: {oldest - 1}\nevent: truncated\ndata: {json.dumps(doc)}\n\n"
+                        yield ServerSentEvent(data=json.dumps(doc), id=str(oldest - 1), event="truncated")
                         seen = oldest - 1
                     batch = await controller.transitions(after=seen, limit=500)
                     for seq, e in batch:
                         seen = seq
                         doc = {"seq": seq, **e.as_record()}
-                        yield f"id: {seq}\nevent: transition\ndata: {json.dumps(doc)}\n\n"
+                        yield ServerSentEvent(data=json.dumps(doc), id=str(seq), event="transition")
                     if len(batch) == 500:
                         continue  # more are waiting
                     with trio.move_on_after(KEEPALIVE_S) as idle:
                         await controller.log_grew(seen)
                     if idle.cancelled_caught:
-                        yield ": keepalive\n\n"
+                        yield ServerSentEvent(comment="keepalive")
                 except StateUnavailable as exc:  # the cluster's etcd is away: the stream waits for it
-                    yield f": {exc}; trying again\n\n"
+                    yield ServerSentEvent(comment=f"{exc}; trying again")
                     await trio.sleep(1.0)
 
-        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return EventSourceResponse(stream(), sep="\n", headers={"Cache-Control": "no-cache"})
 
     if membership is not None:
         app = Follower(app, membership)

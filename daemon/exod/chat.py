@@ -9,13 +9,14 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from exod import protocol as p
 from exod.controller import Controller
 from exod.errors import ApiError, responses
-from exod.generation import Generation, Output, ToolCall, openai_logprobs, openai_usage, sse, usage
+from exod.generation import Generation, Output, ToolCall, event_stream, openai_logprobs, openai_usage, sse, usage
 from exod.requests import RequestFailed
 
 MAX_MESSAGES = 256
@@ -258,7 +259,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
         return _model(model_id)
 
     @api.post("/v1/chat/completions", response_model=None, responses=responses(400, 404, 429, 502, 503))
-    async def chat(body: ChatRequest, request: Request) -> JSONResponse | StreamingResponse:
+    async def chat(body: ChatRequest, request: Request) -> JSONResponse | EventSourceResponse:
         max_tokens = body.max_completion_tokens or body.max_tokens or min(256, max_tokens_ceiling)
         generation = Generation(controller, metrics, body.model)
         if max_tokens > max_tokens_ceiling:
@@ -294,13 +295,15 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
+        def chunk(
+            index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None
+        ) -> ServerSentEvent:
             choice = {"index": index, "delta": delta, "finish_reason": finish}
             if body.logprobs:
                 choice["logprobs"] = logprobs
             return sse(head | {"object": "chat.completion.chunk", "choices": [choice]})
 
-        async def events() -> AsyncIterator[str]:
+        async def events() -> AsyncIterator[ServerSentEvent]:
             dones: list[p.Done] = []
             try:
                 for index, stream in enumerate(streams):  # choice by choice; each chunk says its index
@@ -334,7 +337,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                 generation.close()  # the client went away mid-stream: cancelled (no-op when recorded)
             yield sse("[DONE]")
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return event_stream(events())
 
     return api
 

@@ -424,6 +424,7 @@ def chat(model_id: str, prompt: str, max_tokens: int, temperature: float, seed, 
     import json
 
     import httpx
+    from httpx_sse import connect_sse
 
     body = {
         "model": model_id,
@@ -436,14 +437,14 @@ def chat(model_id: str, prompt: str, max_tokens: int, temperature: float, seed, 
         body["seed"] = seed
     with _client(url, state_dir) as client:
         try:
-            with client.stream("POST", "/v1/chat/completions", json=body, timeout=None) as response:
-                if response.status_code >= 400:
-                    response.read()
-                    _call_failed(response)
-                for line in response.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
+            with connect_sse(client, "POST", "/v1/chat/completions", json=body, timeout=None) as source:
+                if source.response.status_code >= 400:
+                    source.response.read()
+                    _call_failed(source.response)
+                for event in source.iter_sse():
+                    if event.data == "[DONE]":
                         continue
-                    doc = json.loads(line[len("data: ") :])
+                    doc = json.loads(event.data)
                     if "error" in doc:
                         click.echo()
                         raise click.ClickException(doc["error"]["message"])

@@ -8,14 +8,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, field_validator, model_validator
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from exod import protocol as p
 from exod.chat import LENIENT, MAX_CHOICES, MAX_MESSAGE_CHARS, StreamOptions, Text, stop_list
 from exod.controller import Controller
 from exod.errors import ApiError, responses
-from exod.generation import Generation, Output, openai_usage, sse, usage
+from exod.generation import Generation, Output, event_stream, openai_usage, sse, usage
 from exod.requests import RequestFailed
 
 
@@ -71,7 +72,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
     api = APIRouter()
 
     @api.post("/v1/completions", response_model=None, responses=responses(400, 404, 429, 502, 503))
-    async def complete(body: CompletionRequest) -> JSONResponse | StreamingResponse:
+    async def complete(body: CompletionRequest) -> JSONResponse | EventSourceResponse:
         generation = Generation(controller, metrics, body.model)
         max_tokens = body.max_tokens or 16
         if max_tokens > max_tokens_ceiling:
@@ -116,11 +117,11 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None) -> str:
+        def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None) -> ServerSentEvent:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
             return sse(head | {"choices": [choice]})
 
-        async def events() -> AsyncIterator[str]:
+        async def events() -> AsyncIterator[ServerSentEvent]:
             dones: list[p.Done] = []
             try:
                 for index, stream in enumerate(streams):
@@ -145,7 +146,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                 generation.close()
             yield sse("[DONE]")
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return event_stream(events())
 
     return api
 

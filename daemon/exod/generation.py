@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import attrs
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from exod import protocol as p
 from exod.controller import Controller
@@ -189,7 +190,12 @@ def openai_logprobs(tokens: list[p.Token]) -> list[dict[str, Any]]:
     ]
 
 
-def sse(data: dict[str, Any] | str, event: str | None = None) -> str:
+def sse(data: dict[str, Any] | str, event: str | None = None) -> ServerSentEvent:
     """One server-sent event (``event:`` for the dialects that name them: Anthropic's, Responses')."""
-    body = data if isinstance(data, str) else json.dumps(data)
-    return (f"event: {event}\n" if event else "") + f"data: {body}\n\n"
+    return ServerSentEvent(data=data if isinstance(data, str) else json.dumps(data), event=event)
+
+
+def event_stream(events: AsyncIterator[ServerSentEvent]) -> EventSourceResponse:
+    """The response that streams ``events`` (sse-starlette: the framing, and the client going away cancels
+    the stream, whose ``finally`` then counts the request as cancelled)."""
+    return EventSourceResponse(events, sep="\n", headers={"Cache-Control": "no-cache"})

@@ -14,14 +14,15 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, field_validator
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from exod import protocol as p
 from exod.chat import LENIENT, MAX_MESSAGE_CHARS, MAX_MESSAGES, Text, stop_list, unicode_text
 from exod.controller import Controller
 from exod.errors import ApiError, responses
-from exod.generation import Generation, Output, ToolCall, sse
+from exod.generation import Generation, Output, ToolCall, event_stream, sse
 from exod.requests import RequestFailed
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -130,7 +131,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
     api = APIRouter()
 
     @api.post("/v1/messages", response_model=None, responses=responses(400, 404, 429, 502, 503, anthropic=True))
-    async def messages(body: MessagesRequest) -> JSONResponse | StreamingResponse:
+    async def messages(body: MessagesRequest) -> JSONResponse | EventSourceResponse:
         generation = Generation(controller, metrics, body.model)
         if body.max_tokens > max_tokens_ceiling:
             raise generation.rejected(
@@ -155,7 +156,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                 generation.close()
             return JSONResponse(head | _message(output))
 
-        async def events() -> AsyncIterator[str]:
+        async def events() -> AsyncIterator[ServerSentEvent]:
             index = 0
             text_open = False
             try:
@@ -202,7 +203,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
             finally:
                 generation.close()
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return event_stream(events())
 
     return api
 

@@ -14,14 +14,15 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, model_validator
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from exod import protocol as p
 from exod.chat import LENIENT, MAX_MESSAGE_CHARS, MAX_MESSAGES, Text, text_of
 from exod.controller import Controller
 from exod.errors import ApiError, responses
-from exod.generation import Generation, Output, ToolCall, sse
+from exod.generation import Generation, Output, ToolCall, event_stream, sse
 from exod.requests import RequestFailed
 
 _ROLES = {"developer": "system", "system": "system", "user": "user", "assistant": "assistant"}
@@ -115,7 +116,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
     api = APIRouter()
 
     @api.post("/v1/responses", response_model=None, responses=responses(400, 404, 429, 502, 503))
-    async def respond(body: ResponsesRequest) -> JSONResponse | StreamingResponse:
+    async def respond(body: ResponsesRequest) -> JSONResponse | EventSourceResponse:
         generation = Generation(controller, metrics, body.model)
         max_tokens = body.max_output_tokens or min(256, max_tokens_ceiling)
         if max_tokens > max_tokens_ceiling:
@@ -139,10 +140,10 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                 generation.close()
             return JSONResponse(_finished(shell, output))
 
-        async def events() -> AsyncIterator[str]:
+        async def events() -> AsyncIterator[ServerSentEvent]:
             number = 0
 
-            def event(kind: str, **data: Any) -> str:
+            def event(kind: str, **data: Any) -> ServerSentEvent:
                 nonlocal number
                 number += 1
                 return sse({"type": kind, "sequence_number": number - 1, **data}, kind)
@@ -194,12 +195,12 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
             finally:
                 generation.close()
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return event_stream(events())
 
     return api
 
 
-def _text_done(event: Any, message_id: str, index: int, text: str) -> list[str]:
+def _text_done(event: Any, message_id: str, index: int, text: str) -> list[ServerSentEvent]:
     """The events that close a message item of text."""
     where = {"item_id": message_id, "output_index": index, "content_index": 0}
     part = {"type": "output_text", "text": text, "annotations": []}
