@@ -6,8 +6,8 @@ it runs on anyio, hence under trio. Every error has OpenAI's shape (`exod.errors
 
 from __future__ import annotations
 
-import hmac
 import json
+import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -99,8 +99,8 @@ class _Guard:
         headers = dict(scope.get("headers") or [])
         if self.api_key and scope["path"] not in OPEN_PATHS:
             # bytes, as they came: any header value compares (a non-ASCII str would make compare_digest raise)
-            bearer = hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {self.api_key}".encode())
-            anthropic = hmac.compare_digest(headers.get(b"x-api-key", b""), self.api_key.encode())  # its clients
+            bearer = secrets.compare_digest(headers.get(b"authorization", b""), f"Bearer {self.api_key}".encode())
+            anthropic = secrets.compare_digest(headers.get(b"x-api-key", b""), self.api_key.encode())  # its clients
             if not (bearer or anthropic):
                 denied = ApiError(
                     401,
