@@ -207,7 +207,10 @@ class ChatRequest(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
 
-    _stops = field_validator("stop")(classmethod(lambda cls, value: stop_list(value)))
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> list[str]:
+        return stop_list(value)
 
     @field_validator("logit_bias")
     @classmethod

@@ -57,7 +57,10 @@ class CompletionRequest(BaseModel):
             raise ValueError(f"at most {MAX_MESSAGE_CHARS} characters")
         return value  # type: ignore[return-value]
 
-    _stops = field_validator("stop")(classmethod(lambda cls, value: stop_list(value)))
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> list[str]:
+        return stop_list(value)
 
     @model_validator(mode="after")
     def _echo_needs_text(self) -> CompletionRequest:

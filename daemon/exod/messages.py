@@ -58,7 +58,10 @@ class MessagesRequest(BaseModel):
     tools: list[AnthropicTool] | None = Field(None, max_length=128)
     tool_choice: dict[str, Any] | None = None
 
-    _stops = field_validator("stop_sequences")(classmethod(lambda cls, value: stop_list(value)))
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> list[str]:
+        return stop_list(value)
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """The conversation as chat templates take it (OpenAI's message shapes)."""
