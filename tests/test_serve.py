@@ -58,7 +58,8 @@ def test_daemon_sigkill_and_restart_restores_state_and_reaps_orphans(tmp_path, e
         daemon.wait()
 
     offline = exod("status", "--state-dir", str(tmp_path / "state"), env=env).stdout
-    assert "last saved state" in offline and "attempts=1/5" in offline
+    assert "no daemon is running" in offline and "attempts=1/5" in offline
+    assert " ready " not in offline and "available" not in offline  # no runner shown serving: none runs
 
     daemon, url = start_daemon(tmp_path, env)
     try:

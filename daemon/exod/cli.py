@@ -297,7 +297,7 @@ def status(url, state_dir, as_json: bool) -> None:
             doc = {**doc, "cluster": cluster}
     else:
         doc = _offline_status(_state_dir(state_dir))
-        source = "stopped daemon: last saved state"
+        source = "no daemon is running: its runners are gone; the instances resume when it starts again"
     if as_json:
         click.echo(json.dumps(doc, indent=2))
         return
@@ -342,6 +342,8 @@ def status(url, state_dir, as_json: bool) -> None:
 
 
 def _offline_status(state_dir: Path) -> dict:
+    import time
+
     from exod.status import status_of
     from exod.store import Store, StoreError
     from fsm import SnapshotError
@@ -356,7 +358,11 @@ def _offline_status(state_dir: Path) -> dict:
         raise click.ClickException(str(exc)) from exc
     try:
         snapshot = store.load()
-        return status_of(Cluster.from_dict(snapshot)) if snapshot else {"instances": []}
+        if not snapshot:
+            return {"instances": []}
+        cluster = Cluster.from_dict(snapshot)
+        cluster.recover(time.time())  # no daemon, no runner: what was Ready is not, and resumes at the next start
+        return status_of(cluster)
     except StoreError as exc:
         raise click.ClickException(str(exc)) from exc
     except SnapshotError as exc:
