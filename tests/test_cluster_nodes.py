@@ -413,7 +413,9 @@ def test_three_ranks_on_three_nodes_answer_as_the_model_does_on_one(tmp_path, et
     assert all(f"on node-{n}" in status for n in (1, 2, 3))  # from a node that is not the controller
 
 
-def test_a_forward_whose_controller_dies_mid_stream_ends_with_an_error_event_and_done(tmp_path, etcd, hf_home):
+@pytest.mark.parametrize("dialect", ["openai", "anthropic"])
+def test_a_forward_whose_controller_dies_mid_stream_ends_with_an_error_event(tmp_path, etcd, hf_home, dialect):
+    """OpenAI's clients get an error event then ``data: [DONE]``; Anthropic's an ``error`` event of its shape."""
     env = {**os.environ, "HF_HOME": str(hf_home)}
     daemons = [start(tmp_path, etcd, n, env) for n in (1, 2)]
     try:
@@ -424,8 +426,9 @@ def test_a_forward_whose_controller_dies_mid_stream_ends_with_an_error_event_and
         iid = placed.json()["instance_id"]
         until(lambda: instance_at(url, iid), lambda i: i["state"] == "ready", 60)
         body = {"model": "exod/tiny-qwen2", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        path = "/v1/chat/completions" if dialect == "openai" else "/v1/messages"
         events: list = []
-        with httpx.stream("POST", f"{follower}/v1/chat/completions", json={**body, "max_tokens": 4096}) as response:
+        with httpx.stream("POST", f"{follower}{path}", json={**body, "max_tokens": 4096}) as response:
             for line in response.iter_lines():
                 if line.startswith("data: "):
                     data = line.removeprefix("data: ")
@@ -434,8 +437,12 @@ def test_a_forward_whose_controller_dies_mid_stream_ends_with_an_error_event_and
                         victim.send_signal(signal.SIGKILL)  # the controller, mid-stream
     finally:
         stop_all(daemons)
-    assert events[-1] == "[DONE]"
-    assert events[-2]["error"]["code"] == "controller_lost" and "node-" in events[-2]["error"]["message"]
+    if dialect == "openai":
+        assert events[-1] == "[DONE]"
+        assert events[-2]["error"]["code"] == "controller_lost" and "node-" in events[-2]["error"]["message"]
+    else:
+        assert events[-1]["type"] == "error" and events[-1]["error"]["type"] == "api_error"
+        assert "went away mid-stream" in events[-1]["error"]["message"]
 
 
 def test_make_cluster_starts_everything_and_ctrl_c_leaves_nothing_behind(tmp_path):

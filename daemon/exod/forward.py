@@ -19,7 +19,7 @@ import logging
 import httpx
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from exod.errors import ApiError
+from exod.errors import ANTHROPIC_PATHS, ApiError
 from exod.etcd import EtcdUnavailable
 from exod.membership import Membership
 
@@ -47,12 +47,12 @@ class Follower:
             node_id, url = await self.membership.controller()
         except EtcdUnavailable as exc:
             reason = f"degraded: the cluster's etcd cannot be reached: {exc}"
-            await ApiError(503, reason, headers={"Retry-After": "1"}).response()(scope, receive, send)
+            await ApiError(503, reason, headers={"Retry-After": "1"}).response(scope["path"])(scope, receive, send)
             return
         if any(k.lower() == FORWARDED for k, _ in scope["headers"]):  # one hop only: never a loop mid-election
             message = f"forwarded to node {self.membership.node_id}, which is not the controller either: try again"
             error = ApiError(503, message, code="controller_unavailable", headers={"Retry-After": "1"})
-            await error.response()(scope, receive, send)
+            await error.response(scope["path"])(scope, receive, send)
             return
         if node_id is None or not url:
             message = (
@@ -61,7 +61,7 @@ class Follower:
                 else f"the cluster's controller, node {node_id}, has no API address yet: try again shortly"
             )
             error = ApiError(503, message, code="controller_unavailable", headers={"Retry-After": "1"})
-            await error.response()(scope, receive, send)
+            await error.response(scope["path"])(scope, receive, send)
             return
         await self._forward(node_id, url, scope, receive, send)
 
@@ -81,7 +81,7 @@ class Follower:
             response = await self._client.send(request, stream=True)
         except httpx.HTTPError as exc:
             message = f"the cluster's controller, node {node_id}, could not be reached: {type(exc).__name__}: {exc}"
-            await ApiError(502, message, headers={"Retry-After": "1"}).response()(scope, receive, send)
+            await ApiError(502, message, headers={"Retry-After": "1"}).response(scope["path"])(scope, receive, send)
             return
         streaming = response.headers.get("content-type", "").startswith("text/event-stream")
         try:
@@ -98,7 +98,8 @@ class Follower:
             except httpx.HTTPError as exc:  # the controller went away mid-answer
                 log.warning("forward to node %s broke mid-answer: %s", node_id, exc)
                 if streaming:
-                    await send({"type": "http.response.body", "body": _ended(node_id, exc), "more_body": True})
+                    ended = _ended(node_id, exc, anthropic=scope["path"].startswith(ANTHROPIC_PATHS))
+                    await send({"type": "http.response.body", "body": ended, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await response.aclose()
@@ -115,11 +116,11 @@ def answered_here(scope: Scope) -> bool:
     )
 
 
-def _ended(node_id: str, exc: Exception) -> bytes:
-    error = {
-        "message": f"the cluster's controller, node {node_id}, went away mid-stream ({type(exc).__name__})",
-        "type": "server_error",
-        "param": None,
-        "code": "controller_lost",
-    }
-    return f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode()
+def _ended(node_id: str, exc: Exception, *, anthropic: bool = False) -> bytes:
+    """The end of a stream whose controller went away, in the dialect's own words."""
+    message = f"the cluster's controller, node {node_id}, went away mid-stream ({type(exc).__name__})"
+    if anthropic:
+        error = {"type": "error", "error": {"type": "api_error", "message": message}}
+        return f"event: error\ndata: {json.dumps(error)}\n\n".encode()
+    openai = {"message": message, "type": "server_error", "param": None, "code": "controller_lost"}
+    return f"data: {json.dumps({'error': openai})}\n\ndata: [DONE]\n\n".encode()
