@@ -300,11 +300,16 @@ def test_a_non_ascii_authorization_is_a_401_in_openai_shape(keyed, authorization
     assert httpx.get(f"{keyed}/instances", headers={"Authorization": "Bearer s3cret"}).status_code == 200
 
 
-def test_with_an_api_key_openapi_documents_401_everywhere_but_health(keyed):
+def test_with_an_api_key_openapi_documents_401_and_how_to_authenticate_everywhere_but_health(keyed):
     spec = httpx.get(f"{keyed}/openapi.json", headers={"Authorization": "Bearer s3cret"}).json()
+    schemes = spec["components"]["securitySchemes"]
+    assert schemes["bearer"] == {"type": "http", "scheme": "bearer"}
+    assert schemes["apiKey"] == {"type": "apiKey", "in": "header", "name": "x-api-key"}
     for path, operations in spec["paths"].items():
         for method, operation in operations.items():
             assert ("401" in operation["responses"]) == (path != "/health"), (method, path)
+            expected = None if path == "/health" else [{"bearer": []}, {"apiKey": []}]
+            assert operation.get("security") == expected, (method, path)
 
 
 def test_instances_create_list_get_and_503_before_ready_then_delete(daemon, client):

@@ -14,6 +14,7 @@ from typing import Any
 import trio
 from fastapi import FastAPI, Header, Query
 from fastapi.responses import Response
+from fastapi.security import APIKeyHeader, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
@@ -80,6 +81,28 @@ def _policy(base: fsm.RetryPolicy, overrides: RetryOverrides | None) -> fsm.Retr
         max_retries=base.max_retries if o.max_retries is None else o.max_retries,
         reset_after=base.reset_after if o.reset_after is None else o.reset_after,
     )
+
+
+def _document_security(app: FastAPI) -> None:
+    """Say in the OpenAPI document how to authenticate, in FastAPI's own security schemes: a bearer token, or
+    Anthropic's ``x-api-key``. `_Guard` checks them, before any route (unknown paths and body limits too)."""
+    schemes = {"bearer": HTTPBearer(), "apiKey": APIKeyHeader(name="x-api-key")}
+    documented = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = documented()
+        components = schema.setdefault("components", {})
+        components["securitySchemes"] = {
+            name: scheme.model.model_dump(mode="json", by_alias=True, exclude_none=True)
+            for name, scheme in schemes.items()
+        }
+        for path, operations in schema.get("paths", {}).items():
+            for operation in operations.values():
+                if path not in OPEN_PATHS:
+                    operation["security"] = [{name: []} for name in schemes]
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to customise the document
 
 
 class _Guard:
@@ -166,6 +189,8 @@ def create_app(
         return (401, 408, 413) if api_key and path not in OPEN_PATHS else (408, 413)
 
     install(app, everywhere=guarded)
+    if api_key:
+        _document_security(app)
     if agent is not None:  # a cluster's node: its controller drives the runners placed here through it
         app.include_router(agent_router(agent))
     metrics = Metrics(controller)
