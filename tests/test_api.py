@@ -684,3 +684,15 @@ def test_an_anthropic_client_authenticates_with_x_api_key(keyed):
     assert httpx.get(f"{keyed}/v1/models", headers={"x-api-key": "s3cret"}).status_code == 200
     denied = httpx.post(f"{keyed}/v1/messages", headers={"x-api-key": "wrong"}, json={})
     assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"  # its shape
+
+
+def test_anthropic_top_k_of_one_is_greedy(daemon):
+    """top_k reaches mlx-lm's sampler: keeping only the likeliest token, any temperature samples it."""
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=daemon["url"], api_key="unused", max_retries=0, timeout=60)
+    ask = [{"role": "user", "content": "Tell me about state machines."}]
+    greedy = claude.messages.create(model=MODEL, max_tokens=8, messages=ask, extra_body={"temperature": 0})
+    sampled = {"temperature": 1, "top_k": 1}  # as raw fields: this client version no longer has the arguments
+    hot = [claude.messages.create(model=MODEL, max_tokens=8, messages=ask, extra_body=sampled) for _ in range(3)]
+    assert {m.content[0].text for m in hot} == {greedy.content[0].text}

@@ -2,8 +2,8 @@
 
 Translated to the chat template's terms: ``system`` is the system turn; ``tool_use`` blocks are the
 assistant's tool calls; ``tool_result`` blocks are ``tool`` turns; tools' ``input_schema`` is their
-parameters. Accepted but not enforced: ``top_k``, ``tool_choice`` other than ``none``, ``thinking``,
-``metadata``; the ``anthropic-version`` and ``anthropic-beta`` headers are read by no one.
+parameters. Accepted but not enforced: ``tool_choice`` other than ``none``, ``thinking``, ``metadata``;
+the ``anthropic-version`` and ``anthropic-beta`` headers are read by no one.
 """
 
 from __future__ import annotations
@@ -147,6 +147,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
             top_p=1.0 if body.top_p is None else body.top_p,
             stop=body.stop_sequences,
             tools=body.chat_tools(),
+            top_k=body.top_k or 0,
         )
         message_id = f"msg_{secrets.token_hex(12)}"
         head = {"id": message_id, "type": "message", "role": "assistant", "model": body.model}

@@ -125,6 +125,7 @@ class Generate(Command):
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: every token may be sampled
     seed: int | None = None  # None: derived from request_id, identical on every rank
     stop: list[str] = attrs.field(factory=list)
     tools: list[dict[str, Any]] | None = None  # OpenAI function tools, for the chat template

@@ -452,7 +452,7 @@ class Runner:
         from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
         mx.random.seed(seed)  # same seed on every rank: ranks sample the same token from the same logits
-        sampler = make_sampler(temp=temperature, top_p=top_p)
+        sampler = make_sampler(temp=temperature, top_p=top_p, top_k=request.top_k if request is not None else 0)
         if self.script is not None and request is not None:
             sampler = _scripted(self.tokenizer.encode(self.script, add_special_tokens=False), self.tokenizer)
         processors = None
