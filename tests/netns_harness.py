@@ -52,12 +52,23 @@ def _unusable() -> str | None:
         return "iproute2's ip is not installed"
     if os.geteuid() != 0:
         return "making a network namespace needs root (CI runs as root)"
-    probe = f"exod-probe-{secrets.token_hex(3)}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, check=False)
-    if made.returncode != 0:
-        return f"ip netns add failed: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
-    return None
+    tag = secrets.token_hex(3)
+    probe, outer, inner = f"exod-probe-{tag}", f"exq{tag}", f"exr{tag}"
+    steps = [
+        ["ip", "netns", "add", probe],
+        ["ip", "link", "add", outer, "type", "veth", "peer", "name", inner],
+        ["ip", "link", "set", inner, "netns", probe],
+        ["ip", "netns", "exec", probe, "ip", "link", "set", "lo", "up"],
+    ]
+    try:
+        for step in steps:  # all the fixture does, once: a sandbox may allow namespaces but not veth pairs
+            done = subprocess.run(step, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                return f"{' '.join(step[:3])} failed: {done.stderr.strip()}"
+        return None
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
+        subprocess.run(["ip", "link", "del", outer], capture_output=True, check=False)
 
 
 @pytest.fixture
