@@ -259,8 +259,8 @@ def test_requests_the_runner_could_not_decode_and_unregistered_local_models_are_
     async def body(controller):
         iid = await controller.place("exod/tiny-qwen2", 1)
         await wait_for(controller, is_ready(iid))
-        with pytest.raises(InvalidRequest):
-            controller.requests.submit(iid, [{"role": "user", "content": None}])
+        with pytest.raises(InvalidRequest):  # a stop that is not text: the runner would refuse the line
+            controller.requests.submit(iid, [{"role": "user", "content": "hi"}], stop=[3])
         with pytest.raises(fsm.InvalidConfig, match="local model"):
             await controller.place("local/anything", 1)
         assert await chat(controller, iid)  # nothing else was disturbed

@@ -20,6 +20,9 @@ DAEMON_IMPORTS = frozenset(
         "fastapi",
         "hypercorn",
         "httpx",
+        "httpx_sse",
+        "sse_starlette",
+        "psutil",
         "platformdirs",
         "prometheus_client",
     }

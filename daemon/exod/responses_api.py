@@ -159,7 +159,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                         case p.Token(text=text) if text:
                             if not text_open:
                                 message_id = f"msg_{secrets.token_hex(12)}"
-                                message = _message_item(message_id, "", "in_progress")
+                                message = _message_item(message_id, "", done=False)
                                 yield event("response.output_item.added", output_index=index, item=message)
                                 part = {"type": "output_text", "text": "", "annotations": []}
                                 in_text = {"item_id": message_id, "output_index": index, "content_index": 0}
@@ -233,8 +233,9 @@ def _shell(body: ResponsesRequest) -> dict[str, Any]:
     }
 
 
-def _message_item(message_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+def _message_item(message_id: str, text: str, *, done: bool = True) -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": []}] if done else []
+    status = "completed" if done else "in_progress"
     return {"type": "message", "id": message_id, "status": status, "role": "assistant", "content": content}
 
 
