@@ -297,7 +297,7 @@ def test_through_a_short_etcd_outage_the_controller_keeps_serving_its_instances(
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(timeout=30) == 0
     assert "etcd cannot be reached" in health["reason"]  # it noticed the outage …
-    assert served.status_code == 200 and served.json()["choices"][0]["message"]["content"]  # … and served
+    assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] >= 1  # … and served
     assert during["state"] == after["state"] == "ready"
     assert during["generation"] == after["generation"] == before["generation"]
     assert view["controller"] == "node-1"
@@ -518,7 +518,7 @@ def test_with_an_api_key_every_hop_is_authenticated_and_errors_keep_their_shape(
     assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
     assert placed.status_code == 201
     assert sorted(r["node"] for r in ready["runners"]) == ["node-1", "node-2"]  # the agents took the key too
-    assert answered.status_code == 200 and answered.json()["choices"][0]["message"]["content"]
+    assert answered.status_code == 200 and answered.json()["choices"][0]["finish_reason"] in ("length", "stop")
     assert unknown.status_code == 404 and set(unknown.json()["error"]) == {"message", "type", "param", "code"}
     assert looped.status_code == 503 and looped.json()["error"]["code"] == "controller_unavailable"
 
