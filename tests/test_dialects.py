@@ -238,3 +238,63 @@ def test_messages_errors_are_in_anthropics_shape(claude, daemon):
     refused = httpx.post(f"{daemon}/v1/messages", json={"model": MODEL, "max_tokens": 5, "messages": image})
     assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error"
     assert "text" in refused.json()["error"]["message"]
+
+
+# -- a tool call forced by tool_choice --------------------------------------------------------------
+# This daemon's runners emit only what follows the name of a forced call: the arguments, and the end.
+
+ARGUMENTS = json.dumps(CALL["arguments"]) + "}\n</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def forced(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("forced")
+    hf = tmp / "hf"
+    make_tiny_model(MODEL, layers=2, hf_home=hf)
+    (tmp / "exod.toml").write_text(CONFIG.replace(json.dumps(SCRIPT), json.dumps(ARGUMENTS)))
+    process, url = start_daemon(tmp, {**os.environ, "HF_HOME": str(hf), "HF_HUB_OFFLINE": "1"})
+    try:
+        wait_instance(url, lambda i: i["state"] == "ready")
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+
+
+def test_a_named_tool_choice_begins_the_call_in_every_dialect(forced):
+    client = openai.OpenAI(base_url=f"{forced}/v1", api_key="unused", max_retries=0, timeout=60)
+    claude = anthropic.Anthropic(base_url=forced, api_key="unused", max_retries=0, timeout=60)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=ENOUGH)
+    [call] = chat.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", CALL["arguments"])
+    assert chat.choices[0].finish_reason == "tool_calls" and not chat.choices[0].message.content
+    message = claude.messages.create(
+        model=MODEL,
+        max_tokens=ENOUGH,
+        messages=ASK,
+        tools=CLAUDE_TOOLS,
+        tool_choice={"type": "tool", "name": "get_weather"},
+    )
+    assert [(b.type, b.name, b.input) for b in message.content] == [("tool_use", "get_weather", CALL["arguments"])]
+    response = client.responses.create(
+        model=MODEL,
+        input="Weather?",
+        tools=RESPONSES_TOOLS,
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=ENOUGH,
+    )
+    [item] = response.output
+    assert (item.type, item.name, json.loads(item.arguments)) == ("function_call", "get_weather", CALL["arguments"])
+
+
+def test_required_begins_a_call_and_auto_leaves_the_model_free(forced):
+    client = openai.OpenAI(base_url=f"{forced}/v1", api_key="unused", max_retries=0, timeout=60)
+    free = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=ENOUGH)
+    assert free.choices[0].message.content == ARGUMENTS  # nothing forced: just what the model said
+    required = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=ENOUGH
+    )
+    # the call was begun for it; what it wrote next names no function, so it stays text, as the model wrote it
+    assert required.choices[0].message.content == "<tool_call>\n" + ARGUMENTS
+    assert required.usage.prompt_tokens > free.usage.prompt_tokens

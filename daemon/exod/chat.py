@@ -179,9 +179,10 @@ class StreamOptions(BaseModel):
 
 
 class ChatRequest(BaseModel):
-    """OpenAI's chat completion request. Accepted but not enforced: ``response_format`` (the model is asked
-    nothing more; its output is not checked against the schema), ``tool_choice`` ``required`` or a named
-    function (the tools reach the template; ``none`` leaves them out), ``parallel_tool_calls``."""
+    """OpenAI's chat completion request. ``tool_choice``: ``none`` leaves the tools out of the template;
+    ``required`` or a named function makes the prompt begin the call (`exod.runner.forced_call`). Accepted
+    but not enforced: ``response_format`` (the output is not checked against the schema),
+    ``parallel_tool_calls``."""
 
     model_config = LENIENT
 
@@ -231,7 +232,9 @@ class ChatRequest(BaseModel):
     def options(self) -> dict[str, Any]:
         """What the runners are asked besides the messages (`exod.protocol.Generate`)."""
         tools = [t.for_template() for t in self.tools or []] if self.tool_choice != "none" else []
+        forced = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
         return {
+            "tool_choice": p.REQUIRED if self.tool_choice == "required" else forced,
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
             "stop": self.stop,

@@ -2,8 +2,8 @@
 
 Translated to the chat template's terms: ``system`` is the system turn; ``tool_use`` blocks are the
 assistant's tool calls; ``tool_result`` blocks are ``tool`` turns; tools' ``input_schema`` is their
-parameters. Accepted but not enforced: ``tool_choice`` other than ``none``, ``thinking``, ``metadata``;
-the ``anthropic-version`` and ``anthropic-beta`` headers are read by no one.
+parameters; ``tool_choice`` ``any`` or ``tool`` makes the prompt begin the call. Accepted but not enforced:
+``thinking``, ``metadata``; the ``anthropic-version`` and ``anthropic-beta`` headers are read by no one.
 """
 
 from __future__ import annotations
@@ -71,6 +71,13 @@ class MessagesRequest(BaseModel):
         for i, message in enumerate(self.messages):
             out += _turn(message, f"messages.{i}.content")
         return out
+
+    def forced_tool(self) -> str | None:
+        """``any``: some tool must be called; ``tool``: that one (`exod.runner.forced_call`)."""
+        choice = self.tool_choice or {}
+        if choice.get("type") == "any":
+            return p.REQUIRED
+        return str(choice["name"]) if choice.get("type") == "tool" and choice.get("name") else None
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
         if not self.tools or (self.tool_choice or {}).get("type") == "none":
@@ -147,6 +154,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
             top_p=1.0 if body.top_p is None else body.top_p,
             stop=body.stop_sequences,
             tools=body.chat_tools(),
+            tool_choice=body.forced_tool(),
             top_k=body.top_k or 0,
         )
         message_id = f"msg_{secrets.token_hex(12)}"

@@ -47,6 +47,9 @@ class Phase(enum.Enum):
     READY = "ready"
 
 
+REQUIRED = "required"  # `Generate.tool_choice`: the model must call a tool, whichever
+
+
 class FinishReason(enum.Enum):
     STOP = "stop"  # end-of-sequence token or a stop string
     LENGTH = "length"  # max_tokens reached
@@ -129,6 +132,7 @@ class Generate(Command):
     seed: int | None = None  # None: derived from request_id, identical on every rank
     stop: list[str] = attrs.field(factory=list)
     tools: list[dict[str, Any]] | None = None  # OpenAI function tools, for the chat template
+    tool_choice: str | None = None  # None: the model decides; REQUIRED: some tool; else the function's name
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

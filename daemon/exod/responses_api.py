@@ -1,9 +1,9 @@
 """OpenAI's Responses API (``POST /v1/responses``), stateless: every request carries the whole conversation.
 
 ``input`` is a string or items (messages, ``function_call`` and ``function_call_output``); ``instructions``
-is the system turn. Refused with a clear 400: ``previous_response_id`` (nothing is stored). Accepted but not
-enforced: ``text.format``, ``tool_choice`` other than ``none``, ``parallel_tool_calls``, ``store``,
-``reasoning``, ``metadata``.
+is the system turn; ``tool_choice`` ``required`` or a named function makes the prompt begin the call.
+Refused with a clear 400: ``previous_response_id`` (nothing is stored). Accepted but not enforced:
+``text.format``, ``parallel_tool_calls``, ``store``, ``reasoning``, ``metadata``.
 """
 
 from __future__ import annotations
@@ -72,6 +72,14 @@ class ResponsesRequest(BaseModel):
             out += _item(item, f"input.{i}", out)
         return out
 
+    def forced_tool(self) -> str | None:
+        """``required``: some tool must be called; a named function: that one (`exod.runner.forced_call`)."""
+        if self.tool_choice == "required":
+            return p.REQUIRED
+        if isinstance(self.tool_choice, dict) and self.tool_choice.get("type") == "function":
+            return str(self.tool_choice.get("name") or "") or None
+        return None
+
     def chat_tools(self) -> list[dict[str, Any]] | None:
         if not self.tools or self.tool_choice == "none":
             return None
@@ -129,6 +137,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             tools=body.chat_tools(),
+            tool_choice=body.forced_tool(),
         )
         shell = _shell(body)
 

@@ -432,6 +432,8 @@ class Runner:
             tokens = self.tokenizer.apply_chat_template(request.prompt_messages, add_generation_prompt=True, **extra)
             if isinstance(tokens, str):  # some tokenizers return text
                 tokens = self.tokenizer.encode(tokens, add_special_tokens=False)
+            if forced := forced_call(self.tokenizer, request):  # the call begun: `tool_choice`
+                tokens = [*tokens, *self.tokenizer.encode(forced, add_special_tokens=False)]
         if not tokens:
             raise ValueError("empty prompt")
         return list(tokens)
@@ -488,6 +490,8 @@ class _Output:
         self.parser = tokenizer.tool_parser if calls else None
         self.pending = ""  # text not sent yet
         self.call: str | None = None  # inside a tool call: its text so far
+        if forced := forced_call(tokenizer, request):  # the prompt began the call: the output is inside it
+            self.call = forced.removeprefix(self.start or "")
         self.tool_calls = 0
         self.tokens = 0
         self.stop_sequence: str | None = None  # the stop string that ended the generation, if one did
@@ -569,6 +573,20 @@ class _Output:
         ids = mx.argpartition(-values, kth=k - 1)[:k].tolist()
         top = sorted((p.Alternative(i, decode([i]), float(values[i].item())) for i in ids), key=lambda a: -a.logprob)
         return chosen, top
+
+
+def forced_call(tokenizer: Any, request: p.Generate) -> str:
+    """The beginning of a tool call the prompt ends with, when the request forces one (``tool_choice``): the
+    tokenizer's tool-call marker, and for a named function in the JSON form (``{"name": …, "arguments": …}``)
+    its name too. The model can then only go on with the call. Empty when nothing is forced."""
+    choice = request.tool_choice
+    if not choice or not request.tools or not getattr(tokenizer, "has_tool_calling", False):
+        return ""
+    start = tokenizer.tool_call_start + "\n"
+    json_calls = getattr(tokenizer.tool_parser, "__module__", "").endswith(".json_tools")
+    if choice == p.REQUIRED or not json_calls:  # another form names the function its own way: any call, then
+        return start
+    return start + '{"name": ' + json.dumps(choice) + ', "arguments": '
 
 
 def _scripted(tokens: list[int], tokenizer: Any) -> Any:
