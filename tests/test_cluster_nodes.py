@@ -759,8 +759,12 @@ def test_every_dialect_answers_from_a_node_that_is_not_the_controller(tmp_path, 
         found = client.models.retrieve(model)
     finally:
         stop_all(daemons)
-    assert chat.usage.completion_tokens == 3 and len(chat.choices[0].logprobs.content) == 3
-    assert text.usage.completion_tokens == 3 and response.usage.output_tokens == 3
+    # sampled: up to 3 tokens each (the end of the sequence may come first), every one accounted for
+    assert (
+        1 <= chat.usage.completion_tokens <= 3 and len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
+    )
+    assert 1 <= text.usage.completion_tokens <= 3 and 1 <= response.usage.output_tokens <= 3
     assert streamed[0] == "response.created" and streamed[-1] == "response.completed"
-    assert message.usage.output_tokens == 3 and message.stop_reason == "max_tokens"
-    assert final.stop_reason == "max_tokens" and said == final.content[0].text and found.id == model
+    assert 1 <= message.usage.output_tokens <= 3 and message.stop_reason in ("max_tokens", "end_turn")
+    assert final.stop_reason in ("max_tokens", "end_turn") and said == "".join(b.text for b in final.content)
+    assert found.id == model
