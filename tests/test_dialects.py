@@ -50,12 +50,12 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 ENOUGH = 200  # tokens: the script is about 70 of the tiny model's
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("dialects")
+def serving(tmp_path_factory, name: str, script: str):
+    """A daemon whose runners emit ``script``, until the module is done with it."""
+    tmp = tmp_path_factory.mktemp(name)
     hf = tmp / "hf"
     make_tiny_model(MODEL, layers=2, hf_home=hf)
-    (tmp / "exod.toml").write_text(CONFIG)
+    (tmp / "exod.toml").write_text(CONFIG.replace(json.dumps(SCRIPT), json.dumps(script)))
     process, url = start_daemon(tmp, {**os.environ, "HF_HOME": str(hf), "HF_HUB_OFFLINE": "1"})
     try:
         wait_instance(url, lambda i: i["state"] == "ready")
@@ -63,7 +63,12 @@ def daemon(tmp_path_factory):
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
-    assert runner_pids() == []
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    yield from serving(tmp_path_factory, "dialects", SCRIPT)
+    assert runner_pids() == []  # torn down last (set up first): no daemon of this module left a runner
 
 
 @pytest.fixture
@@ -248,17 +253,7 @@ ARGUMENTS = json.dumps(CALL["arguments"]) + "}\n</tool_call>"
 
 @pytest.fixture(scope="module")
 def forced(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("forced")
-    hf = tmp / "hf"
-    make_tiny_model(MODEL, layers=2, hf_home=hf)
-    (tmp / "exod.toml").write_text(CONFIG.replace(json.dumps(SCRIPT), json.dumps(ARGUMENTS)))
-    process, url = start_daemon(tmp, {**os.environ, "HF_HOME": str(hf), "HF_HUB_OFFLINE": "1"})
-    try:
-        wait_instance(url, lambda i: i["state"] == "ready")
-        yield url
-    finally:
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0
+    yield from serving(tmp_path_factory, "forced", ARGUMENTS)
 
 
 def test_a_named_tool_choice_begins_the_call_in_every_dialect(forced):

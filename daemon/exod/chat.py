@@ -284,11 +284,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
         head = {"id": completion_id, "created": created, "model": body.model}
 
         if not body.stream:
-            try:
-                outputs = [await generation.collect(stream) for stream in streams]
-                generation.finished(outputs)
-            finally:
-                generation.close()
+            outputs = await generation.outputs()
             prompt, completion = usage(outputs)
             return JSONResponse(
                 head

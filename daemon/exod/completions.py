@@ -101,11 +101,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
         echo = body.prompt if body.echo and isinstance(body.prompt, str) else ""
 
         if not body.stream:
-            try:
-                outputs = [await generation.collect(stream) for stream in streams]
-                generation.finished(outputs)
-            finally:
-                generation.close()
+            outputs = await generation.outputs()
             choices = [
                 {
                     "index": i,

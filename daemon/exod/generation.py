@@ -118,6 +118,15 @@ class Generation:
             raise ApiError(502, str(exc), error_type="server_error") from exc
         return output
 
+    async def outputs(self) -> list[Output]:
+        """Every generation's whole output, counted in the metrics; the streams closed whatever happens."""
+        try:
+            outputs = [await self.collect(stream) for stream in self.streams]
+            self.finished(outputs)
+            return outputs
+        finally:
+            self.close()
+
     async def pieces(self, stream: RequestStream) -> AsyncIterator[p.Token | ToolCall | p.Done]:
         """The output as it comes: tokens (text and log-probabilities), tool calls with their ids, the end.
         `RequestFailed` ends it early (the dialect says so in its own words)."""

@@ -161,11 +161,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
         head = {"id": message_id, "type": "message", "role": "assistant", "model": body.model}
 
         if not body.stream:
-            try:
-                output = await generation.collect(stream)
-                generation.finished([output])
-            finally:
-                generation.close()
+            [output] = await generation.outputs()
             return JSONResponse(head | _message(output))
 
         async def events() -> AsyncIterator[ServerSentEvent]:

@@ -142,11 +142,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
         shell = _shell(body)
 
         if not body.stream:
-            try:
-                output = await generation.collect(stream)
-                generation.finished([output])
-            finally:
-                generation.close()
+            [output] = await generation.outputs()
             return JSONResponse(_finished(shell, output))
 
         async def events() -> AsyncIterator[ServerSentEvent]:
