@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 import trio
-from fastapi import FastAPI, Header, Query
-from fastapi.responses import Response
-from fastapi.security import APIKeyHeader, HTTPBearer
+from fastapi import APIRouter, FastAPI, Header, Query, Security
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
@@ -83,33 +84,40 @@ def _policy(base: fsm.RetryPolicy, overrides: RetryOverrides | None) -> fsm.Retr
     )
 
 
-def _document_security(app: FastAPI) -> None:
-    """Say in the OpenAPI document how to authenticate, in FastAPI's own security schemes: a bearer token, or
-    Anthropic's ``x-api-key``. `_Guard` checks them, before any route (unknown paths and body limits too)."""
-    schemes = {"bearer": HTTPBearer(), "apiKey": APIKeyHeader(name="x-api-key")}
-    documented = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        schema = documented()
-        components = schema.setdefault("components", {})
-        components["securitySchemes"] = {
-            name: scheme.model.model_dump(mode="json", by_alias=True, exclude_none=True)
-            for name, scheme in schemes.items()
-        }
-        for path, operations in schema.get("paths", {}).items():
-            for operation in operations.values():
-                if path not in OPEN_PATHS:
-                    operation["security"] = [{name: []} for name in schemes]
-        return schema
-
-    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to customise the document
+# module-level, as FastAPI resolves the annotations that name them in this module's namespace
+_BEARER = HTTPBearer(scheme_name="bearer", auto_error=False)
+_X_API_KEY = APIKeyHeader(name="x-api-key", scheme_name="apiKey", auto_error=False)
 
 
-class _Guard:
-    """ASGI middleware: bearer token on every path but /health, and a cap on request bodies."""
+def _authentication(api_key: str | None) -> list[Any]:
+    """The dependency every route but /health carries: a bearer token, or Anthropic's ``x-api-key`` (its
+    clients send that one). FastAPI's security helpers read the headers and document both schemes."""
+    if not api_key:
+        return []
+    expected = api_key.encode()
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body: int) -> None:
-        self.app, self.api_key, self.max_body = app, api_key, max_body
+    async def authenticated(
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_BEARER)],
+        x_api_key: Annotated[str | None, Security(_X_API_KEY)],
+    ) -> None:
+        given = credentials.credentials if credentials is not None else x_api_key
+        # bytes as they came (Starlette decodes headers as latin-1): any value compares, none raises
+        if given is None or not secrets.compare_digest(given.encode("latin-1"), expected):
+            raise ApiError(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    return [Security(authenticated)]
+
+
+class _BodyCap:
+    """ASGI middleware: a cap on request bodies, declared or chunked, before any route reads one."""
+
+    def __init__(self, app: ASGIApp, max_body: int) -> None:
+        self.app, self.max_body = app, max_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -120,19 +128,6 @@ class _Guard:
                 await send({"type": "websocket.close", "code": 1008})
             return
         headers = dict(scope.get("headers") or [])
-        if self.api_key and scope["path"] not in OPEN_PATHS:
-            # bytes, as they came: any header value compares (a non-ASCII str would make compare_digest raise)
-            bearer = secrets.compare_digest(headers.get(b"authorization", b""), f"Bearer {self.api_key}".encode())
-            anthropic = secrets.compare_digest(headers.get(b"x-api-key", b""), self.api_key.encode())  # its clients
-            if not (bearer or anthropic):
-                denied = ApiError(
-                    401,
-                    "missing or wrong API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
-                    code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-                await denied.response(scope["path"])(scope, receive, send)
-                return
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body):
             await ApiError(413, f"request body over {self.max_body} bytes").response()(scope, receive, send)
@@ -176,7 +171,17 @@ def create_app(
     membership: Membership | None = None,
     agent: Agent | None = None,
 ) -> ASGIApp:
-    app = FastAPI(title="exod", version=fsm.__version__, description="Explicit lifecycles for LLM runners.")
+    # its document and docs page are routes of ours below, so that they ask for the key like every other
+    app = FastAPI(
+        title="exod",
+        version=fsm.__version__,
+        description="Explicit lifecycles for LLM runners.",
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )
+    authenticated = _authentication(api_key)
+    api = APIRouter(dependencies=authenticated)
 
     def degraded() -> str | None:
         """Why the daemon cannot write its state now (its store, or in a cluster etcd), if it cannot."""
@@ -185,19 +190,16 @@ def create_app(
         return controller.status()["degraded"]
 
     def guarded(path: str) -> tuple[int, ...]:
-        """What can answer on ``path`` before any route runs: `_Guard` (401, 413), `exod.http_server` (408)."""
+        """What can answer on ``path`` that its route does not declare: the key's check (401), `_BodyCap`
+        (413), `exod.http_server` (408)."""
         return (401, 408, 413) if api_key and path not in OPEN_PATHS else (408, 413)
 
     install(app, everywhere=guarded)
-    if api_key:
-        _document_security(app)
     if agent is not None:  # a cluster's node: its controller drives the runners placed here through it
-        app.include_router(agent_router(agent))
+        app.include_router(agent_router(agent), dependencies=authenticated)
     metrics = Metrics(controller)
-    app.include_router(chat.router(controller, metrics, max_tokens_ceiling))
-    app.include_router(completions.router(controller, metrics, max_tokens_ceiling))
-    app.include_router(messages.router(controller, metrics, max_tokens_ceiling))
-    app.include_router(responses_api.router(controller, metrics, max_tokens_ceiling))
+    for dialect in (chat, completions, messages, responses_api):
+        app.include_router(dialect.router(controller, metrics, max_tokens_ceiling), dependencies=authenticated)
 
     async def current() -> dict[str, Any]:
         """The instances: the controller's own, or on another node of a cluster what etcd holds of them."""
@@ -220,7 +222,7 @@ def create_app(
         reason = degraded()
         return {"status": "ok"} if reason is None else {"status": "degraded", "reason": reason}
 
-    @app.get("/ready", responses=responses(503))
+    @api.get("/ready", responses=responses(503))
     async def ready() -> dict[str, Any]:
         """Readiness: at least one instance is Ready, and the state can be written."""
         if (reason := degraded()) is not None:
@@ -231,11 +233,11 @@ def create_app(
             raise ApiError(503, "no instance is Ready yet", headers={"Retry-After": "1"})
         return {"status": "ready", "instances": ready}
 
-    @app.get("/metrics", response_class=Response)
+    @api.get("/metrics", response_class=Response)
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/instances", status_code=201, responses=responses(400, 404, 409, 422, 503))
+    @api.post("/instances", status_code=201, responses=responses(400, 404, 409, 422, 503))
     async def place(body: PlaceRequest) -> dict[str, Any]:
         """Place a model; `fsm.admit` decides up front, and a refusal stores nothing."""
         if membership is not None and membership.presence.lost is not None:
@@ -252,11 +254,11 @@ def create_app(
             raise ApiError(503, str(exc), headers={"Retry-After": str(int(WRITE_RETRY))}) from exc
         return await find(instance_id)
 
-    @app.get("/instances")
+    @api.get("/instances")
     async def instances() -> dict[str, Any]:
         return await current()
 
-    @app.get("/nodes", responses=responses(503))
+    @api.get("/nodes", responses=responses(503))
     async def nodes() -> dict[str, Any]:
         """The cluster's live nodes and its controller, as etcd has them; one host is a cluster of one."""
         if membership is None:
@@ -267,11 +269,11 @@ def create_app(
         except EtcdUnavailable as exc:
             raise ApiError(503, f"the cluster's store cannot be reached: {exc}", headers={"Retry-After": "1"}) from exc
 
-    @app.get("/instances/{instance_id}", responses=responses(404))
+    @api.get("/instances/{instance_id}", responses=responses(404))
     async def instance(instance_id: str) -> dict[str, Any]:
         return await find(instance_id)
 
-    @app.delete("/instances/{instance_id}", responses=responses(404))
+    @api.delete("/instances/{instance_id}", responses=responses(404))
     async def delete(instance_id: str) -> dict[str, Any]:
         try:
             await controller.delete(instance_id)
@@ -279,7 +281,7 @@ def create_app(
             raise ApiError(404, str(exc)) from exc
         return await find(instance_id)
 
-    @app.get("/diagrams/{machine}", response_class=Response, responses=responses(400, 404, 501))
+    @api.get("/diagrams/{machine}", response_class=Response, responses=responses(400, 404, 501))
     async def machine_diagram(machine: str, format: Format = Format.MERMAID, state: str | None = None) -> Response:
         """A machine as Mermaid, DOT or SVG, optionally with one state highlighted."""
         cls = fsm.MACHINES.get(machine)
@@ -287,7 +289,7 @@ def create_app(
             raise ApiError(404, f"no machine {machine!r}; machines: {sorted(fsm.MACHINES)}")
         return await _diagram(cls, format, state)
 
-    @app.get("/instances/{instance_id}/diagram", response_class=Response, responses=responses(404, 501))
+    @api.get("/instances/{instance_id}/diagram", response_class=Response, responses=responses(404, 501))
     async def instance_diagram(instance_id: str, format: Format = Format.MERMAID) -> Response:
         """The instance's retry machine with its live state highlighted."""
         try:
@@ -305,7 +307,7 @@ def create_app(
             raise ApiError(501, str(exc), param="format") from exc
         return Response(body, media_type=MEDIA_TYPES[fmt])
 
-    @app.get("/events", response_class=EventSourceResponse)
+    @api.get("/events", response_class=EventSourceResponse)
     async def events(
         last_event_id: int | None = Header(None, ge=0, le=MAX_SEQ, description="resume after this sequence number"),
         after: int = Query(0, ge=0, le=MAX_SEQ, description="resume after this sequence number, if no Last-Event-ID"),
@@ -344,6 +346,14 @@ def create_app(
 
         return EventSourceResponse(stream(), sep="\n", headers={"Cache-Control": "no-cache"})
 
-    if membership is not None:
-        app = Follower(app, membership)
-    return _Guard(app, api_key, max_body_bytes)
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @api.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="exod API")
+
+    app.include_router(api)
+    served: ASGIApp = app if membership is None else Follower(app, membership)
+    return _BodyCap(served, max_body_bytes)
