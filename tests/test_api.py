@@ -546,8 +546,9 @@ def test_runner_killed_during_a_non_streaming_request_is_a_502_not_a_hang(daemon
     wait_instance(url, lambda i: i["state"] == "ready")
 
 
-def test_abandoned_streams_stay_counted_until_the_runners_finish_them(daemon):
-    """A client that hangs up does not free its slot early: the runners still work through its tokens."""
+def test_abandoned_streams_are_dropped_from_the_batch_and_their_slots_come_back(daemon):
+    """A client that hangs up is dropped from its runner's batch on every rank (`Cancel`); its slot counts
+    until the runners say so, then serves the next request (the exact step: tests/test_runner_process.py)."""
     url = f"{daemon['url']}/v1/chat/completions"
     wait_instance(daemon["url"], lambda i: i["state"] == "ready")
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2000, "stream": True, "temperature": 1.0, "seed": 9}
@@ -555,8 +556,6 @@ def test_abandoned_streams_stay_counted_until_the_runners_finish_them(daemon):
         with httpx.stream("POST", url, json=body, timeout=30) as response:
             assert response.status_code == 200
             next(response.iter_lines())  # one chunk, then hang up
-    refused = httpx.post(url, json={**body, "stream": False}, timeout=30)
-    assert refused.status_code == 429
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:  # once the runners are through, the slots are free again
         done = httpx.post(url, json={**body, "stream": False, "max_tokens": 4}, timeout=60)
@@ -567,7 +566,7 @@ def test_abandoned_streams_stay_counted_until_the_runners_finish_them(daemon):
     text = httpx.get(f"{daemon['url']}/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     outcomes = {s.labels["outcome"]: s.value for s in families["exod_requests"].samples if s.name.endswith("_total")}
-    assert outcomes.get("cancelled", 0) >= 3 and outcomes.get("rejected_429", 0) >= 1
+    assert outcomes.get("cancelled", 0) >= 3
 
 
 # -- what real clients send (#14) ----------------------------------------------------------------------

@@ -287,12 +287,12 @@ class Daemon:
         rows = self.query(f"SELECT {', '.join(names)} FROM transitions ORDER BY seq")
         return [dict(zip(names, row, strict=True)) for row in rows]
 
-    def wait_busy(self, timeout: float = 30.0) -> None:
-        """Until rank 0 took a request (available → busy): a plain request is in progress on the runner."""
+    def wait_busy(self, timeout: float = 30.0, requests: int = 1) -> None:
+        """Until rank 0 took ``requests`` requests: that many are in progress on the runner."""
         deadline = time.monotonic() + timeout
-        rank0 = f"{self.instance_id}/0"
         while time.monotonic() < deadline:
-            if any(t["key"] == rank0 and t["event"] == "request_started" for t in self.transitions()):
+            (instance,) = httpx.get(f"{self.url}/instances", timeout=10).json()["instances"]
+            if instance["runners"][0]["in_flight"] >= requests:
                 return
             time.sleep(0.05)
         raise AssertionError("rank 0 never took the request")
@@ -387,7 +387,7 @@ def test_sigterm_lets_requests_in_progress_finish_and_refuses_new_ones(daemon):
     d = daemon(drain_timeout=60)
     plain = Call(d.url, stream=False, max_tokens=2000)  # seconds of work: still going when the signal comes
     d.wait_busy()
-    streams = [started_first_chunk(Call(d.url, stream=True, max_tokens=100)) for _ in range(2)]  # queued behind
+    streams = [started_first_chunk(Call(d.url, stream=True, max_tokens=1000)) for _ in range(2)]  # beside it
     signalled_at = d.signal(signal.SIGTERM)
 
     assert d.wait_draining()["in_flight"] == 3
@@ -402,7 +402,7 @@ def test_sigterm_lets_requests_in_progress_finish_and_refuses_new_ones(daemon):
         assert stream.status == 200 and stream.ended_at > signalled_at
         assert not any("error" in c for c in chunks)
         assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
-        assert chunks[-1]["usage"]["completion_tokens"] == 100
+        assert chunks[-1]["usage"]["completion_tokens"] == 1000
     assert_stopped_and_logged(d, signalled_at)
     with pytest.raises(httpx.ConnectError):  # once it is gone, the listener is closed
         httpx.get(f"{d.url}/health", timeout=5)
@@ -432,9 +432,9 @@ def assert_ended_by_the_drain(plain: Call, stream: Call) -> None:
 
 def test_sigterm_ends_what_cannot_finish_within_the_drain_timeout(daemon):
     d = daemon(drain_timeout=1.5, extra=HANG)
-    plain = Call(d.url, stream=False, max_tokens=50)  # rank 0 hangs on it: it can never finish
-    d.wait_busy()
-    stream = started_first_chunk(Call(d.url, stream=True, max_tokens=50))  # queued behind it on the runner
+    stream = started_first_chunk(Call(d.url, stream=True, max_tokens=50))  # rank 0 hangs at its 2nd token
+    plain = Call(d.url, stream=False, max_tokens=50)  # queued behind it on the runner: neither can finish
+    d.wait_busy(requests=2)
     signalled_at = d.signal(signal.SIGTERM)
 
     assert_ended_by_the_drain(plain, stream)
@@ -444,9 +444,9 @@ def test_sigterm_ends_what_cannot_finish_within_the_drain_timeout(daemon):
 
 def test_a_second_sigint_ends_the_drain_at_once(daemon):
     d = daemon(drain_timeout=600, extra=HANG)
-    plain = Call(d.url, stream=False, max_tokens=50)
-    d.wait_busy()
     stream = started_first_chunk(Call(d.url, stream=True, max_tokens=50))
+    plain = Call(d.url, stream=False, max_tokens=50)
+    d.wait_busy(requests=2)
     signalled_at = d.signal(signal.SIGINT)
 
     assert d.wait_draining()["in_flight"] == 2

@@ -82,7 +82,9 @@ def spawn(tmp_path: Path) -> Iterator:
     """Start runners like the supervisor does: socketpair, child end passed as an fd, logs to a file."""
     procs: list[RunnerProc] = []
 
-    def start(*, rank: int = 0, world_size: int = 1, hostfile: Path | None = None, incarnation: int = 0) -> RunnerProc:
+    def start(
+        *, rank: int = 0, world_size: int = 1, hostfile: Path | None = None, incarnation: int = 0, extra: tuple = ()
+    ) -> RunnerProc:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         args = [
             sys.executable, "-m", "exod.runner",
@@ -92,6 +94,7 @@ def spawn(tmp_path: Path) -> Iterator:
         ]  # fmt: skip
         if hostfile is not None:
             args += ["--hostfile", str(hostfile)]
+        args += list(extra)
         log = tmp_path / f"runner{rank}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with log.open("wb") as out:
@@ -159,14 +162,13 @@ SAMPLED = {"temperature": 1.0, "top_p": 1.0, "seed": 7}  # diverse tokens: a tin
 @pytest.fixture(scope="module")
 def sampled_reference(model_dir: Path) -> tuple[list[int], str]:
     """Seeded temperature-1 sampling in-process: the same seed must give the same tokens in the runner."""
-    import mlx.core as mx
     import mlx_lm
-    from mlx_lm.sample_utils import make_sampler
+
+    from exod.batch import keyed_sampler
 
     model, tokenizer = mlx_lm.load(str(model_dir))
     prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
-    mx.random.seed(SAMPLED["seed"])
-    sampler = make_sampler(temp=SAMPLED["temperature"])
+    sampler = keyed_sampler(SAMPLED["temperature"], SAMPLED["top_p"], 0, SAMPLED["seed"])
     responses = list(mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=MAX_TOKENS, sampler=sampler))
     tokens = [r.token for r in responses if r.finish_reason != "stop"]
     assert len(set(tokens)) > 3, "the sampled reference should not be degenerate"
@@ -259,18 +261,18 @@ def test_single_rank_loads_warms_up_and_streams_the_reference_tokens(
     runner.send(p.WarmUp())
     assert phases(runner.recv_until(p.Status) + runner.recv_until(p.Status)) == [p.Phase.WARMING_UP, p.Phase.READY]
 
-    # two requests queued back to back are served one after the other, never interleaved
+    # two requests queued back to back are decoded in one batch, each exactly as it would be alone
     runner.send(generate("a"))
     runner.send(generate("b"))
-    first = runner.recv_until(p.Done)
-    second = runner.recv_until(p.Done)
-    assert {m.request_id for m in first if isinstance(m, p.Token | p.Done)} == {"a"}
-    assert {m.request_id for m in second if isinstance(m, p.Token | p.Done)} == {"b"}
+    both = runner.recv_until(p.Done)
+    both += runner.recv_until(p.Done)
     ref_tokens, ref_text = reference
-    assert collect(first, "a") == (ref_tokens, ref_text)
-    assert collect(second, "b") == (ref_tokens, ref_text)
-    done = first[-1]
-    assert isinstance(done, p.Done) and done.completion_tokens == len(ref_tokens)
+    assert collect(both, "a") == (ref_tokens, ref_text)
+    assert collect(both, "b") == (ref_tokens, ref_text)
+    dones = {m.request_id: m for m in both if isinstance(m, p.Done)}
+    assert {d.batch_size for d in dones.values()} == {2}  # decoded together
+    done = dones["a"]
+    assert done.completion_tokens == len(ref_tokens)
     assert done.finish_reason == (p.FinishReason.LENGTH if len(ref_tokens) == MAX_TOKENS else p.FinishReason.STOP)
 
     runner.send(generate("c", **SAMPLED))
@@ -329,7 +331,8 @@ def test_two_rank_pipeline_over_loopback_ring_streams_the_reference_tokens(
     assert not any(isinstance(m, p.Token) for m in out1), "only rank 0 streams tokens"
     beats = [m for m in out1 if isinstance(m, p.Heartbeat)]  # rank 1 says it is alive, for its watchdog
     assert isinstance(out1[-1], p.Done) and [b.tokens for b in beats] == list(range(16, MAX_TOKENS, 16))
-    assert out0[-1] == attrs.evolve(out1[-1], runner_id="r0")
+    cached = out0[-1].prompt_cache_bytes  # each rank caches its own layers' KV: the one field that differs
+    assert cached > 0 and out0[-1] == attrs.evolve(out1[-1], runner_id="r0", prompt_cache_bytes=cached)
     for r in ranks:  # sampling stays in lockstep: every rank seeds the same and sees the same logits
         r.send(generate("h", **SAMPLED))
     out0, out1 = (r.recv_until(p.Done) for r in ranks)

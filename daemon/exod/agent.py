@@ -148,6 +148,7 @@ class Agent:
             ),
             fault=request.fault,
             script=self.config.script,
+            batch=self.config.batch,
         )
         assert self._nursery is not None
         process = self._spawn(spec, _Forward(self, self._session), self.config.timeouts)

@@ -16,7 +16,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from exod import protocol as p
 from exod.controller import Controller
 from exod.errors import ApiError, responses
-from exod.generation import Generation, Output, ToolCall, event_stream, openai_logprobs, openai_usage, sse, usage
+from exod.generation import Generation, Output, ToolCall, Usage, event_stream, openai_logprobs, sse, usage
 from exod.requests import RequestFailed
 
 MAX_MESSAGES = 256
@@ -285,13 +285,12 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
 
         if not body.stream:
             outputs = await generation.outputs()
-            prompt, completion = usage(outputs)
             return JSONResponse(
                 head
                 | {
                     "object": "chat.completion",
                     "choices": [_choice(i, o, body.logprobs) for i, o in enumerate(outputs)],
-                    "usage": openai_usage(prompt, completion),
+                    "usage": usage(outputs).openai(),
                 }
             )
 
@@ -326,12 +325,8 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                                 yield chunk(index, {}, item.finish_reason.value)
                 generation.record("ok", sum(d.completion_tokens for d in dones))
                 if include_usage:
-                    prompt = dones[0].prompt_tokens if dones else 0
-                    completion = sum(d.completion_tokens for d in dones)
-                    yield sse(
-                        head
-                        | {"object": "chat.completion.chunk", "choices": [], "usage": openai_usage(prompt, completion)}
-                    )
+                    counted = Usage.of(dones).openai()
+                    yield sse(head | {"object": "chat.completion.chunk", "choices": [], "usage": counted})
             except RequestFailed as exc:
                 generation.record("error")
                 yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})

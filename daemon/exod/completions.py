@@ -16,7 +16,7 @@ from exod import protocol as p
 from exod.chat import LENIENT, MAX_CHOICES, MAX_MESSAGE_CHARS, StreamOptions, Text, stop_list
 from exod.controller import Controller
 from exod.errors import ApiError, responses
-from exod.generation import Generation, Output, event_stream, openai_usage, sse, usage
+from exod.generation import Generation, Output, Usage, event_stream, sse, usage
 from exod.requests import RequestFailed
 
 
@@ -111,8 +111,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                 }
                 for i, o in enumerate(outputs)
             ]
-            prompt_tokens, completion = usage(outputs)
-            return JSONResponse(head | {"choices": choices, "usage": openai_usage(prompt_tokens, completion)})
+            return JSONResponse(head | {"choices": choices, "usage": usage(outputs).openai()})
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -135,9 +134,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                             yield chunk(index, "", _finish(Output(done=item)))
                 generation.record("ok", sum(d.completion_tokens for d in dones))
                 if include_usage:
-                    prompt_tokens = dones[0].prompt_tokens if dones else 0
-                    completion = sum(d.completion_tokens for d in dones)
-                    yield sse(head | {"choices": [], "usage": openai_usage(prompt_tokens, completion)})
+                    yield sse(head | {"choices": [], "usage": Usage.of(dones).openai()})
             except RequestFailed as exc:
                 generation.record("error")
                 yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})

@@ -13,6 +13,7 @@ import platformdirs
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 import fsm
+from exod.batch import BatchLimits
 from exod.faults import Fault, FaultSpec
 from exod.membership import DEFAULT_PREFIX, ClusterConfig
 from exod.models import validate_model_id
@@ -40,6 +41,7 @@ class DaemonConfig:
     memory_bytes: int = attrs.Factory(lambda: host_memory())  # what admission may reserve on this node
     limits: fsm.Limits = attrs.Factory(lambda self: fsm.Limits.for_memory(self.memory_bytes), takes_self=True)
     retention: Retention = attrs.Factory(Retention)  # what the transition log and the runner files keep
+    batch: BatchLimits = attrs.Factory(BatchLimits)  # what each runner decodes at once (exod.batch)
 
     @property
     def db_path(self) -> Path:
@@ -206,6 +208,10 @@ class _Limits(BaseModel):
     ranks_per_instance: Whole | None = None
     instances_per_model: Whole = 8
     runner_memory_mib: Whole = 512
+    max_sequences: Whole = BatchLimits().max_sequences
+    kv_cache_mib: Whole = BatchLimits().kv_bytes // MIB
+    prompt_cache_mib: Annotated[int, Field(ge=0)] = BatchLimits().prompt_cache_bytes // MIB
+    prefill_step: Whole = BatchLimits().prefill_step
 
 
 class _File(BaseModel):
@@ -294,6 +300,12 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
         memory_bytes=memory,
         limits=admission,
         retention=Retention(**file.retention.model_dump()),
+        batch=BatchLimits(
+            max_sequences=limits.max_sequences,
+            kv_bytes=limits.kv_cache_mib * MIB,
+            prompt_cache_bytes=limits.prompt_cache_mib * MIB,
+            prefill_step=limits.prefill_step,
+        ),
     )
     return ServeConfig(
         daemon=daemon,

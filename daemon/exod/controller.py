@@ -90,11 +90,11 @@ class Controller:
         )
         self._wall_offset = wall() - trio.current_time()  # trio time + offset = wall time, for what is stored
         self.cluster = Cluster(download_policy=config.download_policy)
-        self.requests = self._new_book()
         self._reports = Reports(self)
         self.fleet = fleet  # in a cluster: the other nodes, their agents running the ranks placed there
         self.node_id = NODE if fleet is None else fleet.local
         self.processes = Processes(config, spawn, self._reports, fleet, self._published)  # on their nodes
+        self.requests = self._new_book()
         self._downloads = Downloads(self.models, fleet, lambda: self.cluster, self.now, self._changed)
         self._placer = Placer(lambda: self.cluster, self.models, config, fleet)
         self._wake = trio.Event()
@@ -117,6 +117,7 @@ class Controller:
             now=self.now,
             max_per_instance=c.max_requests_per_instance,
             queue_timeout=c.queue_timeout,
+            post=self.processes.post,
         )
 
     # -- lifecycle of the controller --------------------------------------------------------

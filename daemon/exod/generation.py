@@ -26,6 +26,7 @@ from exod.requests import (
     InvalidRequest,
     ModelNotReady,
     Overloaded,
+    PromptRejected,
     QueueTimeout,
     RequestFailed,
     RequestStream,
@@ -95,10 +96,19 @@ class Generation:
                 self.close()
         try:
             for stream in self.streams:
-                await stream.wait_forwarded()
+                await stream.started()
         except QueueTimeout as exc:
             self.close()
             raise self.rejected(ApiError(503, str(exc), headers={"Retry-After": "1"})) from exc
+        except PromptRejected as exc:
+            self.close()
+            raise self.rejected(ApiError(400, str(exc), param="messages")) from exc
+        except ShuttingDown as exc:
+            self.close()
+            raise self.rejected(unavailable(str(exc))) from exc
+        except RequestFailed as exc:
+            self.close()
+            raise self.rejected(ApiError(502, str(exc), error_type="server_error")) from exc
         except BaseException:
             self.close()
             raise
@@ -108,7 +118,7 @@ class Generation:
         """The whole output of one generation; `ApiError` (502, or 503 when shutting down) if it failed."""
         output = Output()
         try:
-            async for item in stream:
+            async for item in self.pieces(stream):
                 self._take(output, item)
         except ShuttingDown as exc:
             self.record("error")
@@ -131,6 +141,8 @@ class Generation:
         """The output as it comes: tokens (text and log-probabilities), tool calls with their ids, the end.
         `RequestFailed` ends it early (the dialect says so in its own words)."""
         async for item in stream:
+            if isinstance(item, p.Done):
+                self.metrics.finished(self.model, item)
             yield ToolCall(call_id(), item.name, item.arguments) if isinstance(item, p.ToolCall) else item
 
     def finished(self, outputs: list[Output]) -> None:
@@ -164,26 +176,44 @@ class Generation:
         return error
 
     @staticmethod
-    def _take(output: Output, item: p.Token | p.ToolCall | p.Done) -> None:
+    def _take(output: Output, item: p.Token | ToolCall | p.Done) -> None:
         match item:
             case p.Token():
                 output.text += item.text
                 if item.chosen is not None:
                     output.logprobs.append(item)
-            case p.ToolCall():
-                output.tool_calls.append(ToolCall(call_id(), item.name, item.arguments))
+            case ToolCall():
+                output.tool_calls.append(item)
             case p.Done():
                 output.done = item
 
 
-def usage(outputs: list[Output]) -> tuple[int, int]:
-    """(prompt tokens, completion tokens) of ``n`` generations of one prompt: the prompt is counted once."""
-    dones = [o.done for o in outputs if o.done is not None]
-    return (dones[0].prompt_tokens if dones else 0), sum(d.completion_tokens for d in dones)
+@attrs.frozen
+class Usage:
+    """Tokens of ``n`` generations of one prompt: the prompt is counted once, ``cached`` of it came from the
+    prompt cache (a conversation's earlier turn)."""
+
+    prompt: int = 0
+    completion: int = 0
+    cached: int = 0
+
+    @classmethod
+    def of(cls, dones: list[p.Done]) -> Usage:
+        if not dones:
+            return cls()
+        return cls(dones[0].prompt_tokens, sum(d.completion_tokens for d in dones), dones[0].cached_tokens)
+
+    def openai(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt,
+            "completion_tokens": self.completion,
+            "total_tokens": self.prompt + self.completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached},
+        }
 
 
-def openai_usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(outputs: list[Output]) -> Usage:
+    return Usage.of([o.done for o in outputs if o.done is not None])
 
 
 def openai_logprobs(tokens: list[p.Token]) -> list[dict[str, Any]]:

@@ -201,8 +201,8 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                             if text_open:
                                 yield sse({"type": "content_block_stop", "index": index}, "content_block_stop")
                             stop = {"stop_reason": _stop_reason(item), "stop_sequence": item.stop_sequence}
-                            usage = {"input_tokens": item.prompt_tokens, "output_tokens": item.completion_tokens}
-                            yield sse({"type": "message_delta", "delta": stop, "usage": usage}, "message_delta")
+                            counted = _usage(item)
+                            yield sse({"type": "message_delta", "delta": stop, "usage": counted}, "message_delta")
                             yield sse({"type": "message_stop"}, "message_stop")
                             generation.record("ok", item.completion_tokens)
             except RequestFailed as exc:
@@ -227,7 +227,16 @@ def _message(output: Output) -> dict[str, Any]:
         "content": content,
         "stop_reason": _stop_reason(output.done),
         "stop_sequence": output.done.stop_sequence,
-        "usage": {"input_tokens": output.done.prompt_tokens, "output_tokens": output.done.completion_tokens},
+        "usage": _usage(output.done),
+    }
+
+
+def _usage(done: p.Done) -> dict[str, int]:
+    """Anthropic's count: ``input_tokens`` are those not read from the prompt cache, which are counted apart."""
+    return {
+        "input_tokens": done.prompt_tokens - done.cached_tokens,
+        "cache_read_input_tokens": done.cached_tokens,
+        "output_tokens": done.completion_tokens,
     }
 
 

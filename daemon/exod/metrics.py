@@ -12,11 +12,12 @@ from collections import Counter as Tally
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 import fsm
+from exod import protocol as p
 
 if TYPE_CHECKING:
     from exod.controller import Controller
@@ -36,7 +37,34 @@ class Metrics:
             registry=self.registry,
         )
         self.tokens = Counter("exod_tokens_generated", "Completion tokens generated", ["model"], registry=self.registry)
+        self.batch_size = Histogram(
+            "exod_batch_size",
+            "Requests decoded together: per finished request, the most that shared its runner's batch",
+            ["model"],
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
+            registry=self.registry,
+        )
+        self.cache_hits = Counter(
+            "exod_prompt_cache_hits", "Requests whose prompt began with a cached one", ["model"], registry=self.registry
+        )
+        self.cache_tokens = Counter(
+            "exod_prompt_cache_tokens", "Prompt tokens read from the prompt cache", ["model"], registry=self.registry
+        )
+        self.cache_bytes = Gauge(
+            "exod_prompt_cache_bytes",
+            "KV bytes rank 0's prompt cache held at its last finish",
+            ["model"],
+            registry=self.registry,
+        )
         self.registry.register(_StateCollector(controller))
+
+    def finished(self, model: str, done: p.Done) -> None:
+        """One generation ended: how it was batched, what the prompt cache gave it."""
+        self.batch_size.labels(model).observe(done.batch_size)
+        if done.cached_tokens:
+            self.cache_hits.labels(model).inc()
+            self.cache_tokens.labels(model).inc(done.cached_tokens)
+        self.cache_bytes.labels(model).set(done.prompt_cache_bytes)
 
 
 class _StateCollector(Collector):

@@ -94,6 +94,7 @@ class Processes:
             log_path=retention.runner_log_path(self.config.state_dir, action.instance_id, rank, gen),
             fault=next((str(f.fault) for f in self.config.faults if f.applies(rank, gen)), None),
             script=self.config.script,
+            batch=self.config.batch,
         )
 
     def _ring(self, instance_id: str, generation: int, nodes_by_rank: list[str], fleet: Fleet) -> Ring:

@@ -9,7 +9,7 @@ from a library can never corrupt the protocol.
 
 Every message is one line of JSON (UTF-8, ``\\n``-terminated) with a ``"type"`` tag.
 
-* supervisor → runner: `Connect`, `Load`, `WarmUp`, `Generate`, `Shutdown`.
+* supervisor → runner: `Connect`, `Load`, `WarmUp`, `Generate`, `Cancel`, `Shutdown`.
 * runner → supervisor: `Status`, `Progress`, `Token`, `ToolCall`, `Done`, `RequestError`,
   `Failed`; each carries ``runner_id`` and ``incarnation`` so that a late line from
   an older process can be recognised as stale by the runner machine.
@@ -54,6 +54,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # end-of-sequence token or a stop string
     LENGTH = "length"  # max_tokens reached
     TOOL_CALLS = "tool_calls"  # the model called a tool (`ToolCall`) and stopped
+    CANCELLED = "cancelled"  # its caller went away (`Cancel`): only the request book hears of it
 
 
 # -- base classes -----------------------------------------------------------------
@@ -147,6 +148,15 @@ class Generate(Command):
 
 
 @attrs.frozen
+class Cancel(Command):
+    """Drop a request whose caller went away. Every rank gets it in the same place among the other commands,
+    so every rank drops it at the same step of the batch; a request already finished ignores it."""
+
+    type = "cancel"
+    request_id: str
+
+
+@attrs.frozen
 class Shutdown(Command):
     type = "shutdown"
 
@@ -219,6 +229,9 @@ class Done(Report):
     prompt_tokens: int
     completion_tokens: int
     stop_sequence: str | None = None  # the stop string that ended it (Anthropic's clients ask which)
+    cached_tokens: int = 0  # prompt tokens whose KV cache came from an earlier request (the prompt cache)
+    batch_size: int = 1  # the most requests decoded together while this one ran
+    prompt_cache_bytes: int = 0  # what this rank's prompt cache holds once it finished
 
 
 @attrs.frozen
@@ -228,6 +241,7 @@ class RequestError(Report):
     type = "request_error"
     request_id: str
     message: str
+    invalid: bool = False  # the request itself is at fault (its prompt is over the context): the caller's 400
 
 
 @attrs.frozen
@@ -243,7 +257,7 @@ class Failed(Report):
     peer: bool = False  # the ring lost a peer: the consequence of another rank's failure, not its cause
 
 
-COMMANDS: tuple[type[Command], ...] = (Connect, Load, WarmUp, Generate, Shutdown)
+COMMANDS: tuple[type[Command], ...] = (Connect, Load, WarmUp, Generate, Cancel, Shutdown)
 REPORTS: tuple[type[Report], ...] = (Status, Progress, Token, ToolCall, Heartbeat, Done, RequestError, Failed)
 _BY_TAG: dict[str, type[Message]] = {cls.type: cls for cls in (*COMMANDS, *REPORTS)}
 

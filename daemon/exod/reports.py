@@ -88,7 +88,10 @@ class Reports:
                 if isinstance(report, p.Done):
                     event(rn.RequestFinished(rid, inc))
             case p.RequestError(request_id=request_id, message=message):
-                self.sink.requests.cancel(request_id, message)
+                if report.invalid:
+                    self.sink.requests.refuse(request_id, message)
+                else:
+                    self.sink.requests.cancel(request_id, message)
                 event(rn.RequestFinished(rid, inc))
 
     def on_stall(self, spec: RunnerSpec, phase: str, seconds: float) -> None:

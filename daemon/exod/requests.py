@@ -37,6 +37,10 @@ class InvalidRequest(ValueError):
     """A request the runner could not decode (caught before it is sent)."""
 
 
+class PromptRejected(RequestFailed):
+    """The runner refused the request itself (its prompt is over the model's context): the caller's mistake."""
+
+
 class QueueTimeout(RequestFailed):
     """No Ready runner took the request in time (HTTP 503)."""
 
@@ -65,6 +69,7 @@ class _Request:
     channel: trio.MemorySendChannel[Any]
     leader: str = ""  # runner id of rank 0 once forwarded
     incarnation: int = -1
+    runners: list[tuple[str, int]] = attrs.Factory(list)  # every rank it was sent to: (runner id, incarnation)
     forwarded: trio.Event = attrs.Factory(trio.Event)
     answered: trio.Event = attrs.Factory(trio.Event)  # forwarded, or failed: the caller's wait is over
     abandoned: bool = False  # the caller went away; still counted until the runners are done with it
@@ -81,11 +86,21 @@ class RequestStream:
         self._receive = receive
         self._done = False
         self._last: Any = None
+        self._first: Any = None  # what `started` read ahead, not yet given out
 
     def __aiter__(self) -> RequestStream:
         return self
 
+    async def started(self) -> None:
+        """Until the runners took the request and answered it: its first token, or the error it ended with
+        (raised here, so that a refusal can still be an HTTP error before any byte of a stream is sent)."""
+        if self._first is None and not self._done:
+            self._first = await self.__anext__()
+
     async def __anext__(self) -> p.Token | p.ToolCall | p.Done:
+        if self._first is not None:
+            item, self._first = self._first, None
+            return item
         if self._done:
             raise StopAsyncIteration
         await self.wait_forwarded()
@@ -105,6 +120,7 @@ class RequestStream:
         self._done = True
         if self._request.forwarded.is_set() and not finished and self._request.leader:
             self._request.abandoned = True
+            self._book.drop(self.request_id)
         else:
             self._book.forget(self.request_id)
 
@@ -129,11 +145,13 @@ class RequestBook:
         now: Callable[[], float],
         max_per_instance: int,
         queue_timeout: float,
+        post: Callable[[str, int, p.Command], None] = lambda _runner_id, _incarnation, _command: None,
     ) -> None:
         self.cluster = cluster
         self.queue_timeout = queue_timeout
         self._wake = wake
         self._now = now
+        self._post = post
         self._max_per_instance = max_per_instance
         self._requests: dict[str, _Request] = {}
         self._closed: str | None = None  # why, once `fail_all` ended the book: every later submit is refused
@@ -230,15 +248,27 @@ class RequestBook:
         request = self._requests.get(action.request_id)
         if request is None:
             return None
+        request.runners.append((action.runner_id, action.incarnation))
         if rank == 0:  # rank 0 speaks for the request
             request.leader, request.incarnation = action.runner_id, action.incarnation
         request.forwarded.set()
         request.answered.set()
         return request.command
 
+    def drop(self, request_id: str) -> None:
+        """Its caller went away: every rank drops it from its batch, at the same step (`exod.protocol.Cancel`).
+        It stays counted until rank 0 says it is done, so the bound on requests holds."""
+        request = self._requests.get(request_id)
+        for runner_id, incarnation in [] if request is None else request.runners:
+            self._post(runner_id, incarnation, p.Cancel(request_id))
+
     def cancel(self, request_id: str, reason: str) -> None:
         """End a request with an error (its caller sees `RequestFailed`), never a hang."""
         self._fail(request_id, RequestFailed(reason))
+
+    def refuse(self, request_id: str, reason: str) -> None:
+        """The runner refused the request as asked (`PromptRejected`): the caller has to change it."""
+        self._fail(request_id, PromptRejected(reason))
 
     def fail_all(self, reason: str) -> None:
         """The daemon is going away: end every request, queued or in flight, with `ShuttingDown`, and refuse

@@ -260,14 +260,14 @@ def _finished(shell: dict[str, Any], output: Output, message_id: str | None = No
     items = [_message_item(message_id or f"msg_{secrets.token_hex(12)}", output.text)] if output.text else []
     items += [_call_item(c) for c in output.tool_calls]
     cut = output.done.finish_reason is p.FinishReason.LENGTH
-    prompt, completion = output.done.prompt_tokens, output.done.completion_tokens
+    prompt, completion, cached = output.done.prompt_tokens, output.done.completion_tokens, output.done.cached_tokens
     return shell | {
         "status": "incomplete" if cut else "completed",
         "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
         "output": items,
         "usage": {
             "input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": completion,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + completion,

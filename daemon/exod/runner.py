@@ -10,12 +10,14 @@ Two threads. A *reader* thread owns the control channel's input: it decodes
 commands and queues them; on ``Shutdown`` or end of file (the supervisor died)
 it ends the process at once with ``os._exit(0)`` — even while the main thread
 is stuck inside MLX (a ring init whose peer never comes blocks in C forever), so
-an orphaned runner can never linger. The *main* thread owns MLX and executes the
-queued commands one at a time, so requests are never interleaved.
+an orphaned runner can never linger. The *main* thread owns MLX: it connects,
+loads and warms up as told, then decodes every request in one continuous batch
+(`exod.batch`): requests join at the next step and leave when they finish.
 
 Distributed mode: every rank receives every command in the same order, and all
-ranks run each generation in lockstep (a pipeline needs every stage for every
-token); only rank 0 streams `Token` messages, every rank sends `Done`.
+ranks run the same batch at every step (a pipeline needs every stage for every
+token): rank 0 says how many queued commands join at each step (`exod.batch.Lockstep`).
+Only rank 0 streams `Token` messages; every rank sends `Done`.
 
 Any exception in the main thread becomes a `Failed` report (with traceback and a
 retry classification) followed by exit code 1.
@@ -39,12 +41,11 @@ import sys
 import threading
 import time
 import traceback
-import zlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
 from exod import protocol as p
+from exod.batch import Batch, BatchLimits, Lockstep, prompt_tokens
 from exod.faults import Fault, FaultPhase, Injector
 
 log = logging.getLogger("exod.runner")
@@ -127,7 +128,6 @@ class Channel:
         exit_now(0)
 
 
-HEARTBEAT_TOKENS = 16  # ranks > 0 report that generation goes on every this many tokens
 PEEK_S = 0.05  # without POLLRDHUP: how often a channel with unread commands is looked at again
 HANGUP_GRACE_S = 1.0  # time the reader thread gets to end the process cleanly before the watchdog kills it
 _watchdog_pid: int | None = None
@@ -271,29 +271,51 @@ def _failure_fields(exc: BaseException, *, loading: bool = False) -> dict[str, A
 class Runner:
     """Executes commands on the main thread; holds the group, the model and the tokenizer."""
 
-    def __init__(self, channel: Channel, *, rank: int, world_size: int, script: str | None = None) -> None:
+    def __init__(
+        self,
+        channel: Channel,
+        *,
+        rank: int,
+        world_size: int,
+        script: str | None = None,
+        limits: BatchLimits | None = None,
+    ) -> None:
         self.channel = channel
         self.faults = channel.injector
         self.rank = rank
         self.world_size = world_size
         self.script = script  # tests only: every generation emits this text (its log-probabilities are real)
+        self.limits = limits or BatchLimits()
         self.group: Any = None
         self.model: Any = None
         self.tokenizer: Any = None
-        self.ready = False
+        self.batch: Batch | None = None  # once warm: every request in flight
         self.loading = False
+
+    @property
+    def ready(self) -> bool:
+        return self.batch is not None
 
     def serve(self) -> NoReturn:
         try:
             while True:
-                command = self.channel.commands.get()
-                if self.faults.hung.is_set():  # a fault made this runner stop answering
-                    threading.Event().wait()
-                self.handle(command)
+                if self.batch is None:  # connecting, loading, warming up: one command at a time
+                    self._hang_if_told()
+                    self.handle(self.channel.commands.get())
+                    continue
+                lockstep = self.batch.lockstep
+                for command in lockstep.take(idle=self.batch.idle):
+                    self._hang_if_told()
+                    self.handle(command)
+                self.batch.step()
         except BaseException as exc:
             log.exception("runner failed")
             self.channel.send(p.Failed, **_failure_fields(exc, loading=self.loading))
             exit_now(EXIT_FAILED)
+
+    def _hang_if_told(self) -> None:
+        if self.faults.hung.is_set():  # a fault made this runner stop answering
+            threading.Event().wait()
 
     def handle(self, command: p.Command) -> None:
         match command:
@@ -305,6 +327,9 @@ class Runner:
                 self.warm_up()
             case p.Generate():
                 self.generate(command)
+            case p.Cancel(request_id=request_id):
+                if self.batch is not None:
+                    self.batch.cancel(request_id)
             case _:
                 raise RunnerProtocolError(f"unexpected command {command.type}")
 
@@ -376,247 +401,37 @@ class Runner:
             raise RunnerProtocolError("warm_up before load")
         self.channel.send(p.Status, phase=p.Phase.WARMING_UP)
         self.faults.at(FaultPhase.WARMING_UP)
+        lockstep = Lockstep(self.channel.commands, self.group, self.rank)
+        batch = Batch(
+            self.model,
+            self.tokenizer,
+            limits=self.limits,
+            send=self._quiet,
+            rank=self.rank,
+            lockstep=lockstep,
+        )
         prompt = self.tokenizer.encode("warm up", add_special_tokens=False) or [0]
-        for _ in self._stream(prompt, max_tokens=WARM_UP_TOKENS, temperature=0.0, top_p=1.0, seed=0):
-            pass
-        self.ready = True
+        batch.run_alone(p.Generate(request_id="warm-up", prompt_tokens=prompt, max_tokens=WARM_UP_TOKENS), prompt)
+        batch.send, batch.script = self.channel.send, self.script  # from now on, for the callers
+        batch.on_token = lambda: self.faults.at(FaultPhase.BUSY)
+        self.batch = batch
         self.channel.send(p.Status, phase=p.Phase.READY)
         self.faults.at_ready_soon()
 
+    def _quiet(self, cls: type[p.Report], **fields: Any) -> None:
+        """The warm-up's reports: nobody asked for them, the daemon hears none."""
+
     def generate(self, request: p.Generate) -> None:
-        if not self.ready:
+        if self.batch is None:
             self.channel.send(p.RequestError, request_id=request.request_id, message="runner is not ready")
             return
         try:
-            prompt = self._prompt(request)
+            prompt = prompt_tokens(self.tokenizer, request)
         except Exception as exc:  # a bad request is refused; the runner stays Ready
-            self.channel.send(p.RequestError, request_id=request.request_id, message=f"{type(exc).__name__}: {exc}")
+            message = f"{type(exc).__name__}: {exc}"
+            self.channel.send(p.RequestError, request_id=request.request_id, message=message, invalid=True)
             return
-        seed = request.seed if request.seed is not None else zlib.crc32(request.request_id.encode())
-        stream = self._stream(prompt, request.max_tokens, request.temperature, request.top_p, seed, request)
-        output = _Output(self, request)
-        finish = p.FinishReason.LENGTH
-        for count, response in enumerate(stream):
-            if count == 1:
-                self.faults.at(FaultPhase.BUSY)
-            if self.rank > 0 and count and count % HEARTBEAT_TOKENS == 0:
-                self.channel.send(p.Heartbeat, request_id=request.request_id, tokens=count)
-            if response.finish_reason == "stop":
-                finish = p.FinishReason.STOP
-                output.add(response.text, None, response)
-                break
-            if output.add(response.text, response.token, response):
-                finish = p.FinishReason.STOP
-                break
-        output.flush()
-        self.channel.send(
-            p.Done,
-            request_id=request.request_id,
-            finish_reason=p.FinishReason.TOOL_CALLS if output.tool_calls else finish,
-            prompt_tokens=len(prompt),
-            completion_tokens=output.tokens,
-            stop_sequence=output.stop_sequence,
-        )
-
-    # -- helpers ------------------------------------------------------------------
-
-    def _prompt(self, request: p.Generate) -> list[int]:
-        if request.prompt_tokens is not None:
-            tokens = list(request.prompt_tokens)
-        elif request.prompt_text is not None:
-            tokens = self.tokenizer.encode(request.prompt_text)
-        else:
-            extra = {"tools": request.tools} if request.tools else {}
-            if request.tools and not getattr(self.tokenizer, "has_tool_calling", False):
-                raise ValueError("this model's chat template does not support tools; send the request without them")
-            tokens = self.tokenizer.apply_chat_template(request.prompt_messages, add_generation_prompt=True, **extra)
-            if isinstance(tokens, str):  # some tokenizers return text
-                tokens = self.tokenizer.encode(tokens, add_special_tokens=False)
-            if forced := forced_call(self.tokenizer, request):  # the call begun: `tool_choice`
-                tokens = [*tokens, *self.tokenizer.encode(forced, add_special_tokens=False)]
-        if not tokens:
-            raise ValueError("empty prompt")
-        return list(tokens)
-
-    def _stream(
-        self,
-        prompt: list[int],
-        max_tokens: int,
-        temperature: float,
-        top_p: float,
-        seed: int,
-        request: p.Generate | None = None,
-    ) -> Iterator[Any]:
-        import mlx.core as mx
-
-        import_mlx_lm()
-        from mlx_lm import stream_generate
-        from mlx_lm.sample_utils import make_logits_processors, make_sampler
-
-        mx.random.seed(seed)  # same seed on every rank: ranks sample the same token from the same logits
-        sampler = make_sampler(temp=temperature, top_p=top_p, top_k=request.top_k if request is not None else 0)
-        if self.script is not None and request is not None:
-            sampler = _scripted(self.tokenizer.encode(self.script, add_special_tokens=False), self.tokenizer)
-        processors = None
-        if request is not None:
-            bias = {int(k): v for k, v in (request.logit_bias or {}).items()}
-            processors = make_logits_processors(
-                logit_bias=bias or None,
-                presence_penalty=request.presence_penalty or None,
-                frequency_penalty=request.frequency_penalty or None,
-            )
-        return stream_generate(
-            self.model, self.tokenizer, prompt, max_tokens=max_tokens, sampler=sampler, logits_processors=processors
-        )
-
-    def _emit(self, request_id: str, text: str, token_id: int | None, logprobs: tuple[Any, Any] = (None, None)) -> None:
-        if self.rank == 0 and (text or token_id is not None):
-            chosen, top = logprobs
-            fields = {"text": text, "token_id": token_id, "chosen": chosen, "top_logprobs": top}
-            self.channel.send(p.Token, request_id=request_id, **fields)
-
-
-class _Output:
-    """What one generation says, as it comes: text held back while it could be the start of a stop string
-    or of a tool call, tool calls parsed once complete (the tokenizer's markers and parser, as mlx-lm's),
-    and each token's log-probabilities when asked for."""
-
-    def __init__(self, runner: Runner, request: p.Generate) -> None:
-        self.runner, self.request = runner, request
-        tokenizer = runner.tokenizer
-        calls = bool(request.tools) and getattr(tokenizer, "has_tool_calling", False)
-        self.start: str | None = tokenizer.tool_call_start if calls else None
-        self.end: str | None = tokenizer.tool_call_end if calls else None
-        self.parser = tokenizer.tool_parser if calls else None
-        self.pending = ""  # text not sent yet
-        self.call: str | None = None  # inside a tool call: its text so far
-        if forced := forced_call(tokenizer, request):  # the prompt began the call: the output is inside it
-            self.call = forced.removeprefix(self.start or "")
-        self.tool_calls = 0
-        self.tokens = 0
-        self.stop_sequence: str | None = None  # the stop string that ended the generation, if one did
-
-    def add(self, text: str, token_id: int | None, response: Any) -> bool:
-        """Take one step of the generation; True once a stop string was hit (the generation ends)."""
-        self.tokens += token_id is not None
-        logprobs = self._logprobs(token_id, response)
-        if self.call is not None:
-            self.call += text
-            self._finish_call()
-            self._send("", token_id, logprobs)
-            return False
-        self.pending += text
-        if self.start is not None and (at := self.pending.find(self.start)) >= 0:
-            before, self.call = self.pending[:at], self.pending[at + len(self.start) :]
-            self.pending = ""
-            hit = _first_stop(before, self.request.stop)
-            self._send(before if hit is None else before[: hit[0]], token_id, logprobs)
-            if hit is not None:
-                self.stop_sequence = hit[1]
-                return True
-            self._finish_call()
-            return False
-        hit = _first_stop(self.pending, self.request.stop)
-        if hit is not None:
-            self._send(self.pending[: hit[0]], token_id, logprobs)
-            self.pending, self.stop_sequence = "", hit[1]
-            return True
-        keep = _stop_prefix_len(self.pending, [*self.request.stop, *([self.start] if self.start else [])])
-        self._send(self.pending[: len(self.pending) - keep], token_id, logprobs)
-        self.pending = self.pending[len(self.pending) - keep :]
-        return False
-
-    def flush(self) -> None:
-        if self.call is not None:  # a tool call cut short (max_tokens): its text, as it is
-            self.pending += (self.start or "") + self.call
-            self.call = None
-        self._send(self.pending, None, (None, None))
-        self.pending = ""
-
-    def _finish_call(self) -> None:
-        assert self.call is not None and self.end is not None and self.parser is not None
-        at = self.call.find(self.end)
-        if at < 0:
-            return
-        body, rest = self.call[:at], self.call[at + len(self.end) :]
-        self.call = None
-        try:
-            parsed = self.parser(body, self.request.tools)
-        except Exception as exc:  # not a call after all: it stays text
-            log.warning("tool call not parsed (%s): %r", exc, body[:200])
-            self.pending += f"{self.start}{body}{self.end}"
-        else:
-            for call in parsed if isinstance(parsed, list) else [parsed]:
-                arguments = call.get("arguments", {})
-                arguments = arguments if isinstance(arguments, str) else json.dumps(arguments)
-                if self.runner.rank == 0:
-                    self.runner.channel.send(
-                        p.ToolCall, request_id=self.request.request_id, name=str(call["name"]), arguments=arguments
-                    )
-                self.tool_calls += 1
-        self.pending += rest.lstrip("\n") if self.tool_calls else rest
-
-    def _send(self, text: str, token_id: int | None, logprobs: tuple[Any, Any]) -> None:
-        self.runner._emit(self.request.request_id, text, token_id, logprobs)
-
-    def _logprobs(self, token_id: int | None, response: Any) -> tuple[Any, Any]:
-        k = self.request.logprobs
-        if k is None or token_id is None or self.runner.rank != 0:
-            return None, None
-        import mlx.core as mx
-
-        values = response.logprobs.reshape(-1)
-        decode = self.runner.tokenizer.decode
-        chosen = p.Alternative(token_id, decode([token_id]), float(values[token_id].item()))
-        if k == 0:
-            return chosen, []
-        ids = mx.argpartition(-values, kth=k - 1)[:k].tolist()
-        top = sorted((p.Alternative(i, decode([i]), float(values[i].item())) for i in ids), key=lambda a: -a.logprob)
-        return chosen, top
-
-
-def forced_call(tokenizer: Any, request: p.Generate) -> str:
-    """The beginning of a tool call the prompt ends with, when the request forces one (``tool_choice``): the
-    tokenizer's tool-call marker, and for a named function in the JSON form (``{"name": …, "arguments": …}``)
-    its name too. The model can then only go on with the call. Empty when nothing is forced."""
-    choice = request.tool_choice
-    if not choice or not request.tools or not getattr(tokenizer, "has_tool_calling", False):
-        return ""
-    start = tokenizer.tool_call_start + "\n"
-    json_calls = getattr(tokenizer.tool_parser, "__module__", "").endswith(".json_tools")
-    if choice == p.REQUIRED or not json_calls:  # another form names the function its own way: any call, then
-        return start
-    return start + '{"name": ' + json.dumps(choice) + ', "arguments": '
-
-
-def _scripted(tokens: list[int], tokenizer: Any) -> Any:
-    """A sampler that chooses ``tokens`` in turn, then the end of the sequence (tests only)."""
-    import mlx.core as mx
-
-    left = iter(tokens)
-    eos = tokenizer.eos_token_id
-
-    def sample(logprobs: Any) -> Any:
-        return mx.array([next(left, eos)] * logprobs.shape[0])
-
-    return sample
-
-
-def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
-    """Where the first stop string in ``text`` begins, and which one it is."""
-    hits = [(i, s) for s in stops if s and (i := text.find(s)) >= 0]
-    return min(hits) if hits else None
-
-
-def _stop_prefix_len(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-    best = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:n]):
-                best = n
-                break
-    return best
+        self.batch.join(request, prompt)
 
 
 # -- entry point ------------------------------------------------------------------
@@ -656,6 +471,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hostfile", type=Path, help="ring hostfile; sets MLX_HOSTFILE (default: from the env)")
     parser.add_argument("--fault", type=Fault.parse, help="PHASE:KIND fault to inject (tests only; see exod.faults)")
     parser.add_argument("--script", help="text every generation emits instead of sampling (tests only)")
+    defaults = BatchLimits()
+    parser.add_argument("--max-sequences", type=int, default=defaults.max_sequences, help="decoded at once")
+    parser.add_argument("--kv-bytes", type=int, default=defaults.kv_bytes, help="KV cache reserved by them")
+    parser.add_argument("--prompt-cache-bytes", type=int, default=defaults.prompt_cache_bytes)
+    parser.add_argument("--prefill-step", type=int, default=defaults.prefill_step, help="prompt tokens per chunk")
     args = parser.parse_args(argv)
     if not 0 <= args.rank < args.world_size:
         parser.error(f"rank {args.rank} out of range for world size {args.world_size}")
@@ -683,7 +503,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
     channel.start_reader()  # before importing mlx: EOF must end the process even during a slow import
     if args.script is not None:
         log.warning("scripted output armed: every generation emits %r", args.script[:80])
-    Runner(channel, rank=args.rank, world_size=args.world_size, script=args.script).serve()
+    limits = BatchLimits(args.max_sequences, args.kv_bytes, args.prompt_cache_bytes, args.prefill_step)
+    Runner(channel, rank=args.rank, world_size=args.world_size, script=args.script, limits=limits).serve()
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ def status_of(cluster: Cluster) -> dict[str, Any]:
                     "state": None if r is None else r.state.value,
                     "phase": None if r is None or r.phase is None else r.phase.value,
                     "layers": None if r is None else [r.layers_loaded, r.layers_total],
+                    "in_flight": 0 if r is None else r.in_flight,  # requests it decodes or has queued
                     "failure": None if r is None or r.failure is None else r.failure.message,
                 }
             )

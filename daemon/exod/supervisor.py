@@ -27,6 +27,7 @@ import attrs
 import trio
 
 from exod import protocol as p
+from exod.batch import BatchLimits
 from exod.statedir import private_dir, private_opener
 
 
@@ -52,6 +53,7 @@ class RunnerSpec:
     log_path: Path
     fault: str | None = None  # "PHASE:KIND", for tests (exod.faults); None in production
     script: str | None = None  # text every generation emits instead of sampling, for tests; None in production
+    batch: BatchLimits = attrs.Factory(BatchLimits)  # what it decodes at once
 
 
 class Listener(Protocol):
@@ -208,7 +210,7 @@ class Supervisor:
             argv += ["--fault", s.fault]
         if s.script is not None:
             argv += ["--script", s.script]
-        return argv
+        return argv + s.batch.argv()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Spawn, serve until the process ends, report the exit. Cancelling it kills and reaps the process."""
