@@ -1,0 +1,134 @@
+"""Batching and the prompt cache as a client sees them: a real `exod serve`, real runners, the official clients.
+
+Requests sent at once are decoded in one batch (`/metrics` says how wide), each answer as it is alone; the
+second turn of a conversation reads the first from the prompt cache and says so in ``usage``, in each
+dialect's words; a prompt the model's context cannot hold is a 400."""
+
+from __future__ import annotations
+
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import anthropic
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from daemon_harness import runner_pids, start_daemon, wait_instance
+from exod.tiny_model import make_tiny_model
+
+MODEL = "exod/tiny-qwen2"
+CONFIG = f"""
+[daemon]
+port = 0
+offline = true
+
+[[place]]
+model = "{MODEL}"
+ranks = 2
+"""
+GREEDY = {"temperature": 0.0, "max_tokens": 24}
+LONG = {"temperature": 0.0, "max_tokens": 1000}  # long enough that 4 requests sent at once overlap
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("batching")
+    hf = tmp / "hf"
+    make_tiny_model(MODEL, layers=2, hf_home=hf)
+    (tmp / "exod.toml").write_text(CONFIG)
+    process, url = start_daemon(tmp, {**os.environ, "HF_HOME": str(hf), "HF_HUB_OFFLINE": "1"})
+    try:
+        wait_instance(url, lambda i: i["state"] == "ready")
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    assert runner_pids() == []
+
+
+@pytest.fixture
+def client(daemon):
+    return openai.OpenAI(base_url=f"{daemon}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def wide_batches(url: str) -> float:
+    """How many finished requests shared their batch with at least 3 others (`exod_batch_size` > 3)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name == "exod_batch_size"]
+    count = next(s.value for s in family.samples if s.name.endswith("_count"))
+    up_to_3 = next(s.value for s in family.samples if s.name.endswith("_bucket") and s.labels["le"] == "3.0")
+    return count - up_to_3
+
+
+def ask(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"question number {i}: what comes next?"}]
+
+
+def test_concurrent_requests_share_a_batch_and_each_answers_as_alone(daemon, client):
+    alone = [client.chat.completions.create(model=MODEL, messages=ask(i), **LONG) for i in range(4)]
+    before = wide_batches(daemon)
+    with ThreadPoolExecutor(4) as pool:
+        together = list(
+            pool.map(lambda i: client.chat.completions.create(model=MODEL, messages=ask(i), **LONG), range(4))
+        )
+    assert [c.choices[0].message.content for c in together] == [c.choices[0].message.content for c in alone]
+    assert wide_batches(daemon) > before  # /metrics: the batch reached 4
+
+
+def test_n_samples_are_sequences_of_one_batch(daemon, client):
+    before = wide_batches(daemon)
+    done = client.chat.completions.create(model=MODEL, messages=ask(9), n=4, **GREEDY)
+    assert len(done.choices) == 4 and len({c.message.content for c in done.choices}) == 1  # greedy: n equal
+    assert wide_batches(daemon) - before == 4  # all four decoded together
+
+
+def test_the_second_turn_of_a_chat_reads_the_first_from_the_prompt_cache(daemon, client):
+    question = [{"role": "user", "content": "tell me about finite-state machines, at some length"}]
+    first = client.chat.completions.create(model=MODEL, messages=question, **GREEDY)
+    assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens  # the template's start, at most
+    conversation = [
+        *question,
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "and then?"},
+    ]
+    second = client.chat.completions.create(model=MODEL, messages=conversation, **GREEDY)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
+
+    # the same in the other dialects: Anthropic counts cached input apart, the Responses API in its details
+    claude = anthropic.Anthropic(base_url=daemon, api_key="unused", max_retries=0)
+    turn = [{"role": "user", "content": "a third conversation, about caches"}]
+    one = claude.messages.create(model=MODEL, max_tokens=24, messages=turn, extra_body={"temperature": 0})
+    whole_first = one.usage.input_tokens + one.usage.cache_read_input_tokens
+    turn += [
+        {"role": "assistant", "content": one.content[0].text if one.content else ""},
+        {"role": "user", "content": "more"},
+    ]
+    two = claude.messages.create(model=MODEL, max_tokens=24, messages=turn, extra_body={"temperature": 0})
+    assert two.usage.cache_read_input_tokens >= whole_first and two.usage.input_tokens > 0
+    r1 = client.responses.create(model=MODEL, input="a fourth one, about prompts", max_output_tokens=24, temperature=0)
+    r2 = client.responses.create(
+        model=MODEL,
+        input=[
+            {"role": "user", "content": "a fourth one, about prompts"},
+            {"role": "assistant", "content": r1.output_text},
+            {"role": "user", "content": "go on"},
+        ],
+        max_output_tokens=24,
+        temperature=0,
+    )
+    assert r1.usage.input_tokens <= r2.usage.input_tokens_details.cached_tokens < r2.usage.input_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_over_the_context_is_a_400_streaming_or_not(client, stream):
+    huge = [{"role": "user", "content": "tokens " * 3000}]  # the tiny model's context is 2048 tokens
+    with pytest.raises(openai.BadRequestError) as refused:
+        answer = client.chat.completions.create(model=MODEL, messages=huge, max_tokens=4, stream=stream)
+        list(answer) if stream else None
+    assert "context" in str(refused.value) and "2048" in str(refused.value)
+    done = client.chat.completions.create(model=MODEL, messages=ask(1), **GREEDY)  # it serves on
+    assert done.choices[0].finish_reason in ("stop", "length")
