@@ -75,7 +75,7 @@ def test_instance_reaches_ready_and_generates_like_mlx_lm(tmp_path, hf_home, ran
     assert len(sampled) > 0
 
 
-def test_concurrent_requests_queue_and_never_interleave(tmp_path, hf_home):
+def test_concurrent_seeded_requests_share_a_batch_and_each_matches_its_lone_reference(tmp_path, hf_home):
     from exod.models import resolve_model
 
     snapshot = resolve_model("exod/tiny-qwen2", hf_home=hf_home, offline=True)
