@@ -180,13 +180,6 @@ class _Sequence:
         return len(self.prompt) + self.max_tokens
 
 
-@attrs.define
-class BatchStats:
-    """What rank 0 tells with each `Done`, for `/metrics`."""
-
-    prompt_cache_bytes: int = 0
-
-
 class Batch:
     """The requests this runner decodes now, and those waiting for room."""
 
