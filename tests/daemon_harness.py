@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +143,25 @@ def start_daemon(
         time.sleep(0.05)
     daemon.kill()
     raise AssertionError("daemon did not start: " + (tmp_path / "serve.log").read_text())
+
+
+@contextlib.contextmanager
+def ready_daemon(tmp: Path, config: str, models: dict[str, int]) -> Iterator[tuple[str, Path]]:
+    """`exod serve` with ``config`` and the tiny ``models`` (repo id → seed) in its own HF cache, once an
+    instance is Ready: yields its URL and that cache; stops it with SIGTERM, which must end it cleanly."""
+    from exod.tiny_model import make_tiny_model
+
+    hf = tmp / "hf"
+    for model, seed in models.items():
+        make_tiny_model(model, layers=2, hf_home=hf, seed=seed)
+    (tmp / "exod.toml").write_text(config)
+    process, url = start_daemon(tmp, {**os.environ, "HF_HOME": str(hf), "HF_HUB_OFFLINE": "1"})
+    try:
+        wait_instance(url, lambda i: i["state"] == "ready")
+        yield url, hf
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
 
 
 def wait_instance(url: str, predicate, timeout: float = 60.0) -> dict:

@@ -13,9 +13,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon_harness import runner_pids, start_daemon, wait_instance
+from daemon_harness import ready_daemon, runner_pids, start_daemon, wait_instance
 from exod.models import resolve_model
-from exod.tiny_model import make_tiny_model
 
 MODEL = "exod/tiny-qwen2"
 MESSAGES = [{"role": "user", "content": "Tell me about state machines."}]
@@ -42,18 +41,8 @@ ranks = 2
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("api")
-    hf = tmp / "hf"
-    make_tiny_model(MODEL, layers=2, hf_home=hf)
-    make_tiny_model("exod/tiny-slow", layers=2, hf_home=hf, seed=1)
-    (tmp / "exod.toml").write_text(CONFIG)
-    env = {**os.environ, "HF_HOME": str(hf), "HF_HUB_OFFLINE": "1"}
-    process, url = start_daemon(tmp, env)
-    try:
-        wait_instance(url, lambda i: i["state"] == "ready")
+    with ready_daemon(tmp, CONFIG, {MODEL: 0, "exod/tiny-slow": 1}) as (url, hf):
         yield {"url": url, "hf": hf, "tmp": tmp}
-    finally:
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0
     assert runner_pids() == []
 
 

@@ -6,8 +6,6 @@ dialect's words; a prompt the model's context cannot hold is a 400."""
 
 from __future__ import annotations
 
-import os
-import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
@@ -16,8 +14,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon_harness import runner_pids, start_daemon, wait_instance
-from exod.tiny_model import make_tiny_model
+from daemon_harness import ready_daemon, runner_pids
 
 MODEL = "exod/tiny-qwen2"
 CONFIG = f"""
@@ -35,17 +32,8 @@ LONG = {"temperature": 0.0, "max_tokens": 1000}  # long enough that 4 requests s
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("batching")
-    hf = tmp / "hf"
-    make_tiny_model(MODEL, layers=2, hf_home=hf)
-    (tmp / "exod.toml").write_text(CONFIG)
-    process, url = start_daemon(tmp, {**os.environ, "HF_HOME": str(hf), "HF_HUB_OFFLINE": "1"})
-    try:
-        wait_instance(url, lambda i: i["state"] == "ready")
+    with ready_daemon(tmp_path_factory.mktemp("batching"), CONFIG, {MODEL: 0}) as (url, _):
         yield url
-    finally:
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0
     assert runner_pids() == []
 
 

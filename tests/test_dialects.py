@@ -9,16 +9,13 @@ with the tokenizer's markers and parser, as mlx-lm does."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 
 import anthropic
 import httpx
 import openai
 import pytest
 
-from daemon_harness import runner_pids, start_daemon, wait_instance
-from exod.tiny_model import make_tiny_model
+from daemon_harness import ready_daemon, runner_pids
 
 MODEL = "exod/tiny-qwen2"
 SAID = "Let me check."
@@ -52,17 +49,9 @@ ENOUGH = 200  # tokens: the script is about 70 of the tiny model's
 
 def serving(tmp_path_factory, name: str, script: str):
     """A daemon whose runners emit ``script``, until the module is done with it."""
-    tmp = tmp_path_factory.mktemp(name)
-    hf = tmp / "hf"
-    make_tiny_model(MODEL, layers=2, hf_home=hf)
-    (tmp / "exod.toml").write_text(CONFIG.replace(json.dumps(SCRIPT), json.dumps(script)))
-    process, url = start_daemon(tmp, {**os.environ, "HF_HOME": str(hf), "HF_HUB_OFFLINE": "1"})
-    try:
-        wait_instance(url, lambda i: i["state"] == "ready")
+    config = CONFIG.replace(json.dumps(SCRIPT), json.dumps(script))
+    with ready_daemon(tmp_path_factory.mktemp(name), config, {MODEL: 0}) as (url, _):
         yield url
-    finally:
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0
 
 
 @pytest.fixture(scope="module")

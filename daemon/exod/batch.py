@@ -350,9 +350,9 @@ class Batch:
         prompt's last token is always computed: the first token is sampled from its logits."""
         from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-        cache, rest = (None, prompt)
-        if self.limits.prompt_cache_bytes:
-            cache, rest = self.cache.fetch_nearest_cache(_CACHE_KEY, prompt)
+        if not self.limits.prompt_cache_bytes:  # off: the same on every rank, nothing to agree on
+            return None, 0
+        cache, rest = self.cache.fetch_nearest_cache(_CACHE_KEY, prompt)
         have = 0 if cache is None else len(prompt) - len(rest)
         trimmable = cache is None or can_trim_prompt_cache(cache)
         if have == len(prompt) and have and trimmable:  # all of it: give back the last token to compute
