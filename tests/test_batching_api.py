@@ -68,7 +68,7 @@ def test_concurrent_requests_share_a_batch_and_each_answers_as_alone(daemon, cli
 
 def test_n_samples_are_sequences_of_one_batch(daemon, client):
     before = wide_batches(daemon)
-    done = client.chat.completions.create(model=MODEL, messages=ask(9), n=4, **GREEDY)
+    done = client.chat.completions.create(model=MODEL, messages=ask(9), n=4, **LONG)  # long: they overlap
     assert len(done.choices) == 4 and len({c.message.content for c in done.choices}) == 1  # greedy: n equal
     assert wide_batches(daemon) - before == 4  # all four decoded together
 
