@@ -15,6 +15,8 @@ if os.environ.get("CI"):
 from etcd_harness import etcd, etcd_cluster, etcd_server  # noqa: E402, F401 - a real etcd, for the cluster's tests
 from netns_harness import namespace  # noqa: E402, F401 - a host of its own, for partitions
 
+from browser_harness import browser  # noqa: E402, F401 - headless Chromium, for the dashboard's tests
+
 # Modules that start runner processes opt in with `pytestmark = pytest.mark.usefixtures("no_runner_left_behind")`.
 from daemon_harness import no_runner_left_behind  # noqa: E402, F401
 

@@ -301,6 +301,26 @@ def test_with_an_api_key_openapi_documents_401_and_how_to_authenticate_everywher
             assert operation.get("security") == expected, (method, path)
 
 
+def test_the_dashboard_page_asks_for_the_key_and_its_assets_are_all_served_here(keyed, daemon):
+    """The page holds no data (served without the key, it says a key is needed); every asset it names is the
+    daemon's own, and its Content-Security-Policy lets it load nothing from elsewhere."""
+    import re
+
+    page = httpx.get(f"{keyed}/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert '<meta name="exod-auth" content="key">' in page.text
+    assert '<meta name="exod-auth" content="none">' in httpx.get(f"{daemon['url']}/").text
+    assert "default-src 'none'" in page.headers["content-security-policy"]
+    assets = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+    assert sorted(assets) == ["/ui/dashboard.css", "/ui/dashboard.js", "data:,"]
+    for asset in (a for a in assets if a.startswith("/ui/")):
+        served = httpx.get(f"{keyed}{asset}")
+        assert served.status_code == 200 and served.content, asset
+        assert not re.search(r"https?://", served.text), f"{asset} names another host"
+    assert httpx.get(f"{keyed}/ui/missing.js").status_code == 404
+    assert httpx.get(f"{keyed}/instances").status_code == 401  # the data behind the page still needs the key
+
+
 def test_instances_create_list_get_and_503_before_ready_then_delete(daemon, client):
     url = daemon["url"]
     created = httpx.post(f"{url}/instances", json={"model": "exod/tiny-slow", "ranks": 1})

@@ -22,7 +22,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import fsm
-from exod import chat, completions, messages, responses_api
+from exod import chat, completions, dashboard, messages, responses_api
 from exod.agent import Agent
 from exod.agent import router as agent_router
 from exod.controller import Controller, PlacementRefused, StoreUnavailable
@@ -43,8 +43,6 @@ MAX_BODY_BYTES = 1 << 20
 MAX_TOKENS_CEILING = 4096
 KEEPALIVE_S = 15.0
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key
-# what a node that is not the cluster's controller answers itself; it refuses the rest, naming the controller
-FOLLOWER_PATHS = ("/health", "/nodes", "/instances", "/events", "/metrics", "/diagrams/", "/docs", "/openapi.json")
 MAX_SEQ = 2**63 - 1  # the log's sequence numbers are SQLite INTEGERs: signed 64-bit
 
 
@@ -355,5 +353,6 @@ def create_app(
         return get_swagger_ui_html(openapi_url="/openapi.json", title="exod API")
 
     app.include_router(api)
+    dashboard.install(app, api_key=bool(api_key))
     served: ASGIApp = app if membership is None else Follower(app, membership)
     return _BodyCap(served, max_body_bytes)

@@ -26,7 +26,17 @@ from exod.membership import Membership
 log = logging.getLogger("exod.forward")
 
 # what a node that is not the controller answers itself (GET and HEAD); it forwards the rest
-FOLLOWER_PATHS = ("/health", "/nodes", "/instances", "/events", "/metrics", "/diagrams/", "/docs", "/openapi.json")
+FOLLOWER_PATHS = (
+    "/ui/",  # the dashboard's assets (its page is "/")
+    "/health",
+    "/nodes",
+    "/instances",
+    "/events",
+    "/metrics",
+    "/diagrams/",
+    "/docs",
+    "/openapi.json",
+)
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade", b"host"})
 CONNECT_TIMEOUT_S = 5.0
 FORWARDED = b"x-exod-forwarded-by"
@@ -111,8 +121,9 @@ def answered_here(scope: Scope) -> bool:
     if path.startswith("/agent/"):  # every node is an agent of the controller
         return True
     reads = scope["method"] in ("GET", "HEAD")
-    return reads and any(
-        path == p or (p.endswith("/") and path.startswith(p)) or path.startswith(p + "/") for p in FOLLOWER_PATHS
+    return reads and (
+        path == "/"  # the dashboard's page; its assets are under /ui/
+        or any(path == p or path.startswith(p if p.endswith("/") else p + "/") for p in FOLLOWER_PATHS)
     )
 
 
