@@ -43,6 +43,11 @@ ATTACK_TESTS := tests/test_attacks.py tests/test_admission.py tests/test_degrade
 reliability: $(STAMP)
 	EXOD_WRITE_RELIABILITY=1 $(BIN)/python -m pytest -q tests/test_fault_matrix.py $(ATTACK_TESTS)
 
+## screenshots: the dashboard's browser tests, writing docs/dashboard*.png (shown in the README); needs chromium and chromium-driver
+.PHONY: screenshots
+screenshots: $(STAMP)
+	EXOD_WRITE_SCREENSHOTS=1 $(BIN)/python -m pytest -q tests/test_dashboard.py
+
 ## mutation: mutation testing of fsm's machines and planner with the fast unit tests (by hand, not in CI; ~20 min on 2 cores)
 ##           MUTATION_ARGS="backoff download" for some modules; see tools/mutation.py
 .PHONY: mutation

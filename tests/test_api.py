@@ -318,6 +318,10 @@ def test_the_dashboard_page_asks_for_the_key_and_its_assets_are_all_served_here(
         assert served.status_code == 200 and served.content, asset
         assert not re.search(r"https?://", served.text), f"{asset} names another host"
     assert httpx.get(f"{keyed}/ui/missing.js").status_code == 404
+    docs = httpx.get(f"{daemon['url']}/docs").text  # Swagger UI from the package too: /docs works offline
+    assert not re.search(r'(?:src|href)="https?://', docs)
+    for asset in re.findall(r"""['"](/ui/vendor/[^'"]+)['"]""", docs):
+        assert httpx.get(f"{daemon['url']}{asset}").status_code == 200, asset
     assert httpx.get(f"{keyed}/instances").status_code == 401  # the data behind the page still needs the key
 
 

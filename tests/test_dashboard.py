@@ -171,6 +171,15 @@ def test_a_chat_answer_streams_into_the_page(page, daemon) -> None:
     assert console_errors(page) == []
 
 
+def test_the_api_docs_render_offline_from_the_package(browser, daemon) -> None:
+    browser.get(daemon + "/docs")
+    operations = until(lambda: browser.find_elements(By.CSS_SELECTOR, ".opblock-summary-path"), what="Swagger UI")
+    assert "/v1/chat/completions" in {op.get_attribute("data-path") for op in operations}
+    resources = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+    assert {urllib.parse.urlsplit(name).netloc for name in resources} == {urllib.parse.urlsplit(daemon).netloc}
+    assert console_errors(browser) == []
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

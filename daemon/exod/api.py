@@ -350,7 +350,14 @@ def create_app(
 
     @api.get("/docs", include_in_schema=False)
     async def docs() -> HTMLResponse:
-        return get_swagger_ui_html(openapi_url="/openapi.json", title="exod API")
+        return get_swagger_ui_html(  # Swagger UI served from the package (tools/vendor_swagger_ui.sh), not a CDN
+            openapi_url="/openapi.json",
+            title="exod API",
+            swagger_js_url=f"{dashboard.ASSETS}/vendor/swagger-ui/swagger-ui-bundle.js",
+            swagger_css_url=f"{dashboard.ASSETS}/vendor/swagger-ui/swagger-ui.css",
+            swagger_favicon_url="data:,",
+            swagger_ui_parameters={"validatorUrl": None},  # no badge fetched from validator.swagger.io
+        )
 
     app.include_router(api)
     dashboard.install(app, api_key=bool(api_key))
