@@ -246,3 +246,35 @@ def test_with_a_key_the_page_shows_only_the_prompt_and_reconnects_after_the_daem
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
+
+
+def test_in_a_cluster_a_follower_shows_every_node_and_places_across_them(browser, tmp_path, etcd) -> None:
+    """Three nodes on 127.0.0.1-3: the page, opened on a node that is not the controller, lists all three
+    and the controller, places a model on 3 ranks (forwarded to the controller), and shows a rank on each."""
+    from test_cluster_nodes import nodes, start, stop_all
+
+    from exod.tiny_model import make_tiny_model
+
+    hf = tmp_path / "hf"
+    make_tiny_model(MODEL, layers=3, hf_home=hf, seed=0)
+    env = {**os.environ, "HF_HOME": str(hf), "HF_HUB_OFFLINE": "1"}
+    daemons = [start(tmp_path, etcd, n, env) for n in (1, 2, 3)]
+    try:
+        view = until(lambda: (v := nodes(daemons[0][1])) and len(v["nodes"]) == 3 and v["controller"] and v)
+        follower = next(n["api_url"] for n in view["nodes"] if not n["controller"])
+        browser.get(follower + "/")
+        shown = until(lambda: browser.find_element(By.ID, "nodes").text, what="the nodes")
+        assert shown.endswith(
+            ", ".join(f"node-{n}" + (" (controller)" if view["controller"] == f"node-{n}" else "") for n in (1, 2, 3))
+        )
+        browser.find_element(By.ID, "place-model").send_keys(MODEL)
+        browser.find_element(By.ID, "place-ranks").clear()
+        browser.find_element(By.ID, "place-ranks").send_keys("3")
+        click(lambda: browser.find_element(By.CSS_SELECTOR, "#place-form button"))
+        instance = until(lambda: card(browser, MODEL, state="ready"), timeout=120, what="Ready on three nodes")
+        rows = instance.find_elements(By.CSS_SELECTOR, "tr[data-runner]")
+        assert sorted(row.find_elements(By.TAG_NAME, "td")[1].text for row in rows) == ["node-1", "node-2", "node-3"]
+        screenshot(browser, "dashboard-cluster")
+        assert console_errors(browser) == []
+    finally:
+        assert stop_all(daemons) == [0, 0, 0]
