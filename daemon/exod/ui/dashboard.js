@@ -550,6 +550,13 @@ $("instances").addEventListener("click", (event) => {
   const card = event.target.closest("[data-instance]");
   if (card) select(card.dataset.instance);
 });
+$("instances").addEventListener("keydown", (event) => {
+  const card = event.target.closest("article[data-instance]");
+  if (card && event.target === card && (event.key === "Enter" || event.key === " ")) {
+    event.preventDefault();
+    select(card.dataset.instance);
+  }
+});
 setInterval(() => {
   if (page.connected) refresh().catch(reportRefresh);
 }, POLL_MS);
