@@ -6,6 +6,13 @@ Theory of operation
 
     Pending → Starting → Ready → Recovering → BackingOff → Starting … → Deleted
 
+Two compound states group what is handled alike: **Alive** (everything but
+Deleted: ``delete`` from anywhere, ``tick`` anywhere) and, inside it,
+**Generation running** (Starting and Ready: a rank's failure or exit ends the
+generation the same way from both). The leaves, not the compounds, are the
+states (``InstanceState``, snapshots); a leaf's own transitions are tried
+before its compound's.
+
 * **one_for_all**: a failure of any rank ends the whole generation. The
   instance goes to Recovering, where every rank of that generation is stopped;
   only when the last one has been reaped does it go on to BackingOff (an
@@ -217,72 +224,66 @@ class InstanceRetry(Lifecycle):
     snapshot_type = InstanceSnapshot
     snapshot_version = 2  # 2 added `uncharged`
 
-    pending = State(initial=True)
-    starting = State()
-    ready = State()
-    recovering = State()
-    backing_off = State("Backing off")
+    class alive(State.Compound):
+        pending = State(initial=True)
+
+        class running(State.Compound, name="Generation running"):
+            starting = State(initial=True)
+            ready = State()
+
+        recovering = State()
+        backing_off = State("Backing off")
+
     deleted = State(final=True)
 
-    start = pending.to(starting, on="_begin_generation") | backing_off.to(
-        starting, cond="deadline_passed", on="_begin_generation"
+    # python-statemachine tries the active leaf's transitions before its ancestors' (each in declaration
+    # order). No leaf declares an event that its compound handles here (rank_failed, rank_stopped and
+    # rank_failed_while_stopping on `running`; tick and delete on `alive`), so the compound's alternatives are
+    # tried exactly as they were on each leaf. A compound's "stay" is targetless (`to(None)`): an internal
+    # self-transition of a compound would exit and re-enter it, back at its initial child.
+    start = alive.pending.to(alive.running, on="_begin_generation") | alive.backing_off.to(
+        alive.running, cond="deadline_passed", on="_begin_generation"
     )
-    rank_created = starting.to.itself(internal=True, on="_rank_alive") | recovering.to.itself(
+    rank_created = alive.running.starting.to.itself(internal=True, on="_rank_alive") | alive.recovering.to.itself(
         internal=True, on="_rank_alive"
     )
     rank_ready = (
-        starting.to.itself(internal=True, on="_rank_ready")
-        | ready.to.itself(internal=True)
-        | recovering.to.itself(internal=True)
-        | backing_off.to.itself(internal=True)
+        alive.running.starting.to.itself(internal=True, on="_rank_ready")
+        | alive.running.ready.to.itself(internal=True)
+        | alive.recovering.to.itself(internal=True)
+        | alive.backing_off.to.itself(internal=True)
     )
-    starting.to(ready, cond="all_ranks_ready", on="_mark_ready")
+    alive.running.starting.to(alive.running.ready, cond="all_ranks_ready", on="_mark_ready")
     rank_failed = (
-        starting.to(deleted, cond="non_retryable", on="_give_up_non_retryable")
-        | ready.to(deleted, cond="non_retryable", on="_give_up_non_retryable")
-        | recovering.to(deleted, cond="non_retryable", on="_give_up_non_retryable")
-        | starting.to(deleted, cond="last_charged_failure", on="_give_up_exhausted")
-        | ready.to(deleted, cond="last_charged_failure", on="_give_up_exhausted")
-        | starting.to(recovering, on="_count_failure")
-        | ready.to(recovering, on="_count_failure")
-        | recovering.to.itself(internal=True, on="_another_failure")
-        | backing_off.to.itself(internal=True)
+        alive.running.to(deleted, cond="non_retryable", on="_give_up_non_retryable")
+        | alive.recovering.to(deleted, cond="non_retryable", on="_give_up_non_retryable")
+        | alive.running.to(deleted, cond="last_charged_failure", on="_give_up_exhausted")
+        | alive.running.to(alive.recovering, on="_count_failure")
+        | alive.recovering.to.itself(internal=True, on="_another_failure")
+        | alive.backing_off.to.itself(internal=True)
     )
     rank_failed_while_stopping = (
-        recovering.to.itself(internal=True, on="_another_failure")
-        | backing_off.to.itself(internal=True, on="_another_failure")
-        | starting.to.itself(internal=True)
-        | ready.to.itself(internal=True)
+        alive.recovering.to.itself(internal=True, on="_another_failure")
+        | alive.backing_off.to.itself(internal=True, on="_another_failure")
+        | alive.running.to(None)
     )
     rank_stopped = (
-        starting.to(deleted, cond="last_allowed_failure", on="_stopped_and_exhausted")
-        | ready.to(deleted, cond="last_allowed_failure", on="_stopped_and_exhausted")
-        | starting.to(recovering, on="_stopped_unexpectedly")
-        | ready.to(recovering, on="_stopped_unexpectedly")
-        | recovering.to.itself(internal=True, on="_rank_gone")
-        | backing_off.to.itself(internal=True, on="_rank_gone")
+        alive.running.to(deleted, cond="last_allowed_failure", on="_stopped_and_exhausted")
+        | alive.running.to(alive.recovering, on="_stopped_unexpectedly")
+        | alive.recovering.to.itself(internal=True, on="_rank_gone")
+        | alive.backing_off.to.itself(internal=True, on="_rank_gone")
     )
-    recovering.to(backing_off, cond="nothing_alive", on="_arm_timer")
-    resume = starting.to.itself(on="_begin_generation") | ready.to(starting, on="_begin_generation")
-    tick = (
-        pending.to.itself(internal=True)
-        | starting.to.itself(internal=True)
-        | ready.to.itself(internal=True)
-        | recovering.to.itself(internal=True)
-        | backing_off.to.itself(internal=True)
+    alive.recovering.to(alive.backing_off, cond="nothing_alive", on="_arm_timer")
+    resume = alive.running.starting.to.itself(on="_begin_generation") | alive.running.ready.to(
+        alive.running.starting, on="_begin_generation"
     )
-    give_up = (
-        pending.to(deleted, cond="budget_spent", on="_give_up_exhausted")
-        | starting.to(deleted, cond="budget_spent", on="_give_up_exhausted")
-        | backing_off.to(deleted, cond="budget_spent", on="_give_up_exhausted")
+    tick = alive.to(None)
+    give_up = (  # the planner sends it only where it would start runners; refused elsewhere
+        alive.pending.to(deleted, cond="budget_spent", on="_give_up_exhausted")
+        | alive.running.starting.to(deleted, cond="budget_spent", on="_give_up_exhausted")
+        | alive.backing_off.to(deleted, cond="budget_spent", on="_give_up_exhausted")
     )
-    delete = (
-        pending.to(deleted, on="_deleted_by_user")
-        | starting.to(deleted, on="_deleted_by_user")
-        | ready.to(deleted, on="_deleted_by_user")
-        | recovering.to(deleted, on="_deleted_by_user")
-        | backing_off.to(deleted, on="_deleted_by_user")
-    )
+    delete = alive.to(deleted, on="_deleted_by_user")
 
     def __init__(
         self,

@@ -2,11 +2,16 @@
 
 Theory of operation
 -------------------
-Six top-level states, with sub-phases as compound states::
+Six states of the design card (``RunnerState``), with sub-phases as compound
+states; the four a process passes through while it works are grouped as
+Running, so that ``fail``, ``stop`` and ``exited`` are declared once for them::
 
-    Idle → Connecting(joining → joined) → Loading(weights → loaded → warming_up)
-         → Ready(available ⇄ busy) → Shutdown(stopping → stopped)
-    any non-final state → Failed → Shutdown.stopped
+    Running(Idle → Connecting(joining → joined) → Loading(weights → loaded → warming_up)
+            → Ready(available ⇄ busy)) → Shutdown(stopping → stopped)
+    Running or Shutdown.stopping → Failed → Shutdown.stopped
+
+Running is a grouping, not a state of the card: ``runner_state`` and
+``phase`` are read from the leaf, which is also what snapshots keep.
 
 * ``connect`` is legal only from Idle and only for world_size > 1; a single
   rank goes Idle → Loading directly (``load`` is guarded both ways).
@@ -43,7 +48,7 @@ from fsm.failure import Failure
 
 
 class RunnerState(enum.Enum):
-    """The six top-level states of the design card."""
+    """The six states of the design card (the machine groups the first four under `running`)."""
 
     IDLE = "idle"
     CONNECTING = "connecting"
@@ -209,20 +214,21 @@ class RunnerLifecycle(Lifecycle):
     machine_name = "runner"
     snapshot_type = RunnerSnapshot
 
-    idle = State(initial=True)
+    class running(State.Compound):
+        idle = State(initial=True)
 
-    class connecting(State.Compound):
-        joining = State(initial=True)
-        joined = State()
+        class connecting(State.Compound):
+            joining = State(initial=True)
+            joined = State()
 
-    class loading(State.Compound):
-        weights = State(initial=True)
-        loaded = State()
-        warming_up = State()
+        class loading(State.Compound):
+            weights = State(initial=True)
+            loaded = State()
+            warming_up = State()
 
-    class ready(State.Compound):
-        available = State(initial=True)
-        busy = State()
+        class ready(State.Compound):
+            available = State(initial=True)
+            busy = State()
 
     failed = State()
 
@@ -230,41 +236,28 @@ class RunnerLifecycle(Lifecycle):
         stopping = State(initial=True)
         stopped = State(final=True)
 
-    connect = idle.to(connecting, cond="multi_rank")
-    connected = connecting.joining.to(connecting.joined)
-    load = idle.to(loading, cond="single_rank") | connecting.joined.to(loading)
-    progress = loading.weights.to.itself(internal=True, on="_record_progress")
-    weights_loaded = loading.weights.to(loading.loaded, on="_record_all_layers")
-    warm_up = loading.loaded.to(loading.warming_up)
-    warmed = loading.warming_up.to(ready)
-    request_started = ready.available.to(ready.busy, on="_request_in") | ready.busy.to.itself(
+    # python-statemachine tries the active leaf's transitions before its ancestors'; no state inside
+    # `running` declares fail, stop or exited, so `running`'s transitions are the ones taken.
+    connect = running.idle.to(running.connecting, cond="multi_rank")
+    connected = running.connecting.joining.to(running.connecting.joined)
+    load = running.idle.to(running.loading, cond="single_rank") | running.connecting.joined.to(running.loading)
+    progress = running.loading.weights.to.itself(internal=True, on="_record_progress")
+    weights_loaded = running.loading.weights.to(running.loading.loaded, on="_record_all_layers")
+    warm_up = running.loading.loaded.to(running.loading.warming_up)
+    warmed = running.loading.warming_up.to(running.ready)
+    request_started = running.ready.available.to(running.ready.busy, on="_request_in") | running.ready.busy.to.itself(
         internal=True, on="_request_in"
     )
-    request_finished = ready.busy.to(ready.available, cond="last_request", on="_request_out") | ready.busy.to.itself(
-        internal=True, unless="last_request", on="_request_out"
-    )
-    fail = (
-        idle.to(failed, cond="has_cause")
-        | connecting.to(failed, cond="has_cause")
-        | loading.to(failed, cond="has_cause")
-        | ready.to(failed, cond="has_cause")
-        | shutdown.stopping.to(failed, cond="has_cause")
-    )
-    stop = (
-        idle.to(shutdown)
-        | connecting.to(shutdown)
-        | loading.to(shutdown)
-        | ready.to(shutdown)
-        | failed.to.itself(internal=True, on="_record_stop_request")
-    )
+    request_finished = running.ready.busy.to(
+        running.ready.available, cond="last_request", on="_request_out"
+    ) | running.ready.busy.to.itself(internal=True, unless="last_request", on="_request_out")
+    fail = running.to(failed, cond="has_cause") | shutdown.stopping.to(failed, cond="has_cause")
+    stop = running.to(shutdown) | failed.to.itself(internal=True, on="_record_stop_request")
     exited = (
         shutdown.stopping.to(shutdown.stopped, cond="stop_reached_it")
         | shutdown.stopping.to(failed, on="_exit_while_running")
         | failed.to(shutdown.stopped)
-        | idle.to(failed, on="_exit_while_running")
-        | connecting.to(failed, on="_exit_while_running")
-        | loading.to(failed, on="_exit_while_running")
-        | ready.to(failed, on="_exit_while_running")
+        | running.to(failed, on="_exit_while_running")
     )
 
     def __init__(
@@ -388,11 +381,13 @@ class RunnerLifecycle(Lifecycle):
 
     @property
     def runner_state(self) -> RunnerState:
-        return RunnerState(self.top.id)
+        """The state of the design card: the leaf's parent for a sub-phase (`running` only groups them)."""
+        phase = _PHASES.get(self.leaf)
+        return RunnerState(self.leaf) if phase is None else phase_parent(phase)
 
     @property
     def phase(self) -> RunnerPhase | None:
-        return None if self.leaf == self.top.id else RunnerPhase(self.leaf)
+        return _PHASES.get(self.leaf)
 
     @property
     def alive(self) -> bool:
@@ -483,10 +478,11 @@ class RunnerLifecycle(Lifecycle):
         return None
 
 
+_PHASES = {phase.value: phase for phase in RunnerPhase}
 _SHUTDOWN_LEAVES = frozenset({RunnerPhase.STOPPING.value, RunnerPhase.STOPPED.value})
 _BUSY, _FAILED = RunnerPhase.BUSY.value, RunnerState.FAILED.value
 
 
 def phase_parent(phase: RunnerPhase) -> RunnerState:
-    """The top-level state a sub-phase belongs to."""
+    """The state of the design card a sub-phase belongs to."""
     return _PARENT[phase]

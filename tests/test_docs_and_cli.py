@@ -24,7 +24,7 @@ def test_readme_example_runs_and_prints_what_it_claims():
     with contextlib.redirect_stdout(out):
         exec(compile(code, "README.md", "exec"), {})
     lines = out.getvalue().splitlines()
-    assert lines[0] == "connecting.joined"
+    assert lines[0] == "running.connecting.joined"
     assert lines[1] == "[('joined', 'failed'), ('failed', 'stopped')]"
     assert lines[2] == "runner exited unexpectedly with code 0"
     assert lines[3] == "InstanceState.BACKING_OFF 3.5"

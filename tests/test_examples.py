@@ -26,12 +26,12 @@ def test_drive_runner_goes_through_the_lifecycle_and_fails_while_busy():
     steps = [line.split()[0] for line in lines[1:] if line.strip() and not line.startswith(("final", "failure"))]
     assert steps[:3] == ["connect", "connected", "load"]
     assert steps.count("progress") == 4
-    assert re.search(r"^connect\s+idle → joining\s+connecting\.joining$", out, re.M)
-    assert re.search(r"^load\s+joined → weights\s+loading\.weights$", out, re.M)
+    assert re.search(r"^connect\s+idle → joining\s+running\.connecting\.joining$", out, re.M)
+    assert re.search(r"^load\s+joined → weights\s+running\.loading\.weights$", out, re.M)
     assert "layers 4/4" in out
     assert re.search(r"^warm_up\s+loaded → warming_up", out, re.M)
-    assert re.search(r"^warmed\s+warming_up → available\s+ready\.available$", out, re.M)
-    assert re.search(r"^request_started\s+available → busy\s+ready\.busy\s+in flight 1$", out, re.M)
+    assert re.search(r"^warmed\s+warming_up → available\s+running\.ready\.available$", out, re.M)
+    assert re.search(r"^request_started\s+available → busy\s+running\.ready\.busy\s+in flight 1$", out, re.M)
     assert re.search(r"^exited\s+busy → failed, failed → stopped\s+shutdown\.stopped$", out, re.M)
     assert re.search(r"^warmed\s+ignored: stale incarnation 0 < 1", out, re.M)
     assert "final: shutdown.stopped, alive=False" in out

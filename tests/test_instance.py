@@ -559,10 +559,10 @@ def test_a_refusal_by_the_state_carries_no_hint():
     i = started(world_size=1)
     with pytest.raises(fsm.IllegalTransition) as info:
         i.apply(Start("inst", 1.0, 2))
-    assert str(info.value) == "instance: event 'start' is not allowed in state 'starting'"
+    assert str(info.value) == "instance: event 'start' is not allowed in state 'alive.running.starting'"
     with pytest.raises(fsm.IllegalTransition) as info:
         InstanceRetry("inst").apply(fsm.instance.Resume("inst", 1.0))
-    assert str(info.value) == "instance: event 'resume' is not allowed in state 'pending'"
+    assert str(info.value) == "instance: event 'resume' is not allowed in state 'alive.pending'"
 
 
 def test_deleting_cancels_the_timer_and_the_ready_streak():
@@ -613,6 +613,34 @@ def test_resume_reports_the_fresh_start_of_starting():
     i = started(world_size=1)
     assert i.apply(fsm.instance.Resume("inst", 1.0)).steps == (fsm.Step("resume", "starting", "starting"),)
     assert (i.generation, i.live_ranks, i.ready_ranks) == (2, set(), set())
+
+
+def test_a_snapshot_two_compounds_deep_round_trips_and_goes_on_the_same():
+    """Ready lies in alive.running: a snapshot keeps only the leaf, and restoring (or reloading) it rebuilds the
+    whole configuration, so the compounds' transitions (tick and delete on `alive`, rank_failed on `running`) are
+    taken from the copy as from the original, with the same leaf-to-leaf steps."""
+    i = started(world_size=1)
+    make_ready(i, 1.0)
+    assert (i.leaf, i.path) == ("ready", "alive.running.ready")
+    data = i.to_dict()
+    assert data["leaf"] == "ready"
+    restored = InstanceRetry.from_dict(data)
+    reloaded = InstanceRetry("inst", world_size=1)
+    reloaded.reload(restored.snapshot())
+    for copy in (restored, reloaded):
+        assert (copy.path, copy.to_dict()) == (i.path, data)
+    steps = []
+    for event in (Tick("inst", 2.0), RankFailed("inst", 3.0, 1, 0, failure=CRASH), Delete("inst", 4.0)):
+        expected = i.apply(event)
+        for copy in (restored, reloaded):
+            assert copy.apply(event) == expected
+            assert copy.to_dict() == i.to_dict()
+        steps.append(expected.steps)
+    assert steps == [
+        (),
+        (fsm.Step("rank_failed", "ready", "recovering"),),
+        (fsm.Step("delete", "recovering", "deleted"),),
+    ]
 
 
 def test_a_rank_created_late_while_recovering_must_be_reaped_before_backing_off():

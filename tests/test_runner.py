@@ -86,16 +86,16 @@ EVENTS = [
 
 # How to reach each leaf: (world_size, events from a fresh machine, expected dotted path).
 ROUTES: dict[str, tuple[int, list[str], str]] = {
-    "idle/single": (1, [], "idle"),
-    "idle/multi": (2, [], "idle"),
-    "joining": (2, ["connect"], "connecting.joining"),
-    "joined": (2, ["connect", "connected"], "connecting.joined"),
-    "weights/single": (1, ["load"], "loading.weights"),
-    "weights/multi": (2, ["connect", "connected", "load"], "loading.weights"),
-    "loaded": (1, ["load", "progress", "weights_loaded"], "loading.loaded"),
-    "warming_up": (1, ["load", "weights_loaded", "warm_up"], "loading.warming_up"),
-    "available": (1, ["load", "weights_loaded", "warm_up", "warmed"], "ready.available"),
-    "busy": (1, ["load", "weights_loaded", "warm_up", "warmed", "request_started"], "ready.busy"),
+    "idle/single": (1, [], "running.idle"),
+    "idle/multi": (2, [], "running.idle"),
+    "joining": (2, ["connect"], "running.connecting.joining"),
+    "joined": (2, ["connect", "connected"], "running.connecting.joined"),
+    "weights/single": (1, ["load"], "running.loading.weights"),
+    "weights/multi": (2, ["connect", "connected", "load"], "running.loading.weights"),
+    "loaded": (1, ["load", "progress", "weights_loaded"], "running.loading.loaded"),
+    "warming_up": (1, ["load", "weights_loaded", "warm_up"], "running.loading.warming_up"),
+    "available": (1, ["load", "weights_loaded", "warm_up", "warmed"], "running.ready.available"),
+    "busy": (1, ["load", "weights_loaded", "warm_up", "warmed", "request_started"], "running.ready.busy"),
     "failed": (2, ["connect", "fail"], "failed"),
     "stopping": (2, ["connect", "stop"], "shutdown.stopping"),
     "stopped": (2, ["connect", "stop", "exited"], "shutdown.stopped"),
@@ -105,16 +105,16 @@ ROUTES: dict[str, tuple[int, list[str], str]] = {
 F, STOPPING, STOPPED = "failed", "shutdown.stopping", "shutdown.stopped"
 _RUNNING = {"fail": F, "stop": STOPPING, "exited": STOPPED}
 ALLOWED: dict[str, dict[str, str]] = {
-    "idle/single": {"load": "loading.weights", **_RUNNING},
-    "idle/multi": {"connect": "connecting.joining", **_RUNNING},
-    "joining": {"connected": "connecting.joined", **_RUNNING},
-    "joined": {"load": "loading.weights", **_RUNNING},
-    "weights/single": {"progress": "loading.weights", "weights_loaded": "loading.loaded", **_RUNNING},
-    "weights/multi": {"progress": "loading.weights", "weights_loaded": "loading.loaded", **_RUNNING},
-    "loaded": {"warm_up": "loading.warming_up", **_RUNNING},
-    "warming_up": {"warmed": "ready.available", **_RUNNING},
-    "available": {"request_started": "ready.busy", **_RUNNING},
-    "busy": {"request_started": "ready.busy", "request_finished": "ready.available", **_RUNNING},
+    "idle/single": {"load": "running.loading.weights", **_RUNNING},
+    "idle/multi": {"connect": "running.connecting.joining", **_RUNNING},
+    "joining": {"connected": "running.connecting.joined", **_RUNNING},
+    "joined": {"load": "running.loading.weights", **_RUNNING},
+    "weights/single": {"progress": "running.loading.weights", "weights_loaded": "running.loading.loaded", **_RUNNING},
+    "weights/multi": {"progress": "running.loading.weights", "weights_loaded": "running.loading.loaded", **_RUNNING},
+    "loaded": {"warm_up": "running.loading.warming_up", **_RUNNING},
+    "warming_up": {"warmed": "running.ready.available", **_RUNNING},
+    "available": {"request_started": "running.ready.busy", **_RUNNING},
+    "busy": {"request_started": "running.ready.busy", "request_finished": "running.ready.available", **_RUNNING},
     "failed": {"stop": F, "exited": STOPPED},
     "stopping": {"fail": F, "exited": STOPPED},
     "stopped": {},
@@ -174,7 +174,7 @@ def test_transition_table(route: str, event: str) -> None:
 
 def test_fresh_machine_is_idle() -> None:
     machine = RunnerLifecycle(RID, rank=1, world_size=4, incarnation=7)
-    assert machine.path == "idle"
+    assert machine.path == "running.idle"
     assert machine.leaf == "idle"
     assert machine.runner_state is RunnerState.IDLE
     assert machine.phase is None
@@ -238,7 +238,7 @@ def test_connected_then_load_from_joined() -> None:
     assert machine.apply(make("connected")).steps == (Step("connected", "joining", "joined"),)
     assert machine.phase is RunnerPhase.JOINED
     assert machine.apply(make("load")).steps == (Step("load", "joined", "weights"),)
-    assert machine.path == "loading.weights"
+    assert machine.path == "running.loading.weights"
 
 
 def test_load_from_joining_is_refused() -> None:
@@ -270,7 +270,7 @@ def test_progress_records_layers_and_stays_in_weights() -> None:
     assert (machine.layers_loaded, machine.layers_total) == (3, 40)
     machine.apply(make("progress", layers_loaded=40, layers_total=40))
     assert (machine.layers_loaded, machine.layers_total) == (40, 40)
-    assert machine.path == "loading.weights"
+    assert machine.path == "running.loading.weights"
 
 
 def test_progress_zero_of_n_is_valid() -> None:
@@ -317,13 +317,13 @@ def test_warm_up_and_warmed_reach_ready_available() -> None:
 def test_requests_count_in_flight() -> None:
     machine = drive("available")
     assert machine.apply(make("request_started")).steps == (Step("request_started", "available", "busy"),)
-    assert (machine.path, machine.in_flight) == ("ready.busy", 1)
+    assert (machine.path, machine.in_flight) == ("running.ready.busy", 1)
     assert machine.apply(make("request_started")).steps == ()
-    assert (machine.path, machine.in_flight) == ("ready.busy", 2)
+    assert (machine.path, machine.in_flight) == ("running.ready.busy", 2)
     assert machine.apply(make("request_finished")).steps == ()
-    assert (machine.path, machine.in_flight) == ("ready.busy", 1)
+    assert (machine.path, machine.in_flight) == ("running.ready.busy", 1)
     assert machine.apply(make("request_finished")).steps == (Step("request_finished", "busy", "available"),)
-    assert (machine.path, machine.in_flight) == ("ready.available", 0)
+    assert (machine.path, machine.in_flight) == ("running.ready.available", 0)
 
 
 def test_request_finished_when_available_is_refused() -> None:
@@ -338,9 +338,9 @@ def test_many_requests_return_to_available_only_after_the_last() -> None:
         machine.apply(make("request_started"))
     for remaining in (4, 3, 2, 1):
         machine.apply(make("request_finished"))
-        assert (machine.path, machine.in_flight) == ("ready.busy", remaining)
+        assert (machine.path, machine.in_flight) == ("running.ready.busy", remaining)
     machine.apply(make("request_finished"))
-    assert (machine.path, machine.in_flight) == ("ready.available", 0)
+    assert (machine.path, machine.in_flight) == ("running.ready.available", 0)
 
 
 # -- fail -------------------------------------------------------------------------------------------------
@@ -550,7 +550,7 @@ def test_non_event_raises_invalid_event() -> None:
     machine = new()
     with pytest.raises(InvalidEvent):
         machine.apply("load")  # type: ignore[arg-type]
-    assert machine.path == "idle"
+    assert machine.path == "running.idle"
 
 
 @pytest.mark.parametrize("incarnation", [-1, True, 1.0, "0", None])
@@ -635,9 +635,9 @@ def test_round_trip_busy_keeps_in_flight_count() -> None:
     restored = RunnerLifecycle.from_dict(machine.to_dict())
     assert restored.in_flight == 2
     restored.apply(make("request_finished"))
-    assert restored.path == "ready.busy"
+    assert restored.path == "running.ready.busy"
     restored.apply(make("request_finished"))
-    assert restored.path == "ready.available"
+    assert restored.path == "running.ready.available"
 
 
 def test_round_trip_failed_keeps_failure_and_refuses_revival() -> None:

@@ -205,7 +205,7 @@ def _defaults(name: str) -> str:
             + "\n"
         )
     # runner: no policy, only its states and sub-phases
-    rows = ["| top-level state | sub-phases |", "| --- | --- |"]
+    rows = ["| state | sub-phases |", "| --- | --- |"]
     for state in fsm.RunnerState:
         phases = [f"`{p.value}`" for p in fsm.RunnerPhase if phase_parent(p) is state]
         rows.append(f"| `{state.value}` | {', '.join(phases) if phases else '—'} |")
