@@ -22,10 +22,29 @@ What the walk keeps and leaves out:
   ``!name``, joined by ``", "``; convention callbacks (``on_<event>``,
   ``on_transition``) are not actions, only the ``on=`` callbacks are;
 * a transition that answers several events gives one row per event; a
-  targetless transition is shown as an internal self-transition.
+  targetless transition (a compound's ``to(None)``) is shown as an internal
+  self-transition.
 
 Labels read ``event [guard] / action``, with the leading underscore of an
 action's method name stripped (``_record_progress`` → ``record_progress``).
+
+What the drawings leave to the table, so that a person can take them in:
+
+* self-transitions (source == target, internal or not) are not drawn: they
+  change no state, and the table lists them;
+* the rows from one state to another (in one scope) are one edge, its label
+  the rows' labels stacked in table order. In DOT every row starts a line,
+  left-justified, and its ``/ action`` follows indented on the next, which
+  keeps the wide fans of edges (into Deleted, into Failed) narrow; in Mermaid
+  the rows are joined with ``<br/>``.
+
+Ids in the SVG: each DOT node carries ``id="state_<state id>"`` and each
+compound's cluster ``id="cluster_<state id>"``; Graphviz writes them as the id
+of the node's or the cluster's ``<g>`` (``<g id="state_ready" class="node">``,
+``<g id="cluster_running" class="cluster">``), so a page can find a state in
+the SVG and highlight it. The ids repeat across machines (both the runner and
+the instance have ``ready``): a page that shows two diagrams looks a state up
+within one ``<svg>``, not in the whole document.
 """
 
 from __future__ import annotations
@@ -61,16 +80,19 @@ class Transition:
     internal: bool
 
     @property
+    def trigger(self) -> str:
+        """``event [guard]``, each part only when present."""
+        return " ".join(part for part in (self.event, f"[{self.guard}]" if self.guard else "") if part)
+
+    @property
+    def effect(self) -> str:
+        """``/ action``, or ``""`` when there is none."""
+        return "/ " + ", ".join(name.removeprefix("_") for name in self.action.split(", ")) if self.action else ""
+
+    @property
     def label(self) -> str:
         """``event [guard] / action``, each part only when present."""
-        parts = []
-        if self.event:
-            parts.append(self.event)
-        if self.guard:
-            parts.append(f"[{self.guard}]")
-        if self.action:
-            parts.append("/ " + ", ".join(name.removeprefix("_") for name in self.action.split(", ")))
-        return " ".join(parts)
+        return " ".join(part for part in (self.trigger, self.effect) if part)
 
 
 # -- walking the class ----------------------------------------------------------------
@@ -131,7 +153,8 @@ def markdown_table(machine: type[StateMachine] | StateMachine) -> str:
     """The event table as GitHub Markdown: source | event | guard | target | action.
 
     Eventless rows show *(eventless)*; an internal transition's action is marked
-    *(internal)* so the table says what the diagram's self-loops mean.
+    *(internal)*. The table is the complete reference: the drawings leave out
+    self-transitions and merge the rows between two states into one edge.
     """
 
     def cell(text: str) -> str:
@@ -187,11 +210,29 @@ def _scope(cls: type[StateMachine], row: Transition) -> str | None:
     return None
 
 
-def _rows_by_scope(cls: type[StateMachine]) -> dict[str | None, list[Transition]]:
-    scopes: dict[str | None, list[Transition]] = {}
+@attrs.frozen
+class _Edge:
+    """What is drawn from one state to another: every row between them, in table order."""
+
+    source: str
+    target: str
+    rows: tuple[Transition, ...]
+
+
+def _edges_by_scope(cls: type[StateMachine]) -> dict[str | None, list[_Edge]]:
+    """The drawn edges of each scope: self-transitions left out, parallel rows merged into one edge.
+
+    Edges come in the order of their first row in the table, so a drawing is as deterministic as the table.
+    """
+    grouped: dict[str | None, dict[tuple[str, str], list[Transition]]] = {}
     for row in transition_table(cls):
-        scopes.setdefault(_scope(cls, row), []).append(row)
-    return scopes
+        if row.source == row.target:  # changes no state; the table lists it
+            continue
+        grouped.setdefault(_scope(cls, row), {}).setdefault((row.source, row.target), []).append(row)
+    return {
+        scope: [_Edge(source, target, tuple(rows)) for (source, target), rows in edges.items()]
+        for scope, edges in grouped.items()
+    }
 
 
 # -- Mermaid -------------------------------------------------------------------------
@@ -210,13 +251,13 @@ def mermaid(machine: type[StateMachine] | StateMachine, *, highlight: str | None
     """
     cls = _machine_class(machine)
     current = _highlighted(machine, highlight)
-    scopes = _rows_by_scope(cls)
+    scopes = _edges_by_scope(cls)
     lines = ["stateDiagram-v2"]
 
     def edges(scope: str | None, pad: str) -> Iterator[str]:
-        for row in scopes.get(scope, []):
-            label = row.label
-            yield f"{pad}{row.source} --> {row.target}" + (f" : {_mermaid_text(label)}" if label else "")
+        for edge in scopes.get(scope, []):
+            label = "<br/>".join(_mermaid_text(row.label) for row in edge.rows if row.label)
+            yield f"{pad}{edge.source} --> {edge.target}" + (f" : {label}" if label else "")
 
     def block(states: list[State], depth: int) -> None:
         pad = "    " * depth
@@ -247,9 +288,24 @@ def mermaid(machine: type[StateMachine] | StateMachine, *, highlight: str | None
 # -- Graphviz DOT ----------------------------------------------------------------------
 
 
+def _escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def _q(text: str) -> str:
     """A DOT double-quoted string."""
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    return '"' + _escape(text) + '"'
+
+
+def _edge_label(rows: Iterable[Transition]) -> str:
+    """The stacked label of an edge as a DOT string: a left-justified line (``\\l``) per row, its action below."""
+    lines = []
+    for row in rows:
+        if row.trigger:
+            lines.append(row.trigger)
+        if row.effect:
+            lines.append(f"    {row.effect}" if row.trigger else row.effect)
+    return '"' + "".join(_escape(line) + "\\l" for line in lines) + '"'
 
 
 def _initial_node(scope: str | None) -> str:
@@ -263,21 +319,25 @@ def dot(machine: type[StateMachine] | StateMachine, *, highlight: str | None = N
     pseudo-state is a point node; final states are double circles; the
     highlighted leaf is filled. An edge to (from) a compound state is drawn to
     (from) its initial point node, clipped at the cluster border with
-    ``lhead`` (``ltail``).
+    ``lhead`` (``ltail``). Self-transitions are left out and parallel rows
+    share an edge; nodes and clusters carry the SVG ids of the module
+    docstring (``state_<id>``, ``cluster_<id>``).
     """
     cls = _machine_class(machine)
     current = _highlighted(machine, highlight)
-    scopes = _rows_by_scope(cls)
+    scopes = _edges_by_scope(cls)
     lines = [
         f"digraph {_q(cls.__name__)} {{",
         "    compound=true;",
         "    rankdir=TB;",
+        "    nodesep=0.2;",  # Graphviz's 0.25 in; the fans of labelled edges into Deleted and Failed set the width
+        '    graph [fontname="Helvetica", fontsize=12];',
         '    node [shape=box, style=rounded, fontname="Helvetica", fontsize=11];',
         '    edge [fontname="Helvetica", fontsize=9];',
     ]
 
     def node(state: State, pad: str) -> str:
-        attrs_: list[str] = [f"label={_q(state.name)}"]
+        attrs_: list[str] = [f"id={_q('state_' + state.id)}", f"label={_q(state.name)}"]
         if state.final:
             attrs_.append("shape=doublecircle")
         if state.id in current:
@@ -293,16 +353,14 @@ def dot(machine: type[StateMachine] | StateMachine, *, highlight: str | None = N
         return state_id, None
 
     def edges(scope: str | None, pad: str) -> Iterator[str]:
-        for row in scopes.get(scope, []):
-            tail, ltail = endpoint(row.source)
-            head, lhead = endpoint(row.target)
-            attrs_ = [f"label={_q(row.label)}"] if row.label else []
-            if ltail and tail != head:
+        for edge in scopes.get(scope, []):
+            tail, ltail = endpoint(edge.source)
+            head, lhead = endpoint(edge.target)
+            attrs_ = [f"label={_edge_label(edge.rows)}"] if any(row.label for row in edge.rows) else []
+            if ltail:
                 attrs_.append(f"ltail={_q(ltail)}")
-            if lhead and tail != head:
+            if lhead:
                 attrs_.append(f"lhead={_q(lhead)}")
-            if row.internal:
-                attrs_.append("style=dashed")
             suffix = f" [{', '.join(attrs_)}]" if attrs_ else ""
             yield f"{pad}{_q(tail)} -> {_q(head)}{suffix};"
 
@@ -318,6 +376,7 @@ def dot(machine: type[StateMachine] | StateMachine, *, highlight: str | None = N
         for state in states:
             if state.states:
                 lines.append(f"{pad}subgraph {_q('cluster_' + state.id)} {{")
+                lines.append(f"{pad}    id={_q('cluster_' + state.id)};")
                 lines.append(f"{pad}    label={_q(state.name)};")
                 lines.append(f"{pad}    style=rounded;")
                 block(list(state.states), state.id, depth + 1)

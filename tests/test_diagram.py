@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 
@@ -192,8 +193,9 @@ def test_runner_mermaid_structure() -> None:
     assert "stopped --> [*]" in lines
     assert "idle --> connecting : connect [multi_rank]" in lines
     assert "idle --> loading : load [single_rank]" in lines
-    assert "weights --> weights : progress / record_progress" in lines
-    assert "busy --> busy : request_finished [!last_request] / request_out" in lines
+    assert "running --> shutdown : stop" in lines
+    assert "running --> failed : exited / exit_while_running<br/>fail [has_cause]" in lines
+    assert not [line for line in lines if line.startswith(("weights --> weights", "busy --> busy"))]  # self-loops
     assert "classDef" not in text  # a class highlights nothing
     # edges inside one compound are drawn in its block: "connected" comes before the block closes
     assert lines.index("joining --> joined : connected") < lines.index('state "Loading" as loading {')
@@ -207,11 +209,12 @@ def test_instance_mermaid_eventless_and_final() -> None:
     assert 'state "Backing off" as backing_off' in lines
     assert 'state "Generation running" as running {' in lines
     assert "alive --> deleted : delete / deleted_by_user" in lines
-    assert "alive --> alive : tick" in lines  # internal self-transitions are included
+    assert not [line for line in lines if " : tick" in line]  # self-transitions are left to the table
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_mermaid_has_one_edge_per_table_row(name: str) -> None:
+def test_mermaid_has_one_edge_per_pair_of_states(name: str) -> None:
+    """Every row that changes state is drawn, once, on the one edge between its two states; self-transitions not."""
     cls = fsm.MACHINES[name]
     edges = [
         line.strip()
@@ -219,8 +222,12 @@ def test_mermaid_has_one_edge_per_table_row(name: str) -> None:
         if " --> " in line and "[*]" not in line.split(" : ")[0]
     ]
     table = diagram.transition_table(cls)
-    expected = [f"{r.source} --> {r.target}" + (f" : {r.label}" if r.label else "") for r in table]
-    assert sorted(edges) == sorted(expected)
+    expected: dict[tuple[str, str], list[str]] = {}
+    for r in table:
+        if r.source != r.target:
+            expected.setdefault((r.source, r.target), []).extend([r.label] if r.label else [])
+    lines = [f"{s} --> {t}" + (f" : {'<br/>'.join(labels)}" if labels else "") for (s, t), labels in expected.items()]
+    assert sorted(edges) == sorted(lines)
 
 
 # -- highlight --------------------------------------------------------------------------------
@@ -235,7 +242,7 @@ def test_highlight_follows_an_instance_state() -> None:
     assert "classDef current" in text
     assert "    class weights current" in text.splitlines()
     assert text.count(" current") == 2  # the classDef and one class line
-    assert '"weights" [label="Weights", style="rounded,filled"' in diagram.dot(machine)
+    assert '"weights" [id="state_weights", label="Weights", style="rounded,filled"' in diagram.dot(machine)
 
 
 def test_explicit_highlight_overrides_the_instance() -> None:
@@ -269,11 +276,17 @@ def test_runner_dot_structure() -> None:
     assert text.startswith('digraph "RunnerLifecycle" {')
     for compound in ("running", "connecting", "loading", "ready", "shutdown"):
         assert f'subgraph "cluster_{compound}" {{' in text
+        assert f'id="cluster_{compound}";' in text
         assert f'"__initial__{compound}" [shape=point' in text
     assert '"__initial__" -> "__initial__running" [lhead="cluster_running"];' in text
     assert '"__initial__running" -> "idle";' in text
-    assert '"stopped" [label="Stopped", shape=doublecircle];' in text
-    assert '"idle" -> "__initial__connecting" [label="connect [multi_rank]", lhead="cluster_connecting"];' in text
+    assert '"stopped" [id="state_stopped", label="Stopped", shape=doublecircle];' in text
+    assert '"idle" -> "__initial__connecting" [label="connect [multi_rank]\\l", lhead="cluster_connecting"];' in text
+    # one edge from Running to Failed; each row starts a left-justified line, its action indented below
+    assert (
+        '"__initial__running" -> "failed" [label="exited\\l    / exit_while_running\\lfail [has_cause]\\l", '
+        'ltail="cluster_running"];' in text
+    )
 
 
 @pytest.mark.skipif(
@@ -287,3 +300,74 @@ def test_graphviz_accepts_dot(name: str) -> None:
         assert result.returncode == 0, result.stderr
         assert "<svg" in result.stdout
         assert "Warning" not in result.stderr and "Error" not in result.stderr, result.stderr
+
+
+# -- what a person can take in --------------------------------------------------------------------
+
+# Rendered with `dot -Tsvg`, each drawing must fit about one screen: at most 1000 x 1200 pt (14 x 17 in) keeps
+# the 9 pt labels legible at a zoom where the whole machine is in view, scrolled at most once. Measured with
+# Graphviz 2.43: runner 592 x 1061 pt, instance 920 x 629 pt, download 284 x 276 pt (before the compounds and
+# the merged edges: 1292 x 974 and 3067 x 545). The edge bound counts the initial arrows too; measured 20, 15, 6
+# (before: 34, 45, 8). A machine that outgrows a bound needs a new look at its drawing, not a larger bound.
+MAX_WIDTH_PT, MAX_HEIGHT_PT = 1000, 1200
+MAX_EDGES = {"runner": 22, "instance": 16, "download": 8}
+needs_dot = pytest.mark.skipif(
+    shutil.which("dot") is None, reason="Graphviz `dot` binary not installed (CI installs it with apt: graphviz)"
+)
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def _svg(text: str) -> ElementTree.Element:
+    result = subprocess.run(["dot", "-Tsvg"], input=text, capture_output=True, text=True, timeout=60, check=True)
+    return ElementTree.fromstring(result.stdout)
+
+
+def _groups(svg: ElementTree.Element, kind: str) -> dict[str, ElementTree.Element]:
+    """The ``<g class=kind>`` elements of the SVG, by their ``<title>`` (``tail->head`` for an edge)."""
+    return {g.findtext(f"{SVG}title"): g for g in svg.iter(f"{SVG}g") if g.get("class") == kind}
+
+
+@needs_dot
+@pytest.mark.parametrize("name", NAMES)
+def test_drawing_is_small_enough_to_take_in(name: str) -> None:
+    svg = _svg(diagram.dot(fsm.MACHINES[name]))
+    width, height = (float(svg.get(side).removesuffix("pt")) for side in ("width", "height"))
+    assert width <= MAX_WIDTH_PT and height <= MAX_HEIGHT_PT, (width, height)
+    assert len(_groups(svg, "edge")) <= MAX_EDGES[name]
+
+
+@needs_dot
+@pytest.mark.parametrize("name", NAMES)
+def test_no_self_loop_is_drawn(name: str) -> None:
+    edges = _groups(_svg(diagram.dot(fsm.MACHINES[name])), "edge")
+    assert edges and all(tail != head for tail, head in (title.split("->") for title in edges))
+    assert [r for r in diagram.transition_table(fsm.MACHINES[name]) if r.source == r.target]  # yet the table has them
+
+
+@needs_dot
+def test_rows_between_two_states_share_one_edge() -> None:
+    edges = _groups(_svg(diagram.dot(fsm.InstanceRetry)), "edge")
+    # the compound `running` is drawn from its initial point, clipped at the cluster
+    lines = [t.text.strip() for t in edges["__initial__running->deleted"].iter(f"{SVG}text")]
+    assert lines == [
+        "rank_failed [non_retryable]",
+        "/ give_up_non_retryable",
+        "rank_failed [last_charged_failure]",
+        "/ give_up_exhausted",
+        "rank_stopped [last_allowed_failure]",
+        "/ stopped_and_exhausted",
+    ]
+    assert len([title for title in edges if title.endswith("->deleted")]) == 6  # from six different states
+
+
+@needs_dot
+@pytest.mark.parametrize("name", NAMES)
+def test_every_state_has_its_id_in_the_svg(name: str) -> None:
+    cls = fsm.MACHINES[name]
+    svg = _svg(diagram.dot(cls))
+    ids = {g.get("id"): g.get("class") for g in svg.iter(f"{SVG}g")}
+    for state in cls.states_map.values():
+        if state.states:
+            assert ids.get(f"cluster_{state.id}") == "cluster"
+        else:
+            assert ids.get(f"state_{state.id}") == "node"

@@ -114,7 +114,7 @@ def test_diagram_state_highlights(fmt):
         assert "    class busy current" in result.output
         assert "classDef current" in result.output
     elif fmt == "dot":
-        assert '"busy" [label="Busy", style="rounded,filled"' in result.output
+        assert '"busy" [id="state_busy", label="Busy", style="rounded,filled"' in result.output
     else:
         assert "| **`busy`** | `request_finished` |" in result.output
     plain = _diagram("runner", "--format", fmt)

@@ -236,7 +236,8 @@ def render_spec(name: str) -> str:
         f"<!-- Generated from `{module}` by `exod specs` (`make specs`). Do not edit by hand. -->\n",
         f"{summary}\n",
         f"## Theory of operation\n\n{theory}",
-        f"## Diagram\n\n```mermaid\n{diagram.mermaid(cls)}```\n",
+        "## Diagram\n\nSelf-transitions are not drawn, and the transitions from one state to another share one edge; "
+        f"the table below lists every transition.\n\n```mermaid\n{diagram.mermaid(cls)}```\n",
         "## Transitions\n\n"
         "Labels read `event [guard] / action`. *(eventless)* rows fire as soon as their guard holds; "
         "*(internal)* rows stay in their state (no exit, no entry).\n\n" + diagram.markdown_table(cls),
