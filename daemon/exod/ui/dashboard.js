@@ -347,6 +347,7 @@ async function loadDiagrams() {
       const svg = new DOMParser().parseFromString(await response.text(), "image/svg+xml").documentElement;
       svg.removeAttribute("width");
       svg.removeAttribute("height");
+      for (const named of svg.querySelectorAll("[id]")) named.id = `${machine}-${named.id}`; // ids repeat across machines
       holder.replaceChildren(document.importNode(svg, true));
       page.diagrams.set(machine, holder.querySelector("svg"));
     } catch (error) {
@@ -356,12 +357,10 @@ async function loadDiagrams() {
   }
 }
 
-// Graphviz writes each node's name as its <title>; a compound state is a cluster titled cluster_<id>.
+// Graphviz writes each node's name (the state's id) as its <title>; only leaves are live.
 function mark(svg, leaves) {
-  for (const group of svg.querySelectorAll("g.node, g.cluster")) {
-    const name = group.querySelector("title")?.textContent ?? "";
-    const id = name.startsWith("cluster_") ? name.slice("cluster_".length) : name;
-    group.classList.toggle("live", leaves.has(id));
+  for (const group of svg.querySelectorAll("g.node")) {
+    group.classList.toggle("live", leaves.has(group.querySelector("title")?.textContent ?? ""));
   }
 }
 
