@@ -27,7 +27,7 @@ FLAGS = (
     "--disable-background-networking",
     "--disable-component-update",
     "--disable-sync",
-    "--window-size=1500,1100",
+    "--window-size=1500,1300",
 )
 SCREENSHOTS = Path(__file__).resolve().parent.parent / "docs"
 WRITE_SCREENSHOTS = bool(os.environ.get("EXOD_WRITE_SCREENSHOTS"))  # `make screenshots`
@@ -88,7 +88,14 @@ def click(find: Callable[[], Any], what: str = "") -> None:
     until(clicked, timeout=10, what=what or "a click")
 
 
+def open_page(driver: Any, url: str) -> None:
+    """Load ``url`` with the console's earlier entries read away, so that `console_errors` is this page's."""
+    driver.get_log("browser")
+    driver.get(url)
+
+
 def console_errors(driver: Any) -> list[dict[str, Any]]:
+    """The console's errors since the page was opened (or since the last call)."""
     return [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
 
 

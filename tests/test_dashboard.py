@@ -12,7 +12,7 @@ import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select
 
-from browser_harness import click, console_errors, screenshot, until
+from browser_harness import click, console_errors, open_page, screenshot, until
 from daemon_harness import ready_daemon, runner_pid, runner_pids, start_daemon
 
 MODEL = "exod/tiny-qwen2"
@@ -44,7 +44,7 @@ def daemon(tmp_path_factory):
 @pytest.fixture
 def page(browser, daemon):
     """The dashboard, loaded afresh, with its instance Ready."""
-    browser.get(daemon + "/")
+    open_page(browser, daemon + "/")
     until(lambda: card(browser, MODEL, state="ready"), what="the instance Ready on the page")
     return browser
 
@@ -167,12 +167,25 @@ def test_a_chat_answer_streams_into_the_page(page, daemon) -> None:
     body = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 40}
     expected = httpx.post(f"{daemon}/v1/chat/completions", json=body, timeout=60).json()
     assert answer.get_attribute("textContent") == expected["choices"][0]["message"]["content"]
+
+    # The tiny model's greedy answer is blank lines; for the picture, a fresh conversation, sampled.
+    click(lambda: page.find_element(By.ID, "chat-clear"))
+    assert page.find_elements(By.CSS_SELECTOR, "#chat-log p") == []
+    page.find_element(By.ID, "chat-temperature").clear()
+    page.find_element(By.ID, "chat-temperature").send_keys("1")
+    page.find_element(By.ID, "chat-input").send_keys("And what is a runner?")
+    page.find_element(By.ID, "chat-send").click()
+    until(lambda: page.find_element(By.CSS_SELECTOR, '#chat-log .assistant[data-done="true"]'), what="the answer")
+    assert [p.get_attribute("class") for p in page.find_elements(By.CSS_SELECTOR, "#chat-log p")] == [
+        "user",
+        "assistant",
+    ]
     screenshot(page, "dashboard-chat")
     assert console_errors(page) == []
 
 
 def test_the_api_docs_render_offline_from_the_package(browser, daemon) -> None:
-    browser.get(daemon + "/docs")
+    open_page(browser, daemon + "/docs")
     operations = until(lambda: browser.find_elements(By.CSS_SELECTOR, ".opblock-summary-path"), what="Swagger UI")
     assert "/v1/chat/completions" in {op.get_attribute("data-path") for op in operations}
     resources = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
@@ -206,7 +219,7 @@ def test_with_a_key_the_page_shows_only_the_prompt_and_reconnects_after_the_daem
     process, url = start_daemon(tmp_path, env, "--api-key", KEY)
     try:
         ready(url)
-        browser.get(url + "/")
+        open_page(browser, url + "/")
         until(lambda: browser.find_element(By.ID, "key-prompt").is_displayed(), what="the key prompt")
         assert not browser.find_element(By.ID, "main").is_displayed()
         assert browser.find_elements(By.CSS_SELECTOR, "article[data-instance]") == []
@@ -262,7 +275,7 @@ def test_in_a_cluster_a_follower_shows_every_node_and_places_across_them(browser
     try:
         view = until(lambda: (v := nodes(daemons[0][1])) and len(v["nodes"]) == 3 and v["controller"] and v)
         follower = next(n["api_url"] for n in view["nodes"] if not n["controller"])
-        browser.get(follower + "/")
+        open_page(browser, follower + "/")
         shown = until(lambda: browser.find_element(By.ID, "nodes").text, what="the nodes")
         assert shown.endswith(
             ", ".join(f"node-{n}" + (" (controller)" if view["controller"] == f"node-{n}" else "") for n in (1, 2, 3))
