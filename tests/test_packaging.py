@@ -163,6 +163,10 @@ def test_wheel_requires_the_daemon_stack_only_under_the_daemon_extra(wheel: Path
     assert re.search(r"^exod = exod:main$", _dist_info_file(wheel, "entry_points.txt"), re.M)
     with zipfile.ZipFile(wheel) as whl:
         assert {"fsm/__init__.py", "fsm/py.typed", "exod/__init__.py", "exod/default.toml"} <= set(whl.namelist())
+        dashboard = {f"exod/ui/{name}" for name in ("index.html", "dashboard.js", "dashboard.css")}
+        vendored = ("swagger-ui-bundle.js", "swagger-ui.css", "LICENSE")
+        swagger = {f"exod/ui/vendor/swagger-ui/{name}" for name in vendored}
+        assert dashboard | swagger <= set(whl.namelist())  # the page and /docs need nothing from elsewhere
 
 
 def test_the_library_works_without_the_daemon_stack(venv: Path) -> None:
