@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import time
 import urllib.parse
 
 import httpx
@@ -256,6 +257,16 @@ def test_with_a_key_the_page_shows_only_the_prompt_and_reconnects_after_the_daem
         after = until(lambda: (t := timeline(browser)) and len(t) > len(seen) and t, what="entries after the restart")
         assert len({e["seq"] for e in after}) == len(after)
         assert after[: len(seen)] == seen
+
+        click(lambda: browser.find_element(By.ID, "forget-key"))  # the key taken back: nothing shown, nothing read
+        until(lambda: browser.find_element(By.ID, "key-prompt").is_displayed(), what="the key prompt again")
+        assert browser.find_elements(By.CSS_SELECTOR, "article[data-instance], #timeline li") == []
+        assert browser.find_element(By.ID, "connection").text == "key needed"
+        reads = "return performance.getEntriesByType('resource').filter(e => e.name.includes('/instances')).length"
+        before = browser.execute_script(reads)
+        time.sleep(3)  # longer than the page's 2 s poll
+        assert browser.execute_script(reads) == before
+        assert not browser.find_element(By.ID, "banner").is_displayed()
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0

@@ -27,6 +27,7 @@ const page = {
   connected: false,
   drawn: null, // what the instance list and the diagrams show now (render() skips a redraw of the same)
   stream: null, // the AbortController of the event stream
+  session: 0, // which follow() loop is current: asking for the key again ends the one before
   chat: { messages: [], abort: null },
 };
 
@@ -95,9 +96,9 @@ async function* serverSentEvents(response) {
 
 // -- the live stream -------------------------------------------------------------------------------
 
-async function follow() {
+async function follow(session) {
   let failures = 0;
-  for (;;) {
+  while (session === page.session) {
     const abort = new AbortController();
     page.stream = abort;
     let watchdog = null;
@@ -123,6 +124,7 @@ async function follow() {
       }
       throw new Error("the daemon ended the stream");
     } catch (error) {
+      if (session !== page.session) return; // the key was taken back: this loop is over
       if (error instanceof Unauthorized) return askForKey(error.message);
       failures += 1;
       setConnected(false, error);
@@ -452,11 +454,20 @@ async function chat(event) {
 // -- the key ---------------------------------------------------------------------------------------
 
 function askForKey(message) {
+  page.session += 1;
   page.stream?.abort();
+  page.connected = false; // nothing is read until the key is given; and the daemon is not lost: no banner
+  $("banner").hidden = true;
+  $("connection").dataset.state = "locked";
+  $("connection").textContent = "key needed";
   page.key = null;
   sessionStorage.removeItem("exod-api-key");
   page.instances = [];
   page.drawn = null;
+  page.selected = null;
+  page.chat.abort?.abort();
+  page.chat.messages = [];
+  for (const shown of ["instances", "timeline", "chat-log", "nodes", "known-models", "chat-model"]) $(shown).replaceChildren();
   page.timelines.clear();
   page.generations.clear();
   page.lastSeq = 0;
@@ -493,7 +504,7 @@ async function start() {
   } catch (failure) {
     return askForKey(failure.message);
   }
-  follow();
+  follow(page.session);
 }
 
 // -- helpers ---------------------------------------------------------------------------------------
