@@ -33,20 +33,21 @@ RID, INC = "bench/0", 0
 class BareRunner(StateMachine):
     """The runner's shape with nothing of ours: no typed events, no step log, no validation."""
 
-    idle = State(initial=True)
+    class running(State.Compound):
+        idle = State(initial=True)
 
-    class connecting(State.Compound):
-        joining = State(initial=True)
-        joined = State()
+        class connecting(State.Compound):
+            joining = State(initial=True)
+            joined = State()
 
-    class loading(State.Compound):
-        weights = State(initial=True)
-        loaded = State()
-        warming_up = State()
+        class loading(State.Compound):
+            weights = State(initial=True)
+            loaded = State()
+            warming_up = State()
 
-    class ready(State.Compound):
-        available = State(initial=True)
-        busy = State()
+        class ready(State.Compound):
+            available = State(initial=True)
+            busy = State()
 
     failed = State()
 
@@ -54,19 +55,21 @@ class BareRunner(StateMachine):
         stopping = State(initial=True)
         stopped = State(final=True)
 
-    connect = idle.to(connecting, cond="multi_rank")
-    connected = connecting.joining.to(connecting.joined)
-    load = idle.to(loading, cond="single_rank") | connecting.joined.to(loading)
-    progress = loading.weights.to.itself(internal=True)
-    weights_loaded = loading.weights.to(loading.loaded)
-    warm_up = loading.loaded.to(loading.warming_up)
-    warmed = loading.warming_up.to(ready)
-    request_started = ready.available.to(ready.busy, on="_in") | ready.busy.to.itself(internal=True, on="_in")
-    request_finished = ready.busy.to(ready.available, cond="last_request", on="_out") | ready.busy.to.itself(
-        internal=True, unless="last_request", on="_out"
+    connect = running.idle.to(running.connecting, cond="multi_rank")
+    connected = running.connecting.joining.to(running.connecting.joined)
+    load = running.idle.to(running.loading, cond="single_rank") | running.connecting.joined.to(running.loading)
+    progress = running.loading.weights.to.itself(internal=True)
+    weights_loaded = running.loading.weights.to(running.loading.loaded)
+    warm_up = running.loading.loaded.to(running.loading.warming_up)
+    warmed = running.loading.warming_up.to(running.ready)
+    request_started = running.ready.available.to(running.ready.busy, on="_in") | running.ready.busy.to.itself(
+        internal=True, on="_in"
     )
-    fail = idle.to(failed) | connecting.to(failed) | loading.to(failed) | ready.to(failed)
-    stop = idle.to(shutdown) | connecting.to(shutdown) | loading.to(shutdown) | ready.to(shutdown)
+    request_finished = running.ready.busy.to(
+        running.ready.available, cond="last_request", on="_out"
+    ) | running.ready.busy.to.itself(internal=True, unless="last_request", on="_out")
+    fail = running.to(failed)
+    stop = running.to(shutdown)
     exited = shutdown.stopping.to(shutdown.stopped) | failed.to(shutdown.stopped)
 
     def __init__(self) -> None:
