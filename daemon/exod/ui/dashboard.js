@@ -35,13 +35,6 @@ const page = {
 
 class Unauthorized extends Error {}
 
-class ApiFailure extends Error {
-  constructor(status, message) {
-    super(message);
-    this.status = status;
-  }
-}
-
 function headers(extra = {}) {
   return page.key ? { ...extra, Authorization: `Bearer ${page.key}` } : extra;
 }
@@ -51,7 +44,7 @@ async function api(path, { method = "GET", body, signal } = {}) {
   if (body !== undefined) init.body = JSON.stringify(body);
   const response = await fetch(path, init);
   if (response.status === 401) throw new Unauthorized("the API key was refused");
-  if (!response.ok) throw new ApiFailure(response.status, await errorMessage(response));
+  if (!response.ok) throw new Error(await errorMessage(response));
   return response;
 }
 
@@ -112,7 +105,7 @@ async function follow(session) {
         signal: abort.signal,
       });
       if (response.status === 401) throw new Unauthorized("the API key was refused");
-      if (!response.ok) throw new ApiFailure(response.status, await errorMessage(response));
+      if (!response.ok) throw new Error(await errorMessage(response));
       feed();
       await refresh();
       setConnected(true);
