@@ -21,9 +21,9 @@ import trio
 import fsm
 from exod.config import DaemonConfig
 from exod.controller import Controller
+from exod.host.supervisor import RunnerSpec, Timeouts
 from exod.reports import Reports
-from exod.store import Store
-from exod.supervisor import RunnerSpec, Timeouts
+from exod.state.sqlite import Store
 from fsm import runner as rn
 
 RESULTS = Path(__file__).resolve().parent / "results"

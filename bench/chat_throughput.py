@@ -39,8 +39,8 @@ import httpx
 from _common import machine_info, percentile, reaped, table, write_result  # type: ignore[import-not-found]
 from prometheus_client.parser import text_string_to_metric_families
 
-from exod.models import resolve_model
-from exod.tiny_model import make_tiny_model
+from exod.host.models import resolve_model
+from exod.host.tiny_model import make_tiny_model
 
 MODEL = "exod/tiny-chat-bench"
 SHAPES = {  # --hidden: the generator's 8 layers, narrow and wide

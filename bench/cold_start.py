@@ -36,9 +36,9 @@ from _common import (  # type: ignore[import-not-found]
 )
 
 import fsm
-from exod import protocol as p
-from exod.models import resolve_model
-from exod.tiny_model import make_tiny_model
+from exod.host.models import resolve_model
+from exod.host.tiny_model import make_tiny_model
+from exod.runner import protocol as p
 from fsm import runner as rn
 
 MODEL = "exod/tiny-bench"

@@ -35,7 +35,7 @@ from _common import (  # type: ignore[import-not-found]
     write_result,
 )
 
-from exod.tiny_model import make_tiny_model
+from exod.host.tiny_model import make_tiny_model
 
 MODEL = "exod/tiny-qwen2"
 GOAL_MS = 50.0

@@ -2,7 +2,7 @@
 
     python bench/host_death.py [--repeat N]
 
-Each repetition: a fresh local cluster (`exod.devcluster`: an etcd and three nodes on 127.0.0.1–3, lease
+Each repetition: a fresh local cluster (`exod.cluster.devcluster`: an etcd and three nodes on 127.0.0.1–3, lease
 TTL 5 s) serves the tiny model on 2 ranks; its cold start (place → Ready) is timed, the baseline of this
 run. Then the daemon of the node that holds a rank and is not the controller is SIGKILLed (its runner
 follows it by its hang-up watchdog). From the kill:
@@ -30,8 +30,8 @@ import httpx
 from _common import machine_info, table, write_result  # type: ignore[import-not-found]
 
 import fsm
-from exod.devcluster import local_cluster, place
-from exod.tiny_model import make_tiny_model
+from exod.cluster.devcluster import local_cluster, place
+from exod.host.tiny_model import make_tiny_model
 
 MODEL = "exod/tiny-qwen2"
 TTL = 5

@@ -3,7 +3,7 @@ same model on one node: on loopback, what the hops between ranks cost.
 
     python bench/pipeline_hops.py [--requests N] [--max-tokens T]
 
-A local cluster (`exod.devcluster`: an etcd and three `exod serve --cluster` nodes) serves three copies of
+A local cluster (`exod.cluster.devcluster`: an etcd and three `exod serve --cluster` nodes) serves three copies of
 one generated qwen2 (same shape, same seed, so the same weights, under three names): on 3 ranks, one per
 node; on 1 rank; and, as the reference that tells the hops' cost from the pipeline's own, on 3 ranks
 pinned to one node (one ring over one host's loopback). After an untimed warm-up request to each, N greedy
@@ -23,8 +23,8 @@ import httpx
 from _common import machine_info, table, write_result  # type: ignore[import-not-found]
 from chat_throughput import chat_stream, prompts  # type: ignore[import-not-found]
 
-from exod.devcluster import local_cluster, place
-from exod.tiny_model import make_tiny_model
+from exod.cluster.devcluster import local_cluster, place
+from exod.host.tiny_model import make_tiny_model
 
 SHAPE = {"arch": "qwen2", "layers": 9, "hidden": 512, "heads": 8, "kv_heads": 4, "intermediate": 1024}
 SPLIT, WHOLE, PINNED = "exod/bench-split", "exod/bench-whole", "exod/bench-pinned"

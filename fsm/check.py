@@ -30,7 +30,7 @@ and the cluster answers by itself (progress events):
 * ``expire N`` — a node's lease expires, with the runner keys on it; only once it has fenced itself (the
   premise of fencing: its clock runs at a bounded rate, so TTL − margin comes first);
 * ``confirm`` — the controller reads the runner keys: a given-up runner whose key is gone has exited
-  (`exod.remote.Fleet`). With ``waits_for_keys`` off (a planted bug) it says so at once.
+  (`exod.cluster.remote.Fleet`). With ``waits_for_keys`` off (a planted bug) it says so at once.
 
 A new generation is placed again off nodes whose lease expired (`fsm.place_again`'s rule: ranks on live
 nodes stay, the others go where the fewest ranks are).
@@ -268,7 +268,7 @@ class CheckConfig:
     hosts: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     node_failures: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     # The controller's fencing rule: a runner given up with its node has exited only once its key is gone
-    # (`exod.remote.Fleet`). False plants the bug the rule prevents.
+    # (`exod.cluster.remote.Fleet`). False plants the bug the rule prevents.
     waits_for_keys: bool = True
 
     def __attrs_post_init__(self) -> None:

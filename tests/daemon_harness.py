@@ -20,8 +20,8 @@ import trio
 import fsm
 from exod.config import DaemonConfig
 from exod.controller import Controller
-from exod.store import Store
-from exod.supervisor import Timeouts
+from exod.host.supervisor import Timeouts
+from exod.state.sqlite import Store
 
 FAST_RETRY = fsm.RetryPolicy(backoff=fsm.Backoff(initial=0.2, factor=2.0, cap=1.0), max_retries=5)
 FAST_TIMEOUTS = Timeouts(connect=30, load_progress=60, warm_up=60, stop_grace=2, term_grace=2)
@@ -149,7 +149,7 @@ def start_daemon(
 def ready_daemon(tmp: Path, config: str, models: dict[str, int]) -> Iterator[tuple[str, Path]]:
     """`exod serve` with ``config`` and the tiny ``models`` (repo id → seed) in its own HF cache, once an
     instance is Ready: yields its URL and that cache; stops it with SIGTERM, which must end it cleanly."""
-    from exod.tiny_model import make_tiny_model
+    from exod.host.tiny_model import make_tiny_model
 
     hf = tmp / "hf"
     for model, seed in models.items():
@@ -177,7 +177,7 @@ def wait_instance(url: str, predicate, timeout: float = 60.0) -> dict:
 
 def assert_log_conforms(db_path: Path) -> None:
     """The daemon's transition log replays through the machines without a divergence."""
-    from exod.store import Store
+    from exod.state.sqlite import Store
     from fsm.conformance import replay
 
     store = Store.open(db_path)

@@ -7,14 +7,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from exod.devcluster import LocalEtcd, LocalEtcdCluster
+from exod.cluster.devcluster import LocalEtcd, LocalEtcdCluster
 
 
 def run_with_client(url: str, body):
-    """``await body(client)`` under trio with an `exod.etcd.Etcd` on ``url``, closed afterwards."""
+    """``await body(client)`` under trio with an `exod.cluster.etcd.Etcd` on ``url``, closed afterwards."""
     import trio
 
-    from exod.etcd import Etcd
+    from exod.cluster.etcd import Etcd
 
     async def main():
         client = Etcd(url)
@@ -27,7 +27,7 @@ def run_with_client(url: str, body):
 
 
 class EtcdServer(LocalEtcd):
-    """One etcd member on free loopback ports (`exod.devcluster.LocalEtcd`), which a test may stop and start."""
+    """One etcd member on free loopback ports (`exod.cluster.devcluster.LocalEtcd`), which a test may stop and start."""
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ sleep, so virtual time jumps straight to the next thing that happens and a test 
 (Autojump and real work do not mix: with a real process or a thread at work, the clock would jump over it
 and fire the watchdogs.)
 
-`FakeRunner` is the real `exod.supervisor.Supervisor` with its process replaced by trio tasks that act like
+`FakeRunner` is the real `exod.host.supervisor.Supervisor` with its process replaced by trio tasks that act like
 `exod.runner`: the command queue (`post`, `outbox`), the stall watchdog (`Supervisor.watchdog`, fed every
 report, exactly as for a real process), and the stop rule (Shutdown → ``stop_grace`` → SIGTERM) are
 the Supervisor's own; only what a real process does is simulated:
@@ -18,15 +18,15 @@ the Supervisor's own; only what a real process does is simulated:
   virtual seconds.
 * ``Shutdown`` ends the process (exit 0) after ``Timing.exit``, as the runner's reader thread does.
 * A fault comes the way it comes to a real runner: `DaemonConfig.faults` → `RunnerSpec.fault`
-  (``PHASE:KIND``, `exod.faults`), with the injector's meaning: ``sigkill`` ends it (exit −9, unannounced),
+  (``PHASE:KIND``, `exod.runner.faults`), with the injector's meaning: ``sigkill`` ends it (exit −9, unannounced),
   ``exception`` reports a retryable `Failed` and exits 1, ``exit0`` exits 0 unannounced, ``hang`` goes
-  silent and ignores Shutdown (SIGTERM after ``stop_grace`` ends it), ``slow`` pauses `exod.faults.SLOW_S`.
+  silent and ignores Shutdown (SIGTERM after ``stop_grace`` ends it), ``slow`` pauses `exod.runner.faults.SLOW_S`.
   A ``ready`` fault fires ``Timing.ready_fault`` after Ready. A model `FakeModels` calls defective fails
   its load with a non-retryable `Failed`, as corrupt weights do. `FakeRunner.kill` is a SIGKILL from outside.
 
 Fake pids start at 2**22: Linux never hands out a pid above 2**22 − 1 (PID_MAX_LIMIT), so no process has one.
-The controller records them with start time 0 (`exod.orphans.start_ticks` finds no such process), and
-`exod.orphans.reap_orphans` never signals a record whose start time is unknown: nothing real can be killed.
+The controller records them with start time 0 (`exod.host.orphans.start_ticks` finds no such process), and
+`exod.host.orphans.reap_orphans` never signals a record whose start time is unknown: nothing real can be killed.
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ import attrs
 import trio
 
 import fsm
-from exod import protocol as p
-from exod.faults import SLOW_S, Fault, FaultKind, FaultPhase
-from exod.models import ModelFiles, ModelNotFound, ProgressCallback
-from exod.orphans import start_ticks
-from exod.supervisor import Listener, RunnerSpec, Supervisor, Timeouts
+from exod.host.models import ModelFiles, ModelNotFound, ProgressCallback
+from exod.host.orphans import start_ticks
+from exod.host.supervisor import Listener, RunnerSpec, Supervisor, Timeouts
+from exod.runner import protocol as p
+from exod.runner.faults import SLOW_S, Fault, FaultKind, FaultPhase
 
 FAKE_PID_BASE = 1 << 22  # above Linux's PID_MAX_LIMIT (and macOS's 99998): never a real process
 FAKE_MODEL_ROOT = Path("/nonexistent/exod-fake-models")  # what `FakeModels.path` answers; nothing reads it
@@ -195,7 +195,7 @@ class FakeRunner(Supervisor):
         await self._fault_at(FaultPhase.READY, main_thread=False)
 
     async def _fault_at(self, phase: FaultPhase, *, main_thread: bool = True) -> None:
-        """`exod.faults.Injector.at`, simulated."""
+        """`exod.runner.faults.Injector.at`, simulated."""
         if self.fault is None or self.fault.phase is not phase:
             return
         kind = self.fault.kind
@@ -233,7 +233,7 @@ class FakeRunner(Supervisor):
 
 
 class FakeFleet:
-    """The `exod.supervisor.Spawn` to give the controller: makes `FakeRunner`s and keeps every one of them."""
+    """The `exod.host.supervisor.Spawn` to give the controller: makes `FakeRunner`s and keeps every one of them."""
 
     def __init__(self, models: FakeModels, timing: Timing = Timing()) -> None:
         self.models = models

@@ -12,7 +12,7 @@ import pytest
 from reliability_report import attack
 
 from daemon_harness import runner_pids, start_daemon
-from exod.tiny_model import make_tiny_model
+from exod.host.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("no_runner_left_behind")
 
@@ -118,7 +118,7 @@ def test_a_configuration_asking_for_what_admission_refuses_does_not_start(tmp_pa
 
 def test_facts_are_read_from_the_model_files(tmp_path):
     import fsm
-    from exod.models import ModelFiles, read_facts
+    from exod.host.models import ModelFiles, read_facts
 
     hf = tmp_path / "hf"
     qwen = make_tiny_model("exod/tiny-qwen2", layers=3, heads=4, kv_heads=2, hf_home=hf)

@@ -1,4 +1,4 @@
-"""A node's agent (`exod.agent`) and its half of fencing (DESIGN §5), against a fake etcd and fake runner
+"""A node's agent (`exod.cluster.agent`) and its half of fencing (DESIGN §5), against a fake etcd and fake runner
 processes, on trio's MockClock: a runner is claimed in etcd before it is spawned and released once reaped;
 nothing is spawned while the node's lease is not surely alive; and the runners are killed before the
 lease may expire."""
@@ -10,12 +10,12 @@ import trio
 import trio.testing
 
 from daemon_harness import config
-from exod.agent import FENCE_MARGIN, Agent, SpawnRequest
-from exod.errors import ApiError
-from exod.etcd import EtcdUnavailable
-from exod.nodes import NodeRecord, runner_key
-from exod.store import Store
-from exod.supervisor import Listener, RunnerSpec, Timeouts
+from exod.api.errors import ApiError
+from exod.cluster.agent import FENCE_MARGIN, Agent, SpawnRequest
+from exod.cluster.etcd import EtcdUnavailable
+from exod.cluster.nodes import NodeRecord, runner_key
+from exod.host.supervisor import Listener, RunnerSpec, Timeouts
+from exod.state.sqlite import Store
 
 PREFIX = b"/exod/"
 TTL = 10
@@ -46,7 +46,7 @@ class FakeEtcd:
 
 
 class FakePresence:
-    """`exod.nodes.Presence` as the agent reads it: the lease, and until when it is surely alive."""
+    """`exod.cluster.nodes.Presence` as the agent reads it: the lease, and until when it is surely alive."""
 
     def __init__(self, etcd: FakeEtcd) -> None:
         self.etcd, self.prefix, self.ttl, self.lease = etcd, PREFIX, TTL, 7

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon_harness import ready_daemon, runner_pids, start_daemon, wait_instance
-from exod.models import resolve_model
+from exod.host.models import resolve_model
 
 MODEL = "exod/tiny-qwen2"
 MESSAGES = [{"role": "user", "content": "Tell me about state machines."}]
@@ -160,7 +160,7 @@ def test_lone_surrogates_are_a_400_naming_the_parameter(daemon, raw, param):
 
 
 def test_an_error_echoing_a_lone_surrogate_still_encodes():
-    from exod.errors import ApiError
+    from exod.api.errors import ApiError
 
     response = ApiError(400, "no such thing: \ud800", param="x\udc00").response()
     assert json.loads(response.body)["error"] == {

@@ -20,7 +20,7 @@ import pytest
 from reliability_report import attack
 
 from daemon_harness import runner_pid, start_daemon, wait_instance
-from exod.tiny_model import make_tiny_model
+from exod.host.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("no_runner_left_behind")
 

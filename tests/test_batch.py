@@ -1,4 +1,4 @@
-"""Continuous batching in real runner processes (`exod.batch`): requests decoded together give exactly what
+"""Continuous batching in real runner processes (`exod.runner.batch`): requests decoded together give exactly what
 each gives alone, on one rank and in lockstep over 2 and 3; cancels, the prompt cache and the limits."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from test_runner_process import collect, model_dir, phases, spawn  # noqa: F401 - fixtures shared with that file
 
-from exod import protocol as p
-from exod.batch import keyed_sampler
-from exod.ring import free_ports
+from exod.host.ring import free_ports
+from exod.runner import protocol as p
+from exod.runner.batch import keyed_sampler
 
 PROMPT_LEN = 12  # every prompt of a batch the same length: no padding, so batched math is the lone math
 MAX_TOKENS = 20

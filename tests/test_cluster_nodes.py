@@ -19,12 +19,12 @@ from etcd_harness import run_with_client
 from reliability_report import cluster_fault
 
 from daemon_harness import exod, runner_pids
-from exod.devcluster import LocalEtcd
-from exod.etcd_state import EtcdState
-from exod.membership import DEFAULT_PREFIX
-from exod.nodes import node_key
+from exod.cluster.devcluster import LocalEtcd
+from exod.cluster.etcd_state import EtcdState
+from exod.cluster.membership import DEFAULT_PREFIX
+from exod.cluster.nodes import node_key
+from exod.host.tiny_model import make_tiny_model
 from exod.status import status_of
-from exod.tiny_model import make_tiny_model
 from fsm.cluster import Cluster, LogEntry
 
 pytestmark = pytest.mark.usefixtures("no_runner_left_behind")
@@ -381,7 +381,7 @@ def test_three_ranks_on_three_nodes_answer_as_the_model_does_on_one(tmp_path, et
     """One MLX ring across 127.0.0.1, .2 and .3, pipeline-parallel: greedy answers are mlx-lm's own."""
     from test_daemon import MAX_TOKENS, MESSAGES, reference_text
 
-    from exod.models import resolve_model
+    from exod.host.models import resolve_model
 
     env = {**os.environ, "HF_HOME": str(hf_home_8_layers)}
     daemons = [start(tmp_path, etcd, n, env) for n in (1, 2, 3)]
@@ -651,7 +651,7 @@ def test_a_partitioned_node_fences_itself_and_the_instance_recovers_without_two_
     ``node``: node-3, an agent, holds rank 1 of 2. ``controller``: node-1, the controller, holds rank 0 of 3;
     the agents on node-2 and node-3 still run the others (their streams from the old controller just went
     silent). One of them is elected; the next generation starts only once the other's runner is gone
-    (`exod.remote.Fleet`): the new controller asks that agent to stop it, and waits for its key to go."""
+    (`exod.cluster.remote.Fleet`): the new controller asks that agent to stop it, and waits for its key to go."""
     env = {**os.environ, "HF_HOME": str(hf_home_8_layers), "EXOD_API_KEY": "partition-test"}  # a key: not loopback
     auth = {"Authorization": "Bearer partition-test"}
     inner = 1 if cut == "controller" else 3

@@ -80,7 +80,7 @@ def test_serve_place_option_takes_repo_ids_and_local_directories(tmp_path):
 
 def test_a_fault_without_generation_applies_to_every_generation(tmp_path):
     """As the README says: leaving out `generation` (or `rank`) means every one."""
-    from exod.faults import Fault, FaultSpec
+    from exod.runner.faults import Fault, FaultSpec
 
     cfg = load(write(tmp_path, '[[fault]]\nrank = 1\nphase = "loading"\nkind = "hang"\n'))
     (spec,) = cfg.daemon.faults

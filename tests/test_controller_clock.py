@@ -27,11 +27,11 @@ from fake_runners import TOKENS, FakeFleet, FakeModels, Timing
 
 import fsm
 from daemon_harness import config, instance, with_controller
-from exod import protocol as p
 from exod.controller import Controller
-from exod.faults import Fault, FaultKind, FaultPhase, FaultSpec
+from exod.host.supervisor import Timeouts
 from exod.requests import QueueTimeout, RequestFailed
-from exod.supervisor import Timeouts
+from exod.runner import protocol as p
+from exod.runner.faults import Fault, FaultKind, FaultPhase, FaultSpec
 from fsm.cluster import LogEntry
 
 WALL = 1_000_000.0  # the wall time the controller's clock starts at; trio's MockClock starts at 0

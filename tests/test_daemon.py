@@ -16,8 +16,8 @@ from daemon_harness import (
     wait_for,
     with_controller,
 )
+from exod.host.tiny_model import make_tiny_model
 from exod.requests import RequestFailed
-from exod.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("no_runner_left_behind")
 
@@ -59,7 +59,7 @@ async def chat(controller, iid, **sampling) -> str:
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_instance_reaches_ready_and_generates_like_mlx_lm(tmp_path, hf_home, ranks):
-    from exod.models import resolve_model
+    from exod.host.models import resolve_model
 
     snapshot = resolve_model("exod/tiny-qwen2", hf_home=hf_home, offline=True)
 
@@ -76,7 +76,7 @@ def test_instance_reaches_ready_and_generates_like_mlx_lm(tmp_path, hf_home, ran
 
 
 def test_concurrent_seeded_requests_share_a_batch_and_each_matches_its_lone_reference(tmp_path, hf_home):
-    from exod.models import resolve_model
+    from exod.host.models import resolve_model
 
     snapshot = resolve_model("exod/tiny-qwen2", hf_home=hf_home, offline=True)
     seeds = [1, 2, 3, 4]
@@ -113,7 +113,7 @@ def test_sigkill_while_ready_recovers_with_backoff_after_reaping_the_generation(
     cfg = config(tmp_path, hf_home)
     iid, inst = with_controller(cfg, body)
     assert inst["attempts"] == 1
-    from exod.store import Store
+    from exod.state.sqlite import Store
 
     store = Store.open(cfg.db_path)
     log = [e for _, e in store.transitions()]
@@ -137,7 +137,7 @@ def test_sigkill_while_ready_recovers_with_backoff_after_reaping_the_generation(
 def test_a_local_model_directory_from_the_config_is_placed_and_served(tmp_path, hf_home):
     import shutil
 
-    from exod.models import resolve_model
+    from exod.host.models import resolve_model
 
     directory = tmp_path / "my model"
     shutil.copytree(resolve_model("exod/tiny-qwen2", hf_home=hf_home, offline=True), directory)
@@ -225,20 +225,20 @@ def test_a_model_gone_from_the_cache_after_a_restart_is_fetched_again_not_a_cras
 def test_download_progress_from_foreign_threads_reaches_the_machine(tmp_path, hf_home, monkeypatch):
     import threading
 
-    import exod.models
-    from exod.models import resolve_model
+    import exod.host.models
+    from exod.host.models import resolve_model
 
     snapshot = resolve_model("exod/tiny-qwen2", hf_home=hf_home, offline=True)
 
     def fake_resolve(model_id, *, progress=None, **kwargs):  # like huggingface_hub: progress from its own threads
         if progress is None:  # admission looking for the model's files: not downloaded yet
-            raise exod.models.ModelNotFound(model_id)
+            raise exod.host.models.ModelNotFound(model_id)
         worker = threading.Thread(target=lambda: [progress(n, 300) for n in (100, 200, 300)])
         worker.start()
         worker.join()
         return snapshot
 
-    monkeypatch.setattr(exod.models, "resolve_model", fake_resolve)
+    monkeypatch.setattr(exod.host.models, "resolve_model", fake_resolve)
     seen = []
 
     async def body(controller):

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from daemon_harness import assert_log_conforms, runner_pid, runner_pids, start_daemon, wait_instance
-from exod.store import Store
-from exod.tiny_model import make_tiny_model
+from exod.host.tiny_model import make_tiny_model
+from exod.state.sqlite import Store
 
 BASE = """
 [daemon]

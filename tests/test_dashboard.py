@@ -201,7 +201,7 @@ def free_port() -> int:
 
 
 def test_with_a_key_the_page_shows_only_the_prompt_and_reconnects_after_the_daemon_returns(browser, tmp_path) -> None:
-    from exod.tiny_model import make_tiny_model
+    from exod.host.tiny_model import make_tiny_model
 
     hf = tmp_path / "hf"
     make_tiny_model(MODEL, layers=2, hf_home=hf, seed=0)
@@ -277,7 +277,7 @@ def test_in_a_cluster_a_follower_shows_every_node_and_places_across_them(browser
     and the controller, places a model on 3 ranks (forwarded to the controller), and shows a rank on each."""
     from test_cluster_nodes import nodes, start, stop_all
 
-    from exod.tiny_model import make_tiny_model
+    from exod.host.tiny_model import make_tiny_model
 
     hf = tmp_path / "hf"
     make_tiny_model(MODEL, layers=3, hf_home=hf, seed=0)

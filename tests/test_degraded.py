@@ -21,9 +21,9 @@ from test_controller_clock import MODEL, Sim, chat, instance, ready_at, simulate
 
 from daemon_harness import start_daemon, wait_instance
 from exod.controller import StoreUnavailable
-from exod.journal import WRITE_RETRY
-from exod.store import Store
-from exod.tiny_model import make_tiny_model
+from exod.host.tiny_model import make_tiny_model
+from exod.state.journal import WRITE_RETRY
+from exod.state.sqlite import Store
 
 FULL = sqlite3.OperationalError("database or disk is full")
 

@@ -28,10 +28,10 @@ from reliability_report import attack
 
 import fsm
 from daemon_harness import assert_log_conforms, runner_pids, start_daemon, wait_instance
+from exod.api.drain import ANSWER_GRACE_S, RETRY_AFTER_S, Drain, Gate
 from exod.config import ConfigError, load
-from exod.drain import ANSWER_GRACE_S, RETRY_AFTER_S, Drain, Gate
+from exod.host.tiny_model import make_tiny_model
 from exod.requests import RequestBook, ShuttingDown
-from exod.tiny_model import make_tiny_model
 from fsm.cluster import Cluster
 
 pytestmark = pytest.mark.usefixtures("no_runner_left_behind")

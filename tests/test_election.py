@@ -7,9 +7,9 @@ import attrs
 import trio
 from etcd_harness import run_with_client as run
 
-from exod.election import Deposed, campaign, guarded_write, leader, wait_for_term
-from exod.etcd import Etcd, Put
-from exod.nodes import NodeRecord, Presence, list_nodes
+from exod.cluster.election import Deposed, campaign, guarded_write, leader, wait_for_term
+from exod.cluster.etcd import Etcd, Put
+from exod.cluster.nodes import NodeRecord, Presence, list_nodes
 
 PREFIX = b"/exod-test/"
 TTL = 5  # the shortest the cluster tests use: two busy cores must not expire a lease falsely

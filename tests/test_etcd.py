@@ -1,4 +1,4 @@
-"""exod.etcd against a real etcd: keys, prefixes, transactions, leases and watches over the JSON gateway."""
+"""exod.cluster.etcd against a real etcd: keys, prefixes, transactions, leases and watches over the JSON gateway."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import trio
 from etcd_harness import run_with_client as run
 
-from exod.etcd import Delete, Etcd, EtcdUnavailable, LeaseExpired, Put, _prefix_end, value_is, version_is
+from exod.cluster.etcd import Delete, Etcd, EtcdUnavailable, LeaseExpired, Put, _prefix_end, value_is, version_is
 
 
 def test_put_get_prefix_and_delete(etcd):

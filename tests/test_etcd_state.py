@@ -1,4 +1,4 @@
-"""exod.etcd_state on a real etcd: the cluster's state as a controller term writes it, the log read back in
+"""exod.cluster.etcd_state on a real etcd: the cluster's state as a controller term writes it, the log read back in
 one order from any point, its bounds, and a deposed controller's save refused."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import pytest
 import trio
 from etcd_harness import run_with_client as run
 
-from exod.election import Deposed, campaign
-from exod.etcd import Etcd
-from exod.etcd_state import EtcdState
-from exod.retention import DAY_S, Retention
-from exod.ring import free_ports
-from exod.state import StateUnavailable
-from exod.store import StoreError
+from exod.cluster.election import Deposed, campaign
+from exod.cluster.etcd import Etcd
+from exod.cluster.etcd_state import EtcdState
+from exod.host.ring import free_ports
+from exod.state.retention import DAY_S, Retention
+from exod.state.sqlite import StoreError
+from exod.state.store import StateUnavailable
 from fsm.cluster import LogEntry
 
 PREFIX = b"/exod-test/"

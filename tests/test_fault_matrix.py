@@ -1,6 +1,6 @@
 """The fault-injection matrix: every phase × every kind, on real 2-rank instances of the tiny model.
 
-For each cell a fault is armed on rank 1 of generation 1 (`exod.faults`), and the cell asserts what the
+For each cell a fault is armed on rank 1 of generation 1 (`exod.runner.faults`), and the cell asserts what the
 design promises: the right cause, one_for_all, the backoff waited out, one generation at a time, requests
 ended with an error instead of a hang, service back afterwards, and a log that replays. The observations
 become `specs/reliability.md` when `EXOD_WRITE_RELIABILITY=1` (`make reliability`).
@@ -25,10 +25,10 @@ from daemon_harness import (
     wait_for,
     with_controller,
 )
-from exod.faults import Fault, FaultKind, FaultPhase, FaultSpec
+from exod.host.tiny_model import make_tiny_model
 from exod.requests import RequestFailed
-from exod.store import Store
-from exod.tiny_model import make_tiny_model
+from exod.runner.faults import Fault, FaultKind, FaultPhase, FaultSpec
+from exod.state.sqlite import Store
 
 pytestmark = pytest.mark.usefixtures("no_runner_left_behind")
 

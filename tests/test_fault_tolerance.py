@@ -16,8 +16,8 @@ from daemon_harness import (
     wait_for,
     with_controller,
 )
-from exod.faults import Fault, FaultKind, FaultPhase, FaultSpec
-from exod.tiny_model import make_tiny_model
+from exod.host.tiny_model import make_tiny_model
+from exod.runner.faults import Fault, FaultKind, FaultPhase, FaultSpec
 
 pytestmark = pytest.mark.usefixtures("no_runner_left_behind")
 

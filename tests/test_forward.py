@@ -1,10 +1,10 @@
-"""What a cluster node that is not the controller answers itself, and what it forwards (`exod.forward`)."""
+"""What a cluster node that is not the controller answers itself, and what it forwards (`exod.api.forward`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from exod.forward import answered_here
+from exod.api.forward import answered_here
 
 
 @pytest.mark.parametrize(

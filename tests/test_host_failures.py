@@ -16,11 +16,11 @@ from test_controller_clock import MODEL, POLICY, Sim, instance, ready_at, simula
 
 import fsm
 from daemon_harness import FAST_RETRY, config, runner_pids, wait_for, with_controller
-from exod import protocol as p
-from exod import ring
+from exod.host import ring
+from exod.host.tiny_model import make_tiny_model
 from exod.reports import Reports
-from exod.runner import _failure_fields, is_host_failure
-from exod.tiny_model import make_tiny_model
+from exod.runner import protocol as p
+from exod.runner.process import _failure_fields, is_host_failure
 
 STRICT = fsm.RetryPolicy(backoff=POLICY.backoff, max_retries=1)  # one charged failure would delete it
 
@@ -60,7 +60,7 @@ def test_a_host_failure_report_becomes_an_uncharged_failure():
 
 
 def _spec():
-    from exod.supervisor import RunnerSpec
+    from exod.host.supervisor import RunnerSpec
 
     return RunnerSpec(runner_id="r", incarnation=1, rank=0, world_size=1, hostfile=None, log_path=Path("/dev/null"))
 
@@ -202,7 +202,7 @@ def test_exod_status_shows_the_hosts_failures_apart_and_what_an_instance_waits_f
     from click.testing import CliRunner
 
     from exod.cli import main
-    from exod.store import Store
+    from exod.state.sqlite import Store
     from fsm import instance as inst
     from fsm.cluster import Cluster
 

@@ -1,4 +1,4 @@
-"""exod.http_server: a client that sends half a request, or opens too many connections, cannot hold the daemon.
+"""exod.api.http_server: a client that sends half a request, or opens too many connections, cannot hold the daemon.
 
 Real sockets on 127.0.0.1 (port 0) and a trivial ASGI app, in-process under ``trio.run``; short limits, so
 each test takes about a second of real time.
@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import trio
 
+from exod.api.http_server import serve_http
 from exod.config import DaemonConfig, ServeConfig
-from exod.http_server import serve_http
 
 REQUEST = b"GET / HTTP/1.1\r\nHost: test\r\n\r\n"
 

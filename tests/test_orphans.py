@@ -1,4 +1,4 @@
-"""exod.orphans: a process left by a dead daemon is found by pid + start time and killed; others are spared."""
+"""exod.host.orphans: a process left by a dead daemon is found by pid + start time and killed; others are spared."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 
-from exod.orphans import is_same_process, reap_orphans, start_ticks
-from exod.store import ProcessRecord
+from exod.host.orphans import is_same_process, reap_orphans, start_ticks
+from exod.state.sqlite import ProcessRecord
 
 
 def _orphan() -> int:

@@ -11,8 +11,8 @@ import threading
 
 import pytest
 
-from exod.orphans import start_ticks
-from exod.runner import hung_up
+from exod.host.orphans import start_ticks
+from exod.runner.process import hung_up
 
 WAYS = [pytest.param(True, id="POLLRDHUP"), pytest.param(False, id="portable")]
 

@@ -1,4 +1,4 @@
-"""The controller's view of the other nodes (`exod.remote.Fleet`), against a fake etcd: what it waits for
+"""The controller's view of the other nodes (`exod.cluster.remote.Fleet`), against a fake etcd: what it waits for
 before two generations could run at once (DESIGN §5, fencing). Time is trio's MockClock."""
 
 from __future__ import annotations
@@ -8,16 +8,16 @@ from pathlib import Path
 import trio
 import trio.testing
 
-from exod import protocol as p
-from exod.nodes import NodeRecord
-from exod.remote import Fleet, RemoteProcess, Ring
-from exod.supervisor import RunnerSpec
+from exod.cluster.nodes import NodeRecord
+from exod.cluster.remote import Fleet, RemoteProcess, Ring
+from exod.host.supervisor import RunnerSpec
+from exod.runner import protocol as p
 
 SPEC = RunnerSpec("i/1", 1, rank=1, world_size=2, hostfile=None, log_path=Path("/dev/null"))
 
 
 class Keys:
-    """What etcd says runs on each node (`exod.nodes.live_runners`), as a test sets it."""
+    """What etcd says runs on each node (`exod.cluster.nodes.live_runners`), as a test sets it."""
 
     def __init__(self, alive: dict[str, set[tuple[str, int]]]) -> None:
         self.alive = alive
@@ -27,7 +27,7 @@ class Keys:
 
 
 class Heard:
-    """An `exod.supervisor.Listener` that writes down what it hears."""
+    """An `exod.host.supervisor.Listener` that writes down what it hears."""
 
     def __init__(self) -> None:
         self.reports: list[p.Report] = []

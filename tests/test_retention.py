@@ -1,4 +1,4 @@
-"""exod.retention: the transition log, the runner logs and the hostfiles stay bounded, and readers of a pruned log
+"""exod.state.retention: the transition log, the runner logs and the hostfiles stay bounded, and readers of a pruned log
 are told where it starts.
 
 The store's pruning is unit-tested in test_store.py; here: the ``[retention]`` config, the file cleanup (alone,
@@ -23,15 +23,15 @@ from test_controller_clock import Sim, settled, simulate, until
 
 import fsm
 from daemon_harness import FAST_TIMEOUTS, assert_log_conforms, config, instance, with_controller
-from exod.api import create_app
+from exod.api.app import create_app
+from exod.api.http_server import serve_http
 from exod.cli import main
 from exod.config import ConfigError, DaemonConfig, ServeConfig, load
 from exod.controller import Controller
-from exod.faults import Fault, FaultKind, FaultPhase, FaultSpec
-from exod.http_server import serve_http
-from exod.retention import Retention, forget_generation, forget_instance, hostfile_path, runner_log_path
-from exod.store import Store
-from exod.tiny_model import make_tiny_model
+from exod.host.tiny_model import make_tiny_model
+from exod.runner.faults import Fault, FaultKind, FaultPhase, FaultSpec
+from exod.state.retention import Retention, forget_generation, forget_instance, hostfile_path, runner_log_path
+from exod.state.sqlite import Store
 from fsm.conformance import replay
 
 pytestmark = pytest.mark.usefixtures("no_runner_left_behind")

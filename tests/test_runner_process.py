@@ -20,9 +20,9 @@ from pathlib import Path
 import attrs
 import pytest
 
-from exod import protocol as p
-from exod.ring import free_ports
-from exod.tiny_model import make_tiny_model
+from exod.host.ring import free_ports
+from exod.host.tiny_model import make_tiny_model
+from exod.runner import protocol as p
 
 MESSAGES = [{"role": "user", "content": "hello there, how are you?"}]
 MAX_TOKENS = 24
@@ -164,7 +164,7 @@ def sampled_reference(model_dir: Path) -> tuple[list[int], str]:
     """Seeded temperature-1 sampling in-process: the same seed must give the same tokens in the runner."""
     import mlx_lm
 
-    from exod.batch import keyed_sampler
+    from exod.runner.batch import keyed_sampler
 
     model, tokenizer = mlx_lm.load(str(model_dir))
     prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
@@ -415,7 +415,7 @@ def test_a_runner_imports_mlx_lm_under_a_hard_descriptor_limit_below_what_mlx_lm
 
     code = (
         "import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))\n"
-        "from exod.runner import import_mlx_lm; import_mlx_lm()\n"
+        "from exod.runner.process import import_mlx_lm; import_mlx_lm()\n"
         "from mlx_lm.utils import load_model; print(resource.getrlimit(resource.RLIMIT_NOFILE))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from daemon_harness import assert_log_conforms, exod, runner_pids, start_daemon, wait_instance
-from exod.tiny_model import make_tiny_model
+from exod.host.tiny_model import make_tiny_model
 
 CONFIG = """
 [daemon]

@@ -1,4 +1,4 @@
-"""exod.statedir: one daemon per state directory, even with its lock file deleted; nothing in it open to others."""
+"""exod.state.statedir: one daemon per state directory, even with its lock file deleted; nothing open to others."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import pytest
 from reliability_report import attack
 
 from daemon_harness import runner_pids, start_daemon, wait_instance
-from exod import ring
-from exod.statedir import AlreadyRunning, StateDirError, state_dir_lock
-from exod.tiny_model import make_tiny_model
+from exod.host import ring
+from exod.host.tiny_model import make_tiny_model
+from exod.state.statedir import AlreadyRunning, StateDirError, state_dir_lock
 
 pytestmark = pytest.mark.usefixtures("no_runner_left_behind")
 
@@ -43,7 +43,7 @@ ranks = 2
 TAKE_LOCK = """
 import sys
 from pathlib import Path
-from exod.statedir import AlreadyRunning, state_dir_lock
+from exod.state.statedir import AlreadyRunning, state_dir_lock
 try:
     with state_dir_lock(Path(sys.argv[1])):
         pass
@@ -129,7 +129,7 @@ def test_a_state_dir_open_to_others_is_made_private_with_a_warning(tmp_path, cap
     state = tmp_path / "state"
     state.mkdir()
     state.chmod(0o755)
-    with caplog.at_level(logging.WARNING, logger="exod.statedir"), state_dir_lock(state):
+    with caplog.at_level(logging.WARNING, logger="exod.state.statedir"), state_dir_lock(state):
         assert stat.S_IMODE(state.stat().st_mode) == 0o700
     assert "was open to other users (mode 0755); it is now 0700" in caplog.text
 

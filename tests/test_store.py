@@ -1,4 +1,4 @@
-"""exod.store: atomic snapshot + log, resume, and refusal of files it cannot trust."""
+"""exod.state.sqlite: atomic snapshot + log, resume, and refusal of files it cannot trust."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 
 import fsm
 from daemon_harness import exod, start_daemon
-from exod.retention import Retention
-from exod.store import ProcessRecord, Store, StoreError
+from exod.state.retention import Retention
+from exod.state.sqlite import ProcessRecord, Store, StoreError
 from fsm.cluster import Cluster, LogEntry
 
 
@@ -113,7 +113,7 @@ def test_a_snapshot_that_is_not_a_json_object_is_refused_and_kept(tmp_path, body
 
 def test_a_zero_byte_database_is_used_as_a_new_one_with_a_warning(tmp_path, caplog):
     (tmp_path / "state.db").touch()
-    with caplog.at_level(logging.WARNING, logger="exod.store"):
+    with caplog.at_level(logging.WARNING, logger="exod.state.sqlite"):
         store = Store.open(tmp_path / "state.db")
     assert f"{tmp_path / 'state.db'} is empty (0 bytes): starting with no state" in caplog.text
     assert store.load() is None

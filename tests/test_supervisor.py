@@ -1,4 +1,4 @@
-"""exod.supervisor with stand-in processes: stop escalation, exit reporting, stall watchdogs, garbled channels."""
+"""exod.host.supervisor with stand-in processes: stop escalation, exit reporting, stall watchdogs, garbled channels."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import attrs
 import trio
 
-from exod import protocol as p
-from exod.supervisor import RunnerSpec, Supervisor, Timeouts
+from exod.host.supervisor import RunnerSpec, Supervisor, Timeouts
+from exod.runner import protocol as p
 
 IGNORES_EVERYTHING = """
 import signal, time

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from exod.cli import main
-from exod.models import (
+from exod.host.models import (
     CachedModel,
     InvalidModelId,
     ModelNotFound,
@@ -23,7 +23,7 @@ from exod.models import (
     resolve_model,
     validate_model_id,
 )
-from exod.tiny_model import InvalidTinyModelArgs, make_tiny_model
+from exod.host.tiny_model import InvalidTinyModelArgs, make_tiny_model
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -57,7 +57,7 @@ def test_same_arguments_give_identical_bytes_and_revision(tmp_path: Path) -> Non
 def test_other_process_with_other_hash_seed_gives_identical_bytes(tmp_path: Path) -> None:
     here = make_tiny_model("exod/tiny-llama", arch="llama", seed=3, hf_home=tmp_path / "here")
     code = (
-        "import sys; from pathlib import Path; from exod.tiny_model import make_tiny_model; "
+        "import sys; from pathlib import Path; from exod.host.tiny_model import make_tiny_model; "
         "print(make_tiny_model('exod/tiny-llama', arch='llama', seed=3, hf_home=Path(sys.argv[1])))"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345", "RAYON_NUM_THREADS": "1"}
@@ -194,7 +194,7 @@ def test_resolve_model_offline_finds_the_cached_snapshot(models: dict[str, Path]
 
 
 def test_resolve_model_honours_hf_hub_offline_in_a_fresh_process(models: dict[str, Path]) -> None:
-    code = "from exod.models import resolve_model; print(resolve_model('exod/tiny-llama'))"
+    code = "from exod.host.models import resolve_model; print(resolve_model('exod/tiny-llama'))"
     env = {**os.environ, "HF_HOME": str(models["home"]), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

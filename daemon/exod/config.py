@@ -13,13 +13,13 @@ import platformdirs
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 import fsm
-from exod.batch import BatchLimits
-from exod.faults import Fault, FaultSpec
-from exod.membership import DEFAULT_PREFIX, ClusterConfig
-from exod.models import validate_model_id
-from exod.nodes import DEFAULT_TTL
-from exod.retention import Retention
-from exod.supervisor import Timeouts
+from exod.cluster.membership import DEFAULT_PREFIX, ClusterConfig
+from exod.cluster.nodes import DEFAULT_TTL
+from exod.host.models import validate_model_id
+from exod.host.supervisor import Timeouts
+from exod.runner.batch import BatchLimits
+from exod.runner.faults import Fault, FaultSpec
+from exod.state.retention import Retention
 from fsm.admit import MIB
 
 
@@ -36,12 +36,12 @@ class DaemonConfig:
     download_timeout: float = 30.0  # seconds without a byte before a download is given up (and retried)
     max_requests_per_instance: int = 16  # in flight + queued; beyond it: Overloaded (HTTP 429)
     queue_timeout: float = 30.0  # a request no Ready runner took by then fails instead of waiting on
-    faults: tuple[FaultSpec, ...] = ()  # injected faults, for tests (exod.faults); empty in production
+    faults: tuple[FaultSpec, ...] = ()  # injected faults, for tests (exod.runner.faults); empty in production
     script: str | None = None  # text every generation emits instead of sampling ([script], tests only)
     memory_bytes: int = attrs.Factory(lambda: host_memory())  # what admission may reserve on this node
     limits: fsm.Limits = attrs.Factory(lambda self: fsm.Limits.for_memory(self.memory_bytes), takes_self=True)
     retention: Retention = attrs.Factory(Retention)  # what the transition log and the runner files keep
-    batch: BatchLimits = attrs.Factory(BatchLimits)  # what each runner decodes at once (exod.batch)
+    batch: BatchLimits = attrs.Factory(BatchLimits)  # what each runner decodes at once (exod.runner.batch)
 
     @property
     def db_path(self) -> Path:
@@ -92,12 +92,12 @@ class ServeConfig:
     insecure: bool = False
     max_tokens: int = 4096
     max_body_bytes: int = 1 << 20
-    # exod.http_server: what one client can hold
+    # exod.api.http_server: what one client can hold
     read_timeout: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))  # to wait for a body, in all
     keep_alive_timeout: float = attrs.field(default=5.0, validator=attrs.validators.gt(0))  # idle, or for headers
     max_connections: int = attrs.field(default=256, validator=attrs.validators.gt(0))  # more wait to be accepted
-    cluster: ClusterConfig | None = None  # `exod serve --cluster`: a node of an etcd cluster (exod.membership)
-    # exod.drain: on SIGTERM/SIGINT, how long requests in progress may take to finish before they are ended
+    cluster: ClusterConfig | None = None  # `exod serve --cluster`: a node of an etcd cluster (exod.cluster.membership)
+    # exod.api.drain: on SIGTERM/SIGINT, how long requests in progress may take to finish before they are ended
     drain_timeout: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
 
     def check_exposure(self) -> None:
@@ -147,7 +147,7 @@ class _Retry(BaseModel):
     reset_after: Positive = fsm.RetryPolicy().reset_after
 
 
-_Timeouts = create_model(  # one positive number per phase of `exod.supervisor.Timeouts`
+_Timeouts = create_model(  # one positive number per phase of `exod.host.supervisor.Timeouts`
     "_Timeouts", __config__=_STRICT, **{f.name: (Positive, f.default) for f in attrs.fields(Timeouts)}
 )
 

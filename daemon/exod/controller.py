@@ -8,8 +8,8 @@ carried out only if they accepted it: a supervisor spawned, a command posted,
 a download started. What the world answers comes back as events
 (`exod.reports`), and requests live in their own book (`exod.requests`).
 
-Every change of the machines is handed to the journal (`exod.journal`) with its log
-entries, which writes them to the state store (`exod.state`: SQLite on one host, etcd
+Every change of the machines is handed to the journal (`exod.state.journal`) with its log
+entries, which writes them to the state store (`exod.state.store`: SQLite on one host, etcd
 in a cluster) in order; a placement is acknowledged once it is stored.
 
 Time is trio's clock (`trio.current_time`), so `trio.testing.MockClock` drives
@@ -31,23 +31,23 @@ from typing import Any
 import trio
 
 import fsm
-from exod import protocol as p
-from exod import retention
+from exod.cluster.remote import Fleet
 from exod.config import DaemonConfig
 from exod.downloads import Downloads
-from exod.journal import Journal
-from exod.models import ModelFiles, ModelNotFound
+from exod.host.models import ModelFiles, ModelNotFound
+from exod.host.orphans import reap_orphans, start_ticks
+from exod.host.supervisor import RunnerSpec, Spawn, Supervisor
 from exod.narrate import narrate
-from exod.orphans import reap_orphans, start_ticks
 from exod.placer import Placer
 from exod.processes import Processes
-from exod.remote import Fleet
 from exod.reports import Reports
 from exod.requests import InstanceNotFound, RequestBook
-from exod.state import SqliteState, StateStore
+from exod.runner import protocol as p
+from exod.state import retention
+from exod.state.journal import Journal
+from exod.state.sqlite import ProcessRecord, Store
+from exod.state.store import SqliteState, StateStore
 from exod.status import NODE, status_of
-from exod.store import ProcessRecord, Store
-from exod.supervisor import RunnerSpec, Spawn, Supervisor
 from fsm import download as dl
 from fsm import runner as rn
 from fsm.cluster import Cluster, LogEntry
@@ -254,7 +254,7 @@ class Controller:
         return await self.journal.state.transitions(after=after, limit=limit)
 
     async def log_start(self) -> int:
-        """The first sequence number the log still holds: the entries before it were pruned (`exod.retention`)."""
+        """The first sequence number the log still holds: the entries before it were pruned (`exod.state.retention`)."""
         return await self.journal.state.log_start()
 
     async def log_grew(self, after: int) -> None:

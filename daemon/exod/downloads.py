@@ -13,8 +13,8 @@ from collections.abc import Callable
 import attrs
 
 import fsm
-from exod.models import ModelFiles, ModelNotFound
-from exod.remote import AgentUnavailable, Fleet
+from exod.cluster.remote import AgentUnavailable, Fleet
+from exod.host.models import ModelFiles, ModelNotFound
 from fsm import download as dl
 from fsm import runner as rn
 from fsm.cluster import Cluster

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 import fsm
+from exod.cluster.remote import Fleet
 from exod.config import DaemonConfig
-from exod.models import ModelFiles
-from exod.remote import Fleet
+from exod.host.models import ModelFiles
 from exod.status import NODE
 from fsm.cluster import Cluster
 

@@ -2,7 +2,7 @@
 
 The controller decides (an accepted `fsm.CreateRunner`, `StopRunner`, a command to post); this room
 carries it out: the ring's hostfile, the spec, the supervisor in the controller's nursery, and, when a
-process is reaped, its generation's files (`exod.retention.Generations`). What a process reports goes
+process is reaped, its generation's files (`exod.state.retention.Generations`). What a process reports goes
 to the listener (`exod.reports.Reports`), never back here.
 """
 
@@ -16,12 +16,13 @@ import attrs
 import trio
 
 import fsm
-from exod import protocol as p
-from exod import retention, ring
+from exod.cluster.remote import AgentUnavailable, Fleet, RemoteProcess, Ring
 from exod.config import DaemonConfig
-from exod.remote import AgentUnavailable, Fleet, RemoteProcess, Ring
+from exod.host import ring
+from exod.host.supervisor import Process, RunnerSpec, Spawn
 from exod.reports import Reports
-from exod.supervisor import Process, RunnerSpec, Spawn
+from exod.runner import protocol as p
+from exod.state import retention
 
 log = logging.getLogger("exod.processes")
 

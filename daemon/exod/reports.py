@@ -12,10 +12,9 @@ import logging
 from typing import Protocol
 
 import fsm
-from exod import protocol as p
+from exod.host.supervisor import RunnerSpec
 from exod.requests import RequestBook
-from exod.runner import HOST_ERRNOS
-from exod.supervisor import RunnerSpec
+from exod.runner import protocol as p
 from fsm import runner as rn
 
 log = logging.getLogger("exod.reports")
@@ -32,7 +31,7 @@ class Sink(Protocol):
 
 
 class Reports:
-    """The `exod.supervisor.Listener` of every runner: reports in, events out."""
+    """The `exod.host.supervisor.Listener` of every runner: reports in, events out."""
 
     def __init__(self, sink: Sink) -> None:
         self.sink = sink
@@ -44,7 +43,7 @@ class Reports:
         """A runner whose process could not be started: Failed, then gone. Out of fds or disk, or a node out of
         reach (``host``), is the host's failure (uncharged); anything else is charged like any spawn failure."""
         what = f"cannot start runner: {type(exc).__name__}: {exc}"
-        host = host or (isinstance(exc, OSError) and exc.errno in HOST_ERRNOS)
+        host = host or (isinstance(exc, OSError) and exc.errno in p.HOST_ERRNOS)
         failure = fsm.Failure.host(what) if host else fsm.Failure(fsm.FailureKind.SPAWN, what)
         self.sink.runner_event(rn.Fail(runner_id, incarnation, failure=failure))
         self.sink.runner_event(rn.Exited(runner_id, incarnation, exit_code=1))

@@ -21,7 +21,7 @@ import attrs
 import trio
 
 import fsm
-from exod import protocol as p
+from exod.runner import protocol as p
 from fsm.cluster import Cluster
 
 
@@ -191,7 +191,7 @@ class RequestBook:
         **options: Any,
     ) -> RequestStream:
         """Queue a generation on an instance: chat ``messages``, or a prompt (``prompt_text``,
-        ``prompt_tokens``); ``options`` are `exod.protocol.Generate`'s others (tools, logprobs, penalties).
+        ``prompt_tokens``); ``options`` are `exod.runner.protocol.Generate`'s others (tools, logprobs, penalties).
         Refuses at once (not later) when it cannot take it."""
         if self._closed is not None:
             raise ShuttingDown(self._closed)
@@ -256,7 +256,7 @@ class RequestBook:
         return request.command
 
     def drop(self, request_id: str) -> None:
-        """Its caller went away: every rank drops it from its batch, at the same step (`exod.protocol.Cancel`).
+        """Its caller went away: every rank drops it from its batch, at the same step (`exod.runner.protocol.Cancel`).
         It stays counted until rank 0 says it is done, so the bound on requests holds."""
         request = self._requests.get(request_id)
         for runner_id, incarnation in [] if request is None else request.runners:

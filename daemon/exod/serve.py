@@ -4,13 +4,13 @@
 
     serve
     ├── controller.run      plan → act; one supervisor task per runner process
-    ├── exod.http_server    the HTTP API (hypercorn, with read timeouts and a connection limit)
-    ├── membership.run      with --cluster: the node's record and the election (exod.membership), and
+    ├── exod.api.http_server    the HTTP API (hypercorn, with read timeouts and a connection limit)
+    ├── membership.run      with --cluster: the node's record and the election (exod.cluster.membership), and
     │   └── _lead           while elected, the controller's term: controller.run on etcd's state
-    └── signal watcher      SIGINT/SIGTERM → drain the requests (exod.drain; a second signal: end them now),
+    └── signal watcher      SIGINT/SIGTERM → drain the requests (exod.api.drain; a second signal: end them now),
                             then stop and reap every runner, then cancel all
 
-One daemon per state directory, which is private to its user (`exod.statedir`); the
+One daemon per state directory, which is private to its user (`exod.state.statedir`); the
 daemon's address is written to ``daemon.json`` there so the CLI finds it. With ``--cluster`` the
 cluster's state is in etcd and only the elected controller runs the controller, as a one-host daemon
 would after a restart: it resumes from what the last controller wrote (`Controller.take_over`).
@@ -33,23 +33,23 @@ import attrs
 import trio
 
 import fsm
-from exod.agent import Agent
-from exod.api import create_app
+from exod.api.app import create_app
+from exod.api.drain import Drain, Gate
+from exod.api.http_server import bind, serve_http
+from exod.cluster.agent import Agent
+from exod.cluster.election import Deposed, Term
+from exod.cluster.etcd import Etcd, EtcdError
+from exod.cluster.etcd_state import EtcdState
+from exod.cluster.membership import Membership
+from exod.cluster.nodes import NodeRecord, list_nodes, live_runners
+from exod.cluster.remote import Fleet
 from exod.config import ServeConfig, free_memory
 from exod.controller import Controller, StoreUnavailable
-from exod.drain import Drain, Gate
-from exod.election import Deposed, Term
-from exod.etcd import Etcd, EtcdError
-from exod.etcd_state import EtcdState
-from exod.http_server import bind, serve_http
-from exod.membership import Membership
-from exod.nodes import NodeRecord, list_nodes, live_runners
-from exod.orphans import reap_orphans
-from exod.remote import Fleet
-from exod.state import SqliteState, StateStore, StateUnavailable
-from exod.statedir import AlreadyRunning as AlreadyRunning  # re-exported: callers catch it from here too
-from exod.statedir import state_dir_lock, write_private
-from exod.store import Store
+from exod.host.orphans import reap_orphans
+from exod.state.sqlite import Store
+from exod.state.statedir import AlreadyRunning as AlreadyRunning  # re-exported: callers catch it from here too
+from exod.state.statedir import state_dir_lock, write_private
+from exod.state.store import SqliteState, StateStore, StateUnavailable
 
 log = logging.getLogger("exod.serve")
 
@@ -230,7 +230,7 @@ async def _join(config: ServeConfig) -> Membership | None:
     """With ``--cluster``: this node's record in etcd, under its lease (`ClusterUnavailable` if etcd is not there)."""
     if config.cluster is None:
         return None
-    from exod.models import list_cached_models
+    from exod.host.models import list_cached_models
 
     c, total = config.cluster, config.daemon.memory_bytes
 

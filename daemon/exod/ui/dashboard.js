@@ -7,7 +7,7 @@
 //   the page only marks the live states in them.
 // * With an API key, nothing is fetched until the person has given it.
 
-const KEEPALIVE_S = 15; // the daemon's keepalive comment period (exod.api.KEEPALIVE_S)
+const KEEPALIVE_S = 15; // the daemon's keepalive comment period (exod.api.app.KEEPALIVE_S)
 const TIMELINE_MAX = 500; // entries kept per instance
 const POLL_MS = 2000; // progress and byte counts change without a transition: read them this often
 const RETRY_MS = [250, 500, 1000, 2000, 4000];

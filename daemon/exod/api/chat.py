@@ -1,0 +1,358 @@
+"""OpenAI-compatible chat completions: the request and response shapes users' clients already speak."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from exod.api.errors import ApiError, responses
+from exod.api.generation import Generation, Output, ToolCall, Usage, event_stream, openai_logprobs, sse, usage
+from exod.controller import Controller
+from exod.requests import RequestFailed
+from exod.runner import protocol as p
+
+MAX_MESSAGES = 256
+MAX_MESSAGE_CHARS = 100_000
+MAX_CHOICES = 8  # n: each choice is a request of its own
+
+# Known fields are strict (OpenAI refuses `"max_tokens": "5"` and `"stream": 1`, and so does exod, naming the
+# field); unknown ones are ignored, as OpenAI's own server and mlx_lm.server do, so that clients sending
+# parameters exod has no use for (`store`, `metadata`, `service_tier`, …) are served.
+LENIENT = ConfigDict(extra="ignore", strict=True)
+
+# Content parts a chat message may carry; only text reaches a text model.
+_TEXT_PARTS = ("text", "input_text")
+
+
+def unicode_text(value: str) -> str:
+    """Refuse a lone surrogate (JSON lets a client write ``"\\ud800"``): the runner's UTF-8 channel, the
+    log and the metrics labels cannot carry it, so it is the client's 400, not the daemon's 500."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"contains a lone surrogate ({value[exc.start]!r}) at character {exc.start}; send valid Unicode text"
+        ) from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(unicode_text)]
+
+
+def stop_list(value: str | list[str] | None, most: int = 4) -> list[str]:
+    """OpenAI's ``stop`` (or Anthropic's ``stop_sequences``): a string or a list, as a list."""
+    stops = [value] if isinstance(value, str) else list(value or [])
+    if len(stops) > most or any(not s or len(s) > 200 for s in stops):
+        raise ValueError(f"up to {most} non-empty strings of at most 200 characters")
+    return [unicode_text(s) for s in stops]
+
+
+def text_of(parts: list[dict[str, Any]]) -> str:
+    """The text of a message's content parts; any other part (an image, audio, a file) is refused."""
+    texts = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise ValueError(
+                f"content part of type {kind!r} is not supported: exod serves text models; send text parts "
+                '({"type": "text", "text": ...}) or a string'
+            )
+        texts.append(unicode_text(part["text"]))
+    return "".join(texts)
+
+
+class FunctionCall(BaseModel):
+    model_config = LENIENT
+
+    name: Text = Field(..., min_length=1, max_length=64)
+    arguments: Text = Field("{}", max_length=MAX_MESSAGE_CHARS)
+
+
+class ToolCallItem(BaseModel):
+    model_config = LENIENT
+
+    id: Text | None = Field(None, max_length=200)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    model_config = LENIENT
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[dict[str, Any]] | None = None
+    name: Text | None = Field(None, max_length=64)
+    tool_calls: list[ToolCallItem] | None = None
+    tool_call_id: Text | None = Field(None, max_length=200)
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, value: str | list[dict[str, Any]] | None) -> str | None:
+        text = text_of(value) if isinstance(value, list) else value
+        if text is not None and len(text) > MAX_MESSAGE_CHARS:
+            raise ValueError(f"at most {MAX_MESSAGE_CHARS} characters")
+        return text
+
+    @model_validator(mode="after")
+    def _said_something(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it (OpenAI's ``developer`` is the templates' ``system``)."""
+        message: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.content,
+        }
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _args(c)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _args(call: ToolCallItem) -> Any:
+    """A call's arguments as templates expect them: the object (most write it with ``tojson``), else the text."""
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
+
+
+class FunctionDef(BaseModel):
+    model_config = LENIENT
+
+    name: Text = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: Text | None = Field(None, max_length=MAX_MESSAGE_CHARS)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = LENIENT
+
+    type: Literal["function"]
+    function: FunctionDef
+
+    def for_template(self) -> dict[str, Any]:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class NamedFunction(BaseModel):
+    model_config = LENIENT
+
+    name: Text
+
+
+class NamedToolChoice(BaseModel):
+    model_config = LENIENT
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ResponseFormat(BaseModel):
+    model_config = LENIENT
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = LENIENT
+
+    include_usage: bool = False
+
+
+class ChatRequest(BaseModel):
+    """OpenAI's chat completion request. ``tool_choice``: ``none`` leaves the tools out of the template;
+    ``required`` or a named function makes the prompt begin the call (`exod.runner.process.forced_call`). Accepted
+    but not enforced: ``response_format`` (the output is not checked against the schema),
+    ``parallel_tool_calls``."""
+
+    model_config = LENIENT
+
+    model: Text = Field(..., min_length=1, max_length=200)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    user: Text | None = Field(None, max_length=256)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> list[str]:
+        return stop_list(value)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases lie in [-100, 100], got {bias} for token {key}")
+        return value
+
+    @model_validator(mode="after")
+    def _logprobs(self) -> ChatRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def options(self) -> dict[str, Any]:
+        """What the runners are asked besides the messages (`exod.runner.protocol.Generate`)."""
+        tools = [t.for_template() for t in self.tools or []] if self.tool_choice != "none" else []
+        forced = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+        return {
+            "tool_choice": p.REQUIRED if self.tool_choice == "required" else forced,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "stop": self.stop,
+            "tools": tools or None,
+            "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "logit_bias": self.logit_bias or None,
+        }
+
+
+def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> APIRouter:
+    api = APIRouter()
+
+    @api.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model(m) for m in controller.placed_models()]}
+
+    @api.get("/v1/models/{model_id:path}", responses=responses(404))
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id not in controller.placed_models():
+            raise ApiError(
+                404,
+                f"model {model_id!r} is not placed here: GET /v1/models lists those that are",
+                param="model",
+                code="model_not_found",
+            )
+        return _model(model_id)
+
+    @api.post("/v1/chat/completions", response_model=None, responses=responses(400, 404, 429, 502, 503))
+    async def chat(body: ChatRequest, request: Request) -> JSONResponse | EventSourceResponse:
+        max_tokens = body.max_completion_tokens or body.max_tokens or min(256, max_tokens_ceiling)
+        generation = Generation(controller, metrics, body.model)
+        if max_tokens > max_tokens_ceiling:
+            raise generation.rejected(
+                ApiError(400, f"max_tokens must be at most {max_tokens_ceiling}", param="max_tokens")
+            )
+        streams = await generation.start(
+            body.n,
+            messages=[m.for_template() for m in body.messages],
+            max_tokens=max_tokens,
+            seed=body.seed,
+            **body.options(),
+        )
+        completion_id = f"chatcmpl-{secrets.token_hex(12)}"
+        created = int(time.time())
+        head = {"id": completion_id, "created": created, "model": body.model}
+
+        if not body.stream:
+            outputs = await generation.outputs()
+            return JSONResponse(
+                head
+                | {
+                    "object": "chat.completion",
+                    "choices": [_choice(i, o, body.logprobs) for i, o in enumerate(outputs)],
+                    "usage": usage(outputs).openai(),
+                }
+            )
+
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(
+            index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None
+        ) -> ServerSentEvent:
+            choice = {"index": index, "delta": delta, "finish_reason": finish}
+            if body.logprobs:
+                choice["logprobs"] = logprobs
+            return sse(head | {"object": "chat.completion.chunk", "choices": [choice]})
+
+        async def events() -> AsyncIterator[ServerSentEvent]:
+            dones: list[p.Done] = []
+            try:
+                for index, stream in enumerate(streams):  # choice by choice; each chunk says its index
+                    yield chunk(index, {"role": "assistant", "content": ""})
+                    calls = 0
+                    async for item in generation.pieces(stream):
+                        match item:
+                            case p.Token(text=text) if text or item.chosen is not None:
+                                logprobs = {"content": openai_logprobs([item])} if item.chosen else None
+                                yield chunk(index, {"content": text}, logprobs=logprobs)
+                            case ToolCall():
+                                function = {"name": item.name, "arguments": item.arguments}
+                                call = {"index": calls, "id": item.id, "type": "function", "function": function}
+                                yield chunk(index, {"tool_calls": [call]})
+                                calls += 1
+                            case p.Done():
+                                dones.append(item)
+                                yield chunk(index, {}, item.finish_reason.value)
+                generation.record("ok", sum(d.completion_tokens for d in dones))
+                if include_usage:
+                    counted = Usage.of(dones).openai()
+                    yield sse(head | {"object": "chat.completion.chunk", "choices": [], "usage": counted})
+            except RequestFailed as exc:
+                generation.record("error")
+                yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
+            finally:
+                generation.close()  # the client went away mid-stream: cancelled (no-op when recorded)
+            yield sse("[DONE]")
+
+        return event_stream(events())
+
+    return api
+
+
+def _model(model_id: str) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "exod"}
+
+
+def _choice(index: int, output: Output, logprobs: bool | None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": output.text or (None if output.tool_calls else "")}
+    if output.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in output.tool_calls
+        ]
+    return {
+        "index": index,
+        "message": message,
+        "finish_reason": output.finish_reason,
+        "logprobs": {"content": openai_logprobs(output.logprobs)} if logprobs else None,
+    }

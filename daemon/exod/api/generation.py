@@ -1,0 +1,241 @@
+"""One generation as every API dialect needs it: submitted to the request book with its errors mapped to HTTP
+(the same in OpenAI's chat, completions and Responses, and in Anthropic's Messages), its outcome counted in
+the metrics once, and its output collected or streamed as text, tool calls and log-probabilities.
+
+The dialects (`exod.api.chat`, `exod.api.completions`, `exod.api.responses_api`, `exod.api.messages`) only
+translate shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import attrs
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from exod.api.drain import unavailable
+from exod.api.errors import ApiError
+from exod.controller import Controller
+from exod.requests import (
+    InstanceNotFound,
+    InvalidRequest,
+    ModelNotReady,
+    Overloaded,
+    PromptRejected,
+    QueueTimeout,
+    RequestFailed,
+    RequestStream,
+    ShuttingDown,
+)
+from exod.runner import protocol as p
+
+log = logging.getLogger("exod.requests")
+
+
+@attrs.frozen
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
+@attrs.define
+class Output:
+    """All one generation said, once it finished."""
+
+    text: str = ""
+    tool_calls: list[ToolCall] = attrs.Factory(list)
+    logprobs: list[p.Token] = attrs.Factory(list)  # the tokens that carry their log-probabilities
+    done: p.Done | None = None
+
+    @property
+    def finish_reason(self) -> str:
+        assert self.done is not None
+        return self.done.finish_reason.value
+
+
+def call_id(prefix: str = "call") -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+class Generation:
+    """One API request's generations (``n`` of them) and its metrics, recorded once whatever happens."""
+
+    def __init__(self, controller: Controller, metrics: Any, model: str) -> None:
+        self.controller, self.metrics, self.model = controller, metrics, model
+        self.streams: list[RequestStream] = []
+        self.started = time.monotonic()
+        self._recorded = False
+
+    async def start(self, n: int = 1, **submit: Any) -> list[RequestStream]:
+        """Queue ``n`` generations (``submit``: `exod.requests.RequestBook.submit`'s arguments) and wait until
+        runners took them. Errors before the first token are HTTP errors, streaming or not."""
+        try:
+            instance_id = self.controller.requests.pick(self.model)
+            seed = submit.pop("seed", None)
+            for i in range(n):
+                each = None if seed is None else seed + i  # n samples, not one sample n times
+                self.streams.append(self.controller.requests.submit(instance_id, seed=each, **submit))
+        except InstanceNotFound as exc:
+            raise self.rejected(ApiError(404, str(exc), param="model", code="model_not_found")) from exc
+        except ModelNotReady as exc:
+            raise self.rejected(ApiError(503, str(exc), headers={"Retry-After": str(exc.retry_after)})) from exc
+        except InvalidRequest as exc:
+            raise self.rejected(ApiError(400, str(exc), param="messages")) from exc
+        except Overloaded as exc:
+            busy = ApiError(429, str(exc), headers={"Retry-After": "1"}, code="rate_limit_exceeded")
+            raise self.rejected(busy) from exc
+        except ShuttingDown as exc:
+            raise self.rejected(unavailable(str(exc))) from exc
+        finally:
+            if len(self.streams) < n:  # a later one was refused: the earlier ones are not wanted
+                self.close()
+        try:
+            for stream in self.streams:
+                await stream.started()
+        except QueueTimeout as exc:
+            self.close()
+            raise self.rejected(ApiError(503, str(exc), headers={"Retry-After": "1"})) from exc
+        except PromptRejected as exc:
+            self.close()
+            raise self.rejected(ApiError(400, str(exc), param="messages")) from exc
+        except ShuttingDown as exc:
+            self.close()
+            raise self.rejected(unavailable(str(exc))) from exc
+        except RequestFailed as exc:
+            self.close()
+            raise self.rejected(ApiError(502, str(exc), error_type="server_error")) from exc
+        except BaseException:
+            self.close()
+            raise
+        return self.streams
+
+    async def collect(self, stream: RequestStream) -> Output:
+        """The whole output of one generation; `ApiError` (502, or 503 when shutting down) if it failed."""
+        output = Output()
+        try:
+            async for item in self.pieces(stream):
+                self._take(output, item)
+        except ShuttingDown as exc:
+            self.record("error")
+            raise unavailable(str(exc)) from exc  # 503, not 502: nothing failed
+        except RequestFailed as exc:
+            self.record("error")
+            raise ApiError(502, str(exc), error_type="server_error") from exc
+        return output
+
+    async def outputs(self) -> list[Output]:
+        """Every generation's whole output, counted in the metrics; the streams closed whatever happens."""
+        try:
+            outputs = [await self.collect(stream) for stream in self.streams]
+            self.finished(outputs)
+            return outputs
+        finally:
+            self.close()
+
+    async def pieces(self, stream: RequestStream) -> AsyncIterator[p.Token | ToolCall | p.Done]:
+        """The output as it comes: tokens (text and log-probabilities), tool calls with their ids, the end.
+        `RequestFailed` ends it early (the dialect says so in its own words)."""
+        async for item in stream:
+            if isinstance(item, p.Done):
+                self.metrics.finished(self.model, item)
+            yield ToolCall(call_id(), item.name, item.arguments) if isinstance(item, p.ToolCall) else item
+
+    def finished(self, outputs: list[Output]) -> None:
+        self.record("ok", sum(o.done.completion_tokens for o in outputs if o.done is not None))
+
+    def record(self, outcome: str, completion_tokens: int = 0) -> None:
+        if self._recorded:
+            return
+        self._recorded = True
+        ids = ", ".join(s.request_id for s in self.streams)
+        log.debug("%s [%s]: %s, %d tokens, %.3f s", self.model, ids, outcome, completion_tokens, self.elapsed)
+        self.metrics.requests.labels(self.model, outcome).inc()
+        self.metrics.latency.labels(self.model).observe(self.elapsed)
+        self.metrics.tokens.labels(self.model).inc(completion_tokens)
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def close(self) -> None:
+        """The caller is done (or went away): whatever was not recorded was cancelled."""
+        self.record("cancelled")  # no-op when an outcome was recorded
+        for stream in self.streams:
+            stream.close()
+
+    def rejected(self, error: ApiError) -> ApiError:
+        """Count ``error`` as this request's outcome, and return it to raise."""
+        self._recorded = True
+        log.debug("%s: rejected %d: %s", self.model, error.status, error.message)
+        self.metrics.requests.labels(self.model, f"rejected_{error.status}").inc()
+        return error
+
+    @staticmethod
+    def _take(output: Output, item: p.Token | ToolCall | p.Done) -> None:
+        match item:
+            case p.Token():
+                output.text += item.text
+                if item.chosen is not None:
+                    output.logprobs.append(item)
+            case ToolCall():
+                output.tool_calls.append(item)
+            case p.Done():
+                output.done = item
+
+
+@attrs.frozen
+class Usage:
+    """Tokens of ``n`` generations of one prompt: the prompt is counted once, ``cached`` of it came from the
+    prompt cache (a conversation's earlier turn)."""
+
+    prompt: int = 0
+    completion: int = 0
+    cached: int = 0
+
+    @classmethod
+    def of(cls, dones: list[p.Done]) -> Usage:
+        if not dones:
+            return cls()
+        return cls(dones[0].prompt_tokens, sum(d.completion_tokens for d in dones), dones[0].cached_tokens)
+
+    def openai(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt,
+            "completion_tokens": self.completion,
+            "total_tokens": self.prompt + self.completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached},
+        }
+
+
+def usage(outputs: list[Output]) -> Usage:
+    return Usage.of([o.done for o in outputs if o.done is not None])
+
+
+def openai_logprobs(tokens: list[p.Token]) -> list[dict[str, Any]]:
+    """OpenAI's ``logprobs.content``: each token, its log-probability and bytes, and the likeliest others."""
+
+    def entry(alt: p.Alternative) -> dict[str, Any]:
+        return {"token": alt.text, "logprob": alt.logprob, "bytes": list(alt.text.encode())}
+
+    return [
+        entry(t.chosen) | {"top_logprobs": [entry(a) for a in t.top_logprobs or []]}
+        for t in tokens
+        if t.chosen is not None
+    ]
+
+
+def sse(data: dict[str, Any] | str, event: str | None = None) -> ServerSentEvent:
+    """One server-sent event (``event:`` for the dialects that name them: Anthropic's, Responses')."""
+    return ServerSentEvent(data=data if isinstance(data, str) else json.dumps(data), event=event)
+
+
+def event_stream(events: AsyncIterator[ServerSentEvent]) -> EventSourceResponse:
+    """The response that streams ``events`` (sse-starlette: the framing, and the client going away cancels
+    the stream, whose ``finally`` then counts the request as cancelled)."""
+    return EventSourceResponse(events, sep="\n", headers={"Cache-Control": "no-cache"})

@@ -1,0 +1,186 @@
+"""The daemon's HTTP server: hypercorn's protocols behind limits on what a client can hold.
+
+Why not ``hypercorn.trio.serve`` as it is: it accepts every connection it is offered (it has no limit of its
+own, hypercorn issue #81), and a request whose headers are in but whose body never comes is waited for
+forever. A local client that opens connections and sends half a request each holds file descriptors until
+the daemon has none left to start runners with.
+
+Theory of operation: a connection passes four gates, each with one limit.
+
+* **accept**: the listener takes a slot before it accepts, and the connection gives it back when it
+  closes, at once when its client hangs up (`_Connection`). With every slot taken the next client waits in
+  the kernel's backlog (connected, not accepted: no file descriptor here, nothing read) until a connection
+  closes; once the backlog is full too, the kernel refuses.
+* **headers**: hypercorn's keep-alive timer runs from connect, and from the end of each response, until a
+  request's headers are complete; a client that has not sent them by then is closed.
+* **body**: `RequestDeadline` lets the client keep the app waiting for its body ``read_timeout`` in all;
+  late, the request is a 408 and the connection is closed. Only waiting on the client counts: an answer
+  may take as long as it needs.
+* **response**: no limit. ``/events`` and long completions stream for as long as they last. (hypercorn's
+  own ``read_timeout`` is therefore not used: on HTTP/2 it cuts off a client that only listens.)
+
+A client can still trickle its body a byte at a time for ``read_timeout``: the limits bound what it holds
+and for how long, not that it is served before others.
+
+Plain HTTP only (exod offers no TLS), so of hypercorn's ``worker_serve`` this keeps the lifespan and
+hypercorn's per-connection `TCPServer`, and serves them with `trio.serve_listeners` over limited listeners.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from functools import partial
+from typing import Any
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio.lifespan import Lifespan
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import ConnectionState
+from hypercorn.utils import repr_socket_addr, wrap_app
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from exod.api.errors import ApiError
+from exod.config import ServeConfig
+
+
+def hypercorn_config(config: ServeConfig) -> HypercornConfig:
+    """hypercorn's settings for ``config``: where to bind, and how long an idle connection or headers may take."""
+    hc = HypercornConfig()
+    hc.bind = [f"{config.host}:{config.port}"]
+    hc.accesslog = None
+    hc.keep_alive_timeout = config.keep_alive_timeout  # also the time a new connection has for its headers
+    hc.read_timeout = None  # the body has `RequestDeadline`; responses have no limit (see the module docstring)
+    return hc
+
+
+class RequestDeadline:
+    """ASGI middleware: a client may keep the app waiting for its request body ``timeout`` seconds in all.
+
+    Only the app's waits for body bytes count, so an app that takes its time to read or to answer is never
+    cut off. A late client's request is cancelled out of the app (trio's `Cancelled` passes every
+    ``except Exception``), then answered 408 with ``Connection: close``.
+    """
+
+    def __init__(self, app: ASGIApp, timeout: float) -> None:
+        self.app, self.timeout = app, timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        budget = self.timeout
+        body_done = late = answered = False
+        with trio.CancelScope() as request:
+
+            async def receive_in_time() -> Message:
+                nonlocal budget, body_done, late
+                if body_done:
+                    return await receive()
+                asked = trio.current_time()
+                with trio.move_on_after(budget):
+                    message = await receive()
+                    budget -= trio.current_time() - asked
+                    body_done = message["type"] != "http.request" or not message.get("more_body", False)
+                    return message
+                late = True
+                request.cancel()
+                await trio.sleep_forever()  # raises Cancelled at once: the app unwinds as on any cancellation
+
+            async def send_tracked(message: Message) -> None:
+                nonlocal answered
+                answered = answered or message["type"] == "http.response.start"
+                await send(message)
+
+            await self.app(scope, receive_in_time, send_tracked)
+        if late and not answered:
+            error = ApiError(
+                408,
+                f"the request body took over {self.timeout:g} s to arrive; send it whole, at once",
+                headers={"Connection": "close"},
+            )
+            await error.response()(scope, receive, send)
+
+
+class _Connection(TCPServer):
+    """hypercorn's connection, letting go as soon as the client has gone.
+
+    hypercorn keeps a connection whose client closed it until its keep-alive timer ends, socket and all; with
+    a limit on connections that would make every one-shot client hold a slot for ``keep_alive_timeout``.
+    """
+
+    async def _read_data(self) -> None:
+        await super()._read_data()  # returns once the client closed (or the connection failed)
+        await self.idle_task.stop()  # nothing left to wait for: the connection closes when its request is done
+
+
+class LimitedListener(trio.abc.Listener[trio.SocketStream]):
+    """A listener that accepts only while a slot is free; the slot is the caller's to release when it closes."""
+
+    def __init__(self, listener: trio.SocketListener, slots: trio.Semaphore) -> None:
+        self.listener, self.slots = listener, slots
+
+    async def accept(self) -> trio.SocketStream:
+        await self.slots.acquire()
+        try:
+            return await self.listener.accept()
+        except BaseException:
+            self.slots.release()
+            raise
+
+    async def aclose(self) -> None:
+        await self.listener.aclose()
+
+
+class BindError(OSError):
+    """The API's address cannot be listened on; the message says why and what to do."""
+
+
+def bind(config: ServeConfig) -> list[socket.socket]:
+    """The API's sockets, bound: done before anything else starts, so that a port in use starts nothing."""
+    try:
+        return list(hypercorn_config(config).create_sockets().insecure_sockets)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise BindError(f"port {config.port} is in use on {config.host}; pick another with --port") from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise BindError(f"{config.host} is not an address of this machine; pick another with --host") from None
+        raise BindError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
+
+
+async def serve_http(
+    app: ASGIApp,
+    config: ServeConfig,
+    sockets: list[socket.socket] | None = None,
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` on ``sockets`` (`bind`, by default now) until cancelled; ``task_status`` gets their URLs.
+
+    At most ``config.max_connections`` connections are open at a time; see the module docstring for the rest.
+    """
+    hc = hypercorn_config(config)
+    wrapped = wrap_app(RequestDeadline(app, config.read_timeout), hc.wsgi_max_body_size, "asgi")
+    lifespan_state: dict[str, Any] = {}
+    lifespan = Lifespan(wrapped, hc, lifespan_state)
+    context = WorkerContext(None)
+    slots = trio.Semaphore(config.max_connections, max_value=config.max_connections)
+
+    async def connection(stream: trio.SocketStream) -> None:
+        try:
+            await _Connection(wrapped, hc, context, ConnectionState(lifespan_state.copy()), stream)
+        finally:
+            slots.release()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lifespan.handle_lifespan)
+        await lifespan.wait_for_startup()
+        sockets = bind(config) if sockets is None else sockets
+        listeners = []
+        for sock in sockets:
+            sock.listen(hc.backlog)
+            listeners.append(LimitedListener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)), slots))
+        await nursery.start(partial(trio.serve_listeners, connection, listeners))  # it closes them when done
+        task_status.started([f"http://{repr_socket_addr(s.family, s.getsockname())}" for s in sockets])

@@ -1,0 +1,101 @@
+"""Prometheus metrics of the daemon (prometheus-client).
+
+State gauges are read from the machines at scrape time (a collector), so they
+can never drift from the truth; counters and histograms are bumped where the
+thing happens. One registry per daemon, not the process-global one, so that
+two daemons in one test process do not mix.
+"""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+import fsm
+from exod.runner import protocol as p
+
+if TYPE_CHECKING:
+    from exod.controller import Controller
+
+
+class Metrics:
+    def __init__(self, controller: Controller) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "exod_requests", "Chat completion requests by outcome", ["model", "outcome"], registry=self.registry
+        )
+        self.latency = Histogram(
+            "exod_request_seconds",
+            "Chat completion latency, request to last token",
+            ["model"],
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=self.registry,
+        )
+        self.tokens = Counter("exod_tokens_generated", "Completion tokens generated", ["model"], registry=self.registry)
+        self.batch_size = Histogram(
+            "exod_batch_size",
+            "Requests decoded together: per finished request, the most that shared its runner's batch",
+            ["model"],
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
+            registry=self.registry,
+        )
+        self.cache_hits = Counter(
+            "exod_prompt_cache_hits", "Requests whose prompt began with a cached one", ["model"], registry=self.registry
+        )
+        self.cache_tokens = Counter(
+            "exod_prompt_cache_tokens", "Prompt tokens read from the prompt cache", ["model"], registry=self.registry
+        )
+        self.cache_bytes = Gauge(
+            "exod_prompt_cache_bytes",
+            "KV bytes rank 0's prompt cache held at its last finish",
+            ["model"],
+            registry=self.registry,
+        )
+        self.registry.register(_StateCollector(controller))
+
+    def finished(self, model: str, done: p.Done) -> None:
+        """One generation ended: how it was batched, what the prompt cache gave it."""
+        self.batch_size.labels(model).observe(done.batch_size)
+        if done.cached_tokens:
+            self.cache_hits.labels(model).inc()
+            self.cache_tokens.labels(model).inc(done.cached_tokens)
+        self.cache_bytes.labels(model).set(done.prompt_cache_bytes)
+
+
+class _StateCollector(Collector):
+    """Gauges from the status document, read at scrape time."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        status = self.controller.status()["instances"]
+        stopped = fsm.RunnerPhase.STOPPED.value
+        runners = GaugeMetricFamily("exod_runners", "Runner processes by lifecycle state", labels=["state"])
+        by_state = Tally(
+            r["state"] for i in status for r in i["runners"] if r["state"] is not None and r["phase"] != stopped
+        )
+        for state in fsm.RunnerState:
+            runners.add_metric([state.value], by_state.get(state.value, 0))
+        yield runners
+        instances = GaugeMetricFamily("exod_instances", "Instances by retry-policy state", labels=["state"])
+        by_instance = Tally(i["state"] for i in status)
+        for state in fsm.InstanceState:
+            instances.add_metric([state.value], by_instance.get(state.value, 0))
+        yield instances
+        attempts = GaugeMetricFamily(
+            "exod_instance_retries", "Failed generations counted against each instance's budget", labels=["instance"]
+        )
+        for i in status:
+            attempts.add_metric([i["instance_id"]], i["attempts"])
+        yield attempts
+        failures = CounterMetricFamily("exod_runner_failures", "Runner failures since start, by cause", labels=["kind"])
+        counts = self.controller.failure_counts
+        for kind in fsm.FailureKind:
+            failures.add_metric([kind.value], counts.get(kind.value, 0))
+        yield failures

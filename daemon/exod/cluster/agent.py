@@ -1,0 +1,352 @@
+"""This node as an agent of the cluster's controller: it runs the runner processes placed on it.
+
+The controller decides; the agent carries out, on its own host, what only its host can do: reserve ring
+ports on its advertised address, spawn and supervise runner processes, post them commands, stop them,
+fetch models into its cache. What the runners report flows back on one stream (``GET /agent/reports``,
+JSON lines), which the controller keeps open for as long as it is the controller.
+
+Crash-only, like a runner's hang-up watchdog: the runners belong to the controller whose stream is open.
+When that stream ends (the controller died, was deposed, or the network between them broke), the agent
+stops every runner it started for it; the next controller resumes their instances in a new generation.
+A second stream (a new controller) ends the first one's runners too.
+
+Fencing (DESIGN §5): each runner is claimed in etcd (`exod.cluster.nodes.runner_key`, on the node's lease) before
+it is spawned, and released once it is reaped. A node that cannot renew its lease kills its runners before
+the lease may expire, so a key that vanished with the lease is a runner surely dead: the controller waits
+for it before a new generation, and two generations never run at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+from collections.abc import AsyncIterator
+from typing import Any
+
+import trio
+from fastapi import APIRouter
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from exod.api.errors import ApiError
+from exod.cluster.etcd import EtcdError
+from exod.cluster.nodes import Presence, runner_key, runners_prefix
+from exod.config import DaemonConfig
+from exod.host import ring
+from exod.host.models import ModelFiles
+from exod.host.orphans import start_ticks
+from exod.host.supervisor import Process, RunnerSpec, Spawn, Supervisor
+from exod.runner import protocol as p
+from exod.state import retention
+from exod.state.sqlite import ProcessRecord, Store
+
+log = logging.getLogger("exod.agent")
+
+BEAT_S = 1.0  # an idle report stream says it is alive this often (`exod.cluster.remote.SILENCE_S` is the limit)
+FENCE_MARGIN = 0.2  # of the lease's TTL: runners stop this much before the node's lease may expire
+
+
+class SpawnRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    instance_id: str = Field(..., min_length=1, max_length=200)
+    runner_id: str = Field(..., min_length=1, max_length=200)
+    incarnation: int = Field(..., ge=1)
+    rank: int = Field(..., ge=0)
+    world_size: int = Field(..., ge=1, le=64)
+    ring: list[str] = Field(..., description="HOST:PORT of every rank, rank 0 first")
+    fault: str | None = None
+
+
+class CommandRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    command: dict[str, Any]
+    model_id: str | None = Field(None, description="for a load: the model, resolved in this node's cache")
+
+
+class Agent:
+    """The runners this node runs for the cluster's controller, and the stream of what they report."""
+
+    def __init__(self, config: DaemonConfig, store: Store, advertise: str, *, spawn: Spawn = Supervisor) -> None:
+        self.config, self.store, self.advertise, self._spawn = config, store, advertise, spawn
+        self.models = ModelFiles(hf_home=config.hf_home, offline=config.offline, timeout=config.download_timeout)
+        self._running: dict[tuple[str, int], Process] = {}
+        self._scopes: dict[tuple[str, int], trio.CancelScope] = {}  # cancelling one kills its runner at once
+        self._stream: trio.MemorySendChannel[bytes] | None = None
+        self._session = 0  # the stream's number: runners belong to the stream open when they were spawned
+        self._nursery: trio.Nursery | None = None
+        self._generations = retention.Generations(config.state_dir, config.retention)  # their files, bounded
+        self._presence: Presence | None = None  # in a cluster: the node's lease, which the runners' keys are on
+        self._released: set[bytes] = set()  # keys of reaped runners, deleted from etcd as soon as it answers
+
+    async def run(
+        self, presence: Presence | None = None, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Supervise what the controller asks this node to run, until cancelled (which kills and reaps it).
+
+        Fencing (DESIGN §5): once the node's lease may have expired by its own clock (``presence``), another
+        controller may place its ranks elsewhere, so its runners are killed first."""
+        self._presence = presence
+        if presence is not None:  # a previous daemon's runners were reaped before this agent was made
+            with contextlib.suppress(EtcdError):  # if not now, their keys go with that daemon's lease
+                await presence.etcd.delete(runners_prefix(presence.prefix, presence.record.node_id), prefix=True)
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            if presence is not None:
+                nursery.start_soon(self._fence, presence)
+                nursery.start_soon(self._release_keys_forever)
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def _fence(self, presence: Presence) -> None:
+        """Kill the runners once the lease may have expired, by this node's monotonic clock: at its TTL less
+        the margin after the last renewal was asked for. Its own task: nothing else may delay it."""
+        while True:
+            now = trio.current_time()
+            fence_at = presence.alive_until - FENCE_MARGIN * presence.ttl
+            if now < fence_at:
+                await trio.sleep_until(min(fence_at, now + BEAT_S))  # a renewal moves it on meanwhile
+                continue
+            if self._running:
+                self._end_session("this node's lease may have expired (etcd out of reach)", kill=True)
+            await trio.sleep(BEAT_S / 10)
+
+    async def _release_keys_forever(self) -> None:
+        while True:
+            await trio.sleep(BEAT_S)
+            await self._release_keys()
+
+    # -- what the controller asks -------------------------------------------------------------------
+
+    def reserve_ports(self, count: int) -> list[int]:
+        """Ports free now on this node's advertised address, for one generation's ring."""
+        return ring.free_ports(count, host=self.advertise)
+
+    async def spawn(self, request: SpawnRequest) -> None:
+        key = (request.runner_id, request.incarnation)
+        session = self._session
+        self._check_spawn(key)
+        await self._claim(key)  # in etcd first: no process runs that the controller could not know of
+        if self._session != session:  # a new controller connected meanwhile: this one's runners are over
+            self._released.add(self._key_of(key))
+            raise ApiError(409, "the controller that asked for this runner is no longer connected")
+        self._check_spawn(key)
+        hostfile = None
+        if request.world_size > 1:
+            path = retention.hostfile_path(self.config.state_dir, request.instance_id, request.incarnation)
+            hostfile = ring.write_hostfile(path, request.ring)
+        spec = RunnerSpec(
+            runner_id=request.runner_id,
+            incarnation=request.incarnation,
+            rank=request.rank,
+            world_size=request.world_size,
+            hostfile=hostfile,
+            log_path=retention.runner_log_path(
+                self.config.state_dir, request.instance_id, request.rank, request.incarnation
+            ),
+            fault=request.fault,
+            script=self.config.script,
+            batch=self.config.batch,
+        )
+        assert self._nursery is not None
+        process = self._spawn(spec, _Forward(self, self._session), self.config.timeouts)
+        self._running[key] = process
+        self._scopes[key] = trio.CancelScope()
+        self._generations.started(request.instance_id, request.incarnation)
+        self._nursery.start_soon(self._supervise, process, request.instance_id)
+
+    def _check_spawn(self, key: tuple[str, int]) -> None:
+        if self._stream is None or self._nursery is None:
+            raise ApiError(409, "no controller is connected to this agent: open GET /agent/reports first")
+        if key in self._running:
+            raise ApiError(409, f"runner {key[0]}/{key[1]} already runs here")
+
+    def _key_of(self, key: tuple[str, int]) -> bytes:
+        assert self._presence is not None
+        return runner_key(self._presence.prefix, self._presence.record.node_id, *key)
+
+    async def _claim(self, key: tuple[str, int]) -> None:
+        """Write the runner's key on the node's lease; refused (503) while etcd cannot be reached or the lease
+        is not surely alive: a runner spawned then could outlive the lease unknown to the controller."""
+        presence = self._presence
+        if presence is None:
+            return
+        if trio.current_time() >= presence.alive_until - FENCE_MARGIN * presence.ttl:
+            raise ApiError(503, "this node cannot renew its lease in etcd: it runs nothing until it can")
+        try:
+            await presence.etcd.put(self._key_of(key), b"", lease=presence.lease)
+        except EtcdError as exc:
+            raise ApiError(503, f"this node cannot claim the runner in etcd: {exc}") from exc
+
+    async def _release_keys(self) -> None:
+        """Delete the keys of reaped runners (retried at every beat while etcd does not answer)."""
+        if self._presence is None:
+            self._released.clear()
+            return
+        for key in sorted(self._released):
+            try:
+                await self._presence.etcd.delete(key)
+            except EtcdError as exc:
+                log.debug("runner key %r not released yet: %s", key, exc)
+                return
+            self._released.discard(key)
+
+    def post(self, runner_id: str, incarnation: int, request: CommandRequest) -> None:
+        process = self._running.get((runner_id, incarnation))
+        if process is None:
+            raise ApiError(404, f"no runner {runner_id}/{incarnation} on this node")
+        try:
+            command = p.from_json(json.dumps(request.command))
+        except p.ProtocolError as exc:
+            raise ApiError(400, str(exc)) from exc
+        if not isinstance(command, p.Command):
+            raise ApiError(400, f"{request.command.get('type')!r} is not a command")
+        if isinstance(command, p.Load) and request.model_id is not None:
+            try:  # the model as this node's cache has it
+                command = p.Load(str(self.models.path(request.model_id)), command.layers_total)
+            except Exception as exc:  # ModelNotFound: the runner fails the load, retryably
+                failed = {"kind": "report", **_key(process.spec), "report": json.loads(_failed(process.spec, exc))}
+                self._send(self._session, failed)
+                return
+        process.post(command)
+
+    def stop(self, runner_id: str, incarnation: int) -> None:
+        if (process := self._running.get((runner_id, incarnation))) is not None:
+            process.stop()
+
+    async def fetch(self, model_id: str) -> None:
+        await self.models.fetch(model_id, progress=lambda done, total: None)
+
+    async def reports(self) -> AsyncIterator[bytes]:
+        """The stream of one controller: every report of the runners it started here, until it goes."""
+        self._end_session("a new controller connected")
+        send, receive = trio.open_memory_channel[bytes](math.inf)
+        self._session += 1
+        session, self._stream = self._session, send
+        try:
+            yield b'{"kind": "hello"}\n'
+            async with receive:
+                while True:
+                    with trio.move_on_after(BEAT_S) as quiet:
+                        try:
+                            line = await receive.receive()
+                        except trio.EndOfChannel:
+                            return
+                    yield b'{"kind": "beat"}\n' if quiet.cancelled_caught else line  # silence means gone
+        finally:
+            if self._session == session:
+                self._end_session("its controller went away")
+
+    # -- the runners ---------------------------------------------------------------------------------
+
+    def _end_session(self, why: str, *, kill: bool = False) -> None:
+        """The runners of the open stream stop: asked to (a controller went), or killed at once (fencing:
+        the lease may expire before a graceful stop would end)."""
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+        if self._running:
+            log.warning("%s %d runner(s): %s", "killing" if kill else "stopping", len(self._running), why)
+        for key, process in list(self._running.items()):
+            if kill:
+                self._scopes[key].cancel()
+            else:
+                process.stop()
+
+    def _send(self, session: int, event: dict[str, Any]) -> None:
+        if session == self._session and self._stream is not None:
+            self._stream.send_nowait((json.dumps(event) + "\n").encode())
+
+    async def _supervise(self, process: Process, instance_id: str) -> None:
+        spec = process.spec
+        key = (spec.runner_id, spec.incarnation)
+        try:
+            with self._scopes[key]:  # cancelled: killed and reaped (`Supervisor.run`)
+                await process.run()
+        except Exception as exc:  # the runner's failure, never the agent's
+            log.exception("supervisor of %s/%d failed", spec.runner_id, spec.incarnation)
+            self._send(self._session, {"kind": "report", **_key(spec), "report": json.loads(_failed(spec, exc))})
+            self._send(self._session, {"kind": "exit", **_key(spec), "exit_code": 1, "tail": "", "stopped": False})
+        finally:
+            self._running.pop(key, None)
+            self._scopes.pop(key, None)
+            self._generations.ended(instance_id, spec.incarnation)
+            self.store.forget_process(*key)  # killed by fencing, it never said its exit
+            if self._presence is not None:
+                self._released.add(self._key_of(key))
+        await self._release_keys()
+
+
+class _Forward:
+    """The `exod.host.supervisor.Listener` of a runner on this node: what it reports goes to its controller's
+    stream; its pid is recorded in this host's store, so a restarted daemon reaps an orphan."""
+
+    def __init__(self, agent: Agent, session: int) -> None:
+        self.agent, self.session = agent, session
+
+    def on_spawned(self, spec: RunnerSpec, pid: int) -> None:
+        self.agent.store.record_process(ProcessRecord(spec.runner_id, spec.incarnation, pid, start_ticks(pid) or 0))
+        self.agent._send(self.session, {"kind": "spawned", **_key(spec), "pid": pid})
+
+    def on_report(self, spec: RunnerSpec, report: p.Report) -> None:
+        self.agent._send(self.session, {"kind": "report", **_key(spec), "report": json.loads(report.to_json())})
+
+    def on_stall(self, spec: RunnerSpec, phase: str, seconds: float) -> None:
+        self.agent._send(self.session, {"kind": "stall", **_key(spec), "phase": phase, "seconds": seconds})
+
+    def on_exit(self, spec: RunnerSpec, exit_code: int, stderr_tail: str, stop_delivered: bool) -> None:
+        self.agent.store.forget_process(spec.runner_id, spec.incarnation)
+        event = {"kind": "exit", **_key(spec), "exit_code": exit_code, "tail": stderr_tail, "stopped": stop_delivered}
+        self.agent._send(self.session, event)
+
+
+def _key(spec: RunnerSpec) -> dict[str, Any]:
+    return {"runner_id": spec.runner_id, "incarnation": spec.incarnation}
+
+
+def _failed(spec: RunnerSpec, exc: Exception) -> str:
+    report = p.Failed(spec.runner_id, spec.incarnation, type(exc).__name__, str(exc), "", retryable=True)
+    return report.to_json()
+
+
+def router(agent: Agent) -> APIRouter:
+    """The agent's endpoints: the controller's, behind the cluster's API key like every other."""
+    api = APIRouter(prefix="/agent", include_in_schema=False)
+
+    @api.post("/ports")
+    async def ports(count: int) -> dict[str, Any]:
+        if not 1 <= count <= 64:
+            raise ApiError(400, f"count must be 1..64, got {count}")
+        return {"address": agent.advertise, "ports": agent.reserve_ports(count)}
+
+    @api.post("/runners", status_code=202)
+    async def spawn(body: SpawnRequest) -> dict[str, Any]:
+        await agent.spawn(body)
+        return {"runner_id": body.runner_id, "incarnation": body.incarnation}
+
+    @api.post("/runners/{runner_id:path}/{incarnation}/commands", status_code=202)
+    async def post(runner_id: str, incarnation: int, body: CommandRequest) -> dict[str, Any]:
+        agent.post(runner_id, incarnation, body)
+        return {}
+
+    @api.delete("/runners/{runner_id:path}/{incarnation}", status_code=202)
+    async def stop(runner_id: str, incarnation: int) -> dict[str, Any]:
+        agent.stop(runner_id, incarnation)
+        return {}
+
+    @api.post("/models/{model_id:path}")
+    async def fetch(model_id: str) -> dict[str, Any]:
+        try:
+            await agent.fetch(model_id)
+        except Exception as exc:  # ModelNotFound, or what the hub client raised: the controller retries
+            raise ApiError(424, f"{type(exc).__name__}: {exc}") from exc
+        return {"model_id": model_id}
+
+    @api.get("/reports")
+    async def reports() -> StreamingResponse:
+        return StreamingResponse(agent.reports(), media_type="application/x-ndjson")
+
+    return api

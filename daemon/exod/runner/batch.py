@@ -1,0 +1,409 @@
+"""The runner's continuous batch: every request in flight on this rank, decoded together a token at a time.
+
+mlx-lm's `BatchGenerator` does the batching: newcomers are prefilled in chunks between decode steps, finished
+sequences leave. This module keeps what is exod's around it:
+
+* each request's own sampler, with its own random key, so a seeded request gives the same tokens alone or in
+  a batch, and on every rank;
+* its `Output` (stop strings, tool calls, log-probabilities) and its `Done`;
+* the limits: sequences at once, KV bytes reserved, the model's context;
+* the prompt cache (mlx-lm's `LRUPromptCache`): a finished conversation's KV cache, reused by the next
+  request that extends it;
+* the lockstep of ranks (`Lockstep`): a pipeline needs every rank to run the same batch at every step.
+
+Every decision here depends only on the commands taken, in order, and on the tokens sampled (the same on
+every rank), never on this rank's memory or timing, so every rank decides the same. The one exception, a
+prompt cache whose entries differ between ranks, is settled by the group (`Lockstep.agree`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import zlib
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from exod.runner import protocol as p
+from exod.runner.output import Output, Send, forced_call
+
+log = logging.getLogger("exod.runner")
+
+MIB = 1 << 20
+HEARTBEAT_TOKENS = 16  # ranks > 0 report that generation goes on every this many tokens
+_CACHE_KEY = "model"  # one model per runner: the prompt cache's model key is constant
+
+
+@attrs.frozen
+class BatchLimits:
+    """How much one runner decodes at once. The same on every rank of an instance (the daemon's config)."""
+
+    max_sequences: int = 8  # decoded together; more wait in the runner's queue
+    kv_bytes: int = 2048 * MIB  # KV cache the sequences in flight may reserve (prompt + max_tokens), whole model
+    prompt_cache_bytes: int = 512 * MIB  # KV cache of finished conversations kept for their next turn
+    prefill_step: int = 512  # prompt tokens per prefill chunk: a newcomer's prefill never stalls decoding long
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_sequences < 1 or self.kv_bytes < 1 or self.prompt_cache_bytes < 0 or self.prefill_step < 1:
+            raise ValueError(f"batch limits must be positive: {self}")
+
+    def argv(self) -> list[str]:
+        return [
+            "--max-sequences",
+            str(self.max_sequences),
+            "--kv-bytes",
+            str(self.kv_bytes),
+            "--prompt-cache-bytes",
+            str(self.prompt_cache_bytes),
+            "--prefill-step",
+            str(self.prefill_step),
+        ]
+
+
+class Lockstep:
+    """Which queued commands join the batch at each step: rank 0 counts what it has, the group agrees on
+    that count (one tiny collective), and every rank takes that many from its own queue. Every rank receives
+    every command in the same order, so every rank takes the same ones and runs the same batch."""
+
+    def __init__(self, commands: queue.Queue[p.Command], group: Any, rank: int) -> None:
+        self.commands, self.group, self.rank = commands, group, rank
+
+    def take(self, *, idle: bool) -> list[p.Command]:
+        """The commands that join now; blocks for the first one when nothing is in flight."""
+        taken = [self.commands.get()] if idle else []
+        if self.group is None:
+            while True:
+                try:
+                    taken.append(self.commands.get_nowait())
+                except queue.Empty:
+                    return taken
+        mine = len(taken) + self.commands.qsize() if self.rank == 0 else 0
+        count = int(self._all("sum", [mine])[0])
+        while len(taken) < count:  # ranks > 0: rank 0 had them, so they are on their way here too
+            taken.append(self.commands.get())
+        return taken
+
+    def agree(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values``, rank by rank (one all-gather); just ours on a single rank."""
+        if self.group is None:
+            return [values]
+        gathered = self._all("gather", values)
+        width = len(values)
+        return [gathered[i * width : (i + 1) * width] for i in range(self.group.size())]
+
+    def _all(self, op: str, values: list[int]) -> list[int]:
+        import mlx.core as mx
+        from mlx_lm.generate import generation_stream
+
+        # the generator evaluates its next step asynchronously, and that step talks to the other ranks too:
+        # let it finish first, or this rank's collectives and a peer's would pair up in different orders
+        mx.synchronize(generation_stream)
+        x = mx.array(values, dtype=mx.int64)
+        if op == "sum":
+            out = mx.distributed.all_sum(x, group=self.group, stream=mx.cpu)
+        else:
+            out = mx.distributed.all_gather(x, group=self.group, stream=mx.cpu)
+        return [int(v) for v in out.tolist()]
+
+
+def keyed_sampler(temperature: float, top_p: float, top_k: int, seed: int) -> Callable[[Any], Any]:
+    """mlx-lm's sampling (top-p, top-k, temperature) from a random key of the request's own: the tokens
+    depend on the seed alone, not on what else shares the batch or on the process's global random state."""
+    import mlx.core as mx
+    from mlx_lm.sample_utils import apply_top_k, apply_top_p, greedy_sampler
+
+    if temperature == 0:
+        return greedy_sampler
+    key = mx.random.key(seed)
+
+    def sample(logprobs: Any) -> Any:
+        nonlocal key
+        key, now = mx.random.split(key)
+        if 0 < top_p < 1:
+            logprobs = apply_top_p(logprobs, top_p)
+        if top_k > 0:
+            logprobs = apply_top_k(logprobs, top_k)
+        return mx.random.categorical(logprobs * (1.0 / temperature), key=now)
+
+    return sample
+
+
+def scripted(tokens: list[int], eos: int) -> Callable[[Any], Any]:
+    """A sampler that chooses ``tokens`` in turn, then the end of the sequence (tests only)."""
+    import mlx.core as mx
+
+    left = iter(tokens)
+
+    def sample(logprobs: Any) -> Any:
+        return mx.array([next(left, eos)] * logprobs.shape[0])
+
+    return sample
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """KV cache one token takes in the whole model (every layer, keys and values), from its configuration:
+    the same figure on every rank, whatever share of the layers it holds."""
+    args = getattr(model, "args", None)
+    layers = getattr(args, "num_hidden_layers", None)
+    heads = getattr(args, "num_attention_heads", None)
+    kv_heads = getattr(args, "num_key_value_heads", None) or heads
+    head_dim = getattr(args, "head_dim", None) or (args.hidden_size // heads if heads else None)
+    if not (layers and kv_heads and head_dim):
+        return 0  # unknown shape: only the sequence limit bounds the batch
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    params = tree_flatten(model.parameters())
+    itemsize = params[0][1].dtype.size if params else mx.float16.size
+    return 2 * layers * kv_heads * head_dim * itemsize
+
+
+@attrs.define(eq=False)
+class _Sequence:
+    request: p.Generate
+    prompt: list[int]
+    output: Output
+    detokenizer: Any
+    sampler: Callable[[Any], Any]
+    processors: list[Any]
+    max_tokens: int
+    uid: int = -1
+    cached: int = 0  # prompt tokens whose KV came from the prompt cache
+    steps: int = 0
+    widest: int = 0  # the most sequences decoded together while this one ran
+
+    @property
+    def reserved(self) -> int:
+        return len(self.prompt) + self.max_tokens
+
+
+class Batch:
+    """The requests this runner decodes now, and those waiting for room."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        limits: BatchLimits,
+        send: Send,
+        rank: int,
+        lockstep: Lockstep,
+        script: str | None = None,
+        on_token: Callable[[], None] = lambda: None,
+    ) -> None:
+        from mlx_lm.generate import BatchGenerator
+        from mlx_lm.models.cache import LRUPromptCache
+
+        self.model, self.tokenizer, self.limits, self.send, self.rank = model, tokenizer, limits, send, rank
+        self.lockstep = lockstep
+        self.script = script
+        self.on_token = on_token  # fault injection's hook: a runner busy with a generation
+        self.generator = BatchGenerator(
+            model,
+            completion_batch_size=limits.max_sequences,
+            prefill_batch_size=limits.max_sequences,
+            prefill_step_size=limits.prefill_step,
+            stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
+        )
+        self.cache = LRUPromptCache(max_size=1 << 30, max_bytes=limits.prompt_cache_bytes)
+        self.token_bytes = kv_bytes_per_token(model)
+        self.context: int | None = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+        self.waiting: deque[_Sequence] = deque()
+        self.running: dict[int, _Sequence] = {}
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # -- commands ------------------------------------------------------------------
+
+    def join(self, request: p.Generate, prompt: list[int]) -> None:
+        """Queue ``request`` (its tokenized ``prompt``) for the batch, or refuse it now with a `RequestError`."""
+        if self.context is not None and len(prompt) >= self.context:
+            message = (
+                f"the prompt has {len(prompt)} tokens; this model's context is {self.context} tokens: "
+                "shorten the conversation"
+            )
+            self.send(p.RequestError, request_id=request.request_id, message=message, invalid=True)
+            return
+        room = request.max_tokens if self.context is None else min(request.max_tokens, self.context - len(prompt))
+        self.waiting.append(self._sequence(request, prompt, room))
+
+    def cancel(self, request_id: str) -> None:
+        """Drop ``request_id`` (its caller went away): every rank drops it at the same step."""
+        for seq in self.waiting:
+            if seq.request.request_id == request_id:
+                self.waiting.remove(seq)
+                self._done(seq, p.FinishReason.CANCELLED)
+                return
+        for seq in self.running.values():
+            if seq.request.request_id == request_id:
+                self._leave(seq, p.FinishReason.CANCELLED)
+                return
+
+    def run_alone(self, request: p.Generate, prompt: list[int]) -> None:
+        """Generate ``request`` to its end with nothing else in the batch (the warm-up)."""
+        self.join(request, prompt)
+        while not self.idle:
+            self.step()
+
+    # -- one step ------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Start what fits, then one step of the generator: a prefill chunk and/or one token for each."""
+        self._start_waiting()
+        if not self.running:
+            return
+        _, responses = self.generator.next()
+        width = len(self.running)
+        for response in responses:
+            seq = self.running.get(response.uid)
+            if seq is not None:
+                seq.widest = max(seq.widest, width)
+                self._advance(seq, response)
+
+    def _start_waiting(self) -> None:
+        reserved = sum(s.reserved for s in self.running.values()) * self.token_bytes
+        while self.waiting and len(self.running) < self.limits.max_sequences:
+            seq = self.waiting[0]
+            if self.running and reserved + seq.reserved * self.token_bytes > self.limits.kv_bytes:
+                break  # it waits for room; alone it always starts, or it never would
+            self.waiting.popleft()
+            reserved += seq.reserved * self.token_bytes
+            cache, seq.cached = self._cached(seq.prompt)
+            (seq.uid,) = self.generator.insert(
+                [seq.prompt[seq.cached :]],
+                max_tokens=[seq.max_tokens],
+                caches=[cache],
+                all_tokens=[seq.prompt[: seq.cached]],
+                samplers=[seq.sampler],
+                logits_processors=[seq.processors],
+            )
+            self.running[seq.uid] = seq
+
+    def _advance(self, seq: _Sequence, response: Any) -> None:
+        seq.steps += 1
+        if seq.steps == 2:
+            self.on_token()
+        if self.rank > 0 and seq.steps % HEARTBEAT_TOKENS == 0:
+            self.send(p.Heartbeat, request_id=seq.request.request_id, tokens=seq.steps)
+        if response.finish_reason == "stop":  # the end of the sequence: its token is not text
+            seq.detokenizer.finalize()
+            seq.output.add(seq.detokenizer.last_segment, None)
+            self._finished(seq, p.FinishReason.STOP, response)
+            return
+        seq.detokenizer.add_token(response.token)
+        if response.finish_reason == "length":
+            seq.detokenizer.finalize()
+        if seq.output.add(seq.detokenizer.last_segment, response.token, response.logprobs):  # a stop string
+            if response.finish_reason is None:
+                self._leave(seq, p.FinishReason.STOP)
+            else:
+                self._finished(seq, p.FinishReason.STOP, response)
+        elif response.finish_reason == "length":
+            self._finished(seq, p.FinishReason.LENGTH, response)
+
+    def _finished(self, seq: _Sequence, reason: p.FinishReason, response: Any) -> None:
+        """The generator ended it (end of sequence, max_tokens): keep its KV for the next turn."""
+        del self.running[seq.uid]
+        self._keep(response.all_tokens, response.prompt_cache)
+        self._done(seq, reason)
+
+    def _leave(self, seq: _Sequence, reason: p.FinishReason) -> None:
+        """We end it (a stop string, a cancel): out of the generator, its KV kept for the next turn."""
+        del self.running[seq.uid]
+        kept = self.generator.remove([seq.uid], return_prompt_caches=True).get(seq.uid)
+        if kept is not None:
+            cache, tokens = kept
+            self._keep(tokens, cache)
+        self._done(seq, reason)
+
+    def _done(self, seq: _Sequence, reason: p.FinishReason) -> None:
+        seq.output.flush()
+        self.send(
+            p.Done,
+            request_id=seq.request.request_id,
+            finish_reason=p.FinishReason.TOOL_CALLS if seq.output.tool_calls else reason,
+            prompt_tokens=len(seq.prompt),
+            completion_tokens=seq.output.tokens,
+            stop_sequence=seq.output.stop_sequence,
+            cached_tokens=seq.cached,
+            batch_size=max(seq.widest, 1),
+            prompt_cache_bytes=self.cache.nbytes,
+        )
+
+    # -- the prompt cache -----------------------------------------------------------
+
+    def _keep(self, tokens: list[int] | None, cache: list[Any] | None) -> None:
+        if tokens and cache and self.limits.prompt_cache_bytes:
+            self.cache.insert_cache(_CACHE_KEY, list(tokens), cache)
+
+    def _cached(self, prompt: list[int]) -> tuple[list[Any] | None, int]:
+        """The KV cache of the longest prefix of ``prompt`` every rank holds, and its length in tokens.
+
+        Ranks hold their own layers' KV and may have evicted different entries: each says what it has, and all
+        use the shortest (trimming theirs to it), or none when a longer one cannot be trimmed. At least the
+        prompt's last token is always computed: the first token is sampled from its logits."""
+        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+        if not self.limits.prompt_cache_bytes:  # off: the same on every rank, nothing to agree on
+            return None, 0
+        cache, rest = self.cache.fetch_nearest_cache(_CACHE_KEY, prompt)
+        have = 0 if cache is None else len(prompt) - len(rest)
+        trimmable = cache is None or can_trim_prompt_cache(cache)
+        if have == len(prompt) and have and trimmable:  # all of it: give back the last token to compute
+            trim_prompt_cache(cache, 1)
+            have -= 1
+        views = self.lockstep.agree([have, int(trimmable)])
+        agreed = min(v[0] for v in views)
+        if any(v[0] > agreed and not v[1] for v in views) or agreed == len(prompt):
+            agreed = 0
+        if cache is None or agreed == 0:
+            return None, 0
+        if have > agreed:
+            trim_prompt_cache(cache, have - agreed)
+        return cache, agreed
+
+    # -- making a sequence ----------------------------------------------------------
+
+    def _sequence(self, request: p.Generate, prompt: list[int], max_tokens: int) -> _Sequence:
+        from mlx_lm.sample_utils import make_logits_processors
+
+        seed = request.seed if request.seed is not None else zlib.crc32(request.request_id.encode())
+        sampler = keyed_sampler(request.temperature, request.top_p, request.top_k, seed)
+        if self.script is not None:
+            eos = self.tokenizer.eos_token_id
+            sampler = scripted(self.tokenizer.encode(self.script, add_special_tokens=False), eos)
+        bias = {int(k): v for k, v in (request.logit_bias or {}).items()}
+        processors = make_logits_processors(
+            logit_bias=bias or None,
+            presence_penalty=request.presence_penalty or None,
+            frequency_penalty=request.frequency_penalty or None,
+        )
+        output = Output(self.tokenizer, request, self.send, speaks=self.rank == 0)
+        return _Sequence(request, prompt, output, self.tokenizer.detokenizer, sampler, processors, max_tokens)
+
+
+def prompt_tokens(tokenizer: Any, request: p.Generate) -> list[int]:
+    """The request's prompt as tokens: given, or its text encoded, or its messages through the chat template
+    (tools too), ending with the beginning of a forced tool call. ValueError when it cannot be made."""
+    if request.prompt_tokens is not None:
+        tokens = list(request.prompt_tokens)
+    elif request.prompt_text is not None:
+        tokens = tokenizer.encode(request.prompt_text)
+    else:
+        extra = {"tools": request.tools} if request.tools else {}
+        if request.tools and not getattr(tokenizer, "has_tool_calling", False):
+            raise ValueError("this model's chat template does not support tools; send the request without them")
+        tokens = tokenizer.apply_chat_template(request.prompt_messages, add_generation_prompt=True, **extra)
+        if isinstance(tokens, str):  # some tokenizers return text
+            tokens = tokenizer.encode(tokens, add_special_tokens=False)
+        if forced := forced_call(tokenizer, request):  # the call begun: `tool_choice`
+            tokens = [*tokens, *tokenizer.encode(forced, add_special_tokens=False)]
+    if not tokens:
+        raise ValueError("empty prompt")
+    return list(tokens)

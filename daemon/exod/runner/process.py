@@ -1,0 +1,511 @@
+"""One runner process = one rank of a model instance: the thinnest layer over mlx-lm.
+
+Run as::
+
+    python -m exod.runner --runner-id ID --incarnation N --rank R --world-size W --control-fd FD [--hostfile PATH]
+
+Theory of operation
+-------------------
+Two threads. A *reader* thread owns the control channel's input: it decodes
+commands and queues them; on ``Shutdown`` or end of file (the supervisor died)
+it ends the process at once with ``os._exit(0)`` — even while the main thread
+is stuck inside MLX (a ring init whose peer never comes blocks in C forever), so
+an orphaned runner can never linger. The *main* thread owns MLX: it connects,
+loads and warms up as told, then decodes every request in one continuous batch
+(`exod.runner.batch`): requests join at the next step and leave when they finish.
+
+Distributed mode: every rank receives every command in the same order, and all
+ranks run the same batch at every step (a pipeline needs every stage for every
+token): rank 0 says how many queued commands join at each step (`exod.runner.batch.Lockstep`).
+Only rank 0 streams `Token` messages; every rank sends `Done`.
+
+Any exception in the main thread becomes a `Failed` report (with traceback and a
+retry classification) followed by exit code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import queue
+import re
+import resource
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, NoReturn
+
+from exod.runner import protocol as p
+from exod.runner.batch import Batch, BatchLimits, Lockstep, prompt_tokens
+from exod.runner.faults import Fault, FaultPhase, Injector
+from exod.runner.protocol import HOST_ERRNOS
+
+log = logging.getLogger("exod.runner")
+
+EXIT_FAILED = 1
+WARM_UP_TOKENS = 4
+
+
+class RunnerProtocolError(p.ProtocolError):
+    """A command arrived that the runner's current phase does not allow (a supervisor bug)."""
+
+
+class UnsupportedModel(Exception):
+    """The model cannot be split over this many ranks."""
+
+
+# -- the channel ------------------------------------------------------------------
+
+
+class Channel:
+    """The runner's end of the control socket: thread-safe sends, a reader thread for commands."""
+
+    def __init__(self, fd: int, runner_id: str, incarnation: int, injector: Injector | None = None) -> None:
+        self.injector = injector or Injector(None, fail=lambda exc: None, exit_now=exit_now)
+        self._sock = socket.socket(fileno=fd)
+        self._lock = threading.Lock()
+        self.runner_id = runner_id
+        self.incarnation = incarnation
+        self.commands: queue.Queue[p.Command] = queue.Queue()
+
+    def send(self, cls: type[p.Report], **fields: Any) -> None:
+        line = cls(runner_id=self.runner_id, incarnation=self.incarnation, **fields).to_line()
+        try:
+            with self._lock:
+                self._sock.sendall(line)
+        except OSError:
+            log.warning("control channel closed while sending %s: exiting", cls.type)
+            exit_now(0)
+
+    def _refuse_request(self, line: bytes, exc: p.ProtocolError) -> bool:
+        """Answer an undecodable ``generate`` that names its request with a `RequestError`."""
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            return False
+        if not isinstance(doc, dict) or doc.get("type") != "generate" or not isinstance(doc.get("request_id"), str):
+            return False
+        self.send(p.RequestError, request_id=doc["request_id"], message=f"invalid request: {exc}")
+        return True
+
+    def start_reader(self) -> None:
+        threading.Thread(target=self._read_forever, name="control-reader", daemon=True).start()
+
+    def _read_forever(self) -> None:
+        reader = p.LineReader()
+        try:
+            while data := self._sock.recv(65536):
+                for line in reader.feed(data):
+                    try:
+                        command = p.from_json(line)
+                    except p.ProtocolError as exc:
+                        if self._refuse_request(line, exc):
+                            continue  # one bad request is that request's error, not the runner's
+                        raise
+                    if not isinstance(command, p.Command):
+                        raise p.ProtocolError(f"runner received a {command.type} report")
+                    if isinstance(command, p.Shutdown):
+                        self.injector.at(FaultPhase.STOPPING, main_thread=False)
+                        if self.injector.hung.is_set():
+                            continue  # a hung runner does not answer: the supervisor escalates
+                        log.info("shutdown requested: exiting")
+                        exit_now(0)
+                    self.commands.put(command)
+        except p.ProtocolError as exc:
+            self.send(p.Failed, **_failure_fields(exc))
+            exit_now(EXIT_FAILED)
+        except OSError as exc:
+            log.warning("control channel error: %s", exc)
+        log.info("control channel closed (supervisor gone): exiting")
+        exit_now(0)
+
+
+PEEK_S = 0.05  # without POLLRDHUP: how often a channel with unread commands is looked at again
+HANGUP_GRACE_S = 1.0  # time the reader thread gets to end the process cleanly before the watchdog kills it
+_watchdog_pid: int | None = None
+
+
+def start_hangup_watchdog(control_fd: int) -> None:
+    """Fork a tiny process that SIGKILLs this one if the control channel hangs up and we do not exit.
+
+    Why: native MLX calls can block while holding the GIL — ``mx.distributed.init(backend="ring")``
+    of a lone rank 0 never returns and starves every Python thread, the reader included. Only
+    another process can end that. The watchdog polls for POLLRDHUP (peer closed; data alone
+    does not wake it) and for the hangup of a pipe that this process holds (it exits with us).
+    Fork before any thread exists.
+    """
+    global _watchdog_pid
+    parent = os.getpid()
+    alive_r, alive_w = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(alive_r)
+        os.set_inheritable(alive_w, False)
+        _watchdog_pid = pid
+        return
+    try:  # the watchdog: no imports, no threads, no MLX
+        os.close(alive_w)
+        if hung_up(control_fd, alive_r):  # the channel hung up while the runner lives
+            time.sleep(HANGUP_GRACE_S)
+            if not select.select([alive_r], [], [], 0)[0]:
+                os.kill(parent, signal.SIGKILL)
+    finally:
+        os._exit(0)
+
+
+def hung_up(control_fd: int, alive_r: int, *, rdhup: bool = hasattr(select, "POLLRDHUP")) -> bool:
+    """Block until the control channel hangs up (True) or the runner exits, closing ``alive_r`` (False).
+
+    Neither may consume a byte of the channel, which the runner reads. Linux says "peer closed" alone
+    (POLLRDHUP). Elsewhere (macOS, MLX's main platform) POLLHUP says it when the peer is gone, and a
+    readable channel is peeked at: nothing to read means the peer closed; bytes mean commands the runner
+    has yet to read, so look again a little later."""
+    poller = select.poll()
+    poller.register(alive_r, select.POLLIN)
+    if rdhup:
+        poller.register(control_fd, select.POLLRDHUP)
+        return alive_r not in dict(poller.poll())
+    poller.register(control_fd, select.POLLIN | select.POLLHUP)
+    channel = socket.socket(fileno=os.dup(control_fd))
+    try:
+        while True:
+            events = dict(poller.poll())
+            if alive_r in events:
+                return False
+            if events.get(control_fd, 0) & (select.POLLHUP | select.POLLERR):
+                return True
+            try:
+                if channel.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                    return True
+            except BlockingIOError:
+                pass
+            except OSError:  # reset: hung up as well
+                return True
+            time.sleep(PEEK_S)
+    finally:
+        channel.close()
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process without joining threads or running MLX teardown, which can block on a dead peer."""
+    if _watchdog_pid is not None:
+        with contextlib.suppress(OSError):
+            os.kill(_watchdog_pid, signal.SIGKILL)
+            os.waitpid(_watchdog_pid, 0)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
+# -- failure classification -------------------------------------------------------
+
+# Errors from the model's own files: retrying the same files cannot help.
+_NON_RETRYABLE_TYPES: tuple[type[BaseException], ...] = (
+    FileNotFoundError,
+    NotADirectoryError,
+    IsADirectoryError,
+    json.JSONDecodeError,
+    UnsupportedModel,
+)  # a ProtocolError is the daemon's bug, not the model's: retryable (the budget still bounds it)
+_NON_RETRYABLE_MARKERS = ("safetensors", "corrupt", "incomplete download")
+
+
+def is_retryable(exc: BaseException, *, loading: bool = False) -> bool:
+    """False for defects of the model or of the protocol; True for what may pass (OOM, a peer, the network)."""
+    if isinstance(exc, _NON_RETRYABLE_TYPES):
+        return False
+    if any(marker in str(exc).lower() for marker in _NON_RETRYABLE_MARKERS):
+        return False
+    # while loading, ValueError/KeyError/TypeError come from config.json (unknown model_type, missing field)
+    return not (loading and isinstance(exc, ValueError | KeyError | TypeError))
+
+
+# MLX's ring reports a port it cannot bind as "[ring] Couldn't bind socket (error: 98)", errno in the text
+_RING_BIND = re.compile(r"\[ring\] Couldn't bind socket \(error: ?(\d+)\)")
+
+
+def is_host_failure(exc: BaseException) -> bool:
+    """No fds, no disk, a ring port another process took: the host's doing, whatever the model."""
+    if isinstance(exc, OSError) and exc.errno in HOST_ERRNOS:
+        return True
+    match = _RING_BIND.search(str(exc))
+    return match is not None and int(match.group(1)) in HOST_ERRNOS
+
+
+# MLX's ring, when another rank died: "[ring] connection to a peer was lost" (after "closed by the peer")
+_PEER_LOST = ("connection to a peer was lost", "was closed by the peer")
+
+
+def is_peer_lost(exc: BaseException) -> bool:
+    """The ring lost a peer: this rank fails because another one did."""
+    return any(marker in str(exc) for marker in _PEER_LOST)
+
+
+def _failure_fields(exc: BaseException, *, loading: bool = False) -> dict[str, Any]:
+    host = is_host_failure(exc)
+    peer = is_peer_lost(exc)
+    return {
+        "exception_type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+        "retryable": host or peer or is_retryable(exc, loading=loading),
+        "host": host,
+        "peer": peer,
+    }
+
+
+# -- the runner -------------------------------------------------------------------
+
+
+class Runner:
+    """Executes commands on the main thread; holds the group, the model and the tokenizer."""
+
+    def __init__(
+        self,
+        channel: Channel,
+        *,
+        rank: int,
+        world_size: int,
+        script: str | None = None,
+        limits: BatchLimits | None = None,
+    ) -> None:
+        self.channel = channel
+        self.faults = channel.injector
+        self.rank = rank
+        self.world_size = world_size
+        self.script = script  # tests only: every generation emits this text (its log-probabilities are real)
+        self.limits = limits or BatchLimits()
+        self.group: Any = None
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.batch: Batch | None = None  # once warm: every request in flight
+        self.loading = False
+
+    @property
+    def ready(self) -> bool:
+        return self.batch is not None
+
+    def serve(self) -> NoReturn:
+        try:
+            while True:
+                if self.batch is None:  # connecting, loading, warming up: one command at a time
+                    self._hang_if_told()
+                    self.handle(self.channel.commands.get())
+                    continue
+                lockstep = self.batch.lockstep
+                for command in lockstep.take(idle=self.batch.idle):
+                    self._hang_if_told()
+                    self.handle(command)
+                self.batch.step()
+        except BaseException as exc:
+            log.exception("runner failed")
+            self.channel.send(p.Failed, **_failure_fields(exc, loading=self.loading))
+            exit_now(EXIT_FAILED)
+
+    def _hang_if_told(self) -> None:
+        if self.faults.hung.is_set():  # a fault made this runner stop answering
+            threading.Event().wait()
+
+    def handle(self, command: p.Command) -> None:
+        match command:
+            case p.Connect():
+                self.connect()
+            case p.Load():
+                self.load(Path(command.model_path))
+            case p.WarmUp():
+                self.warm_up()
+            case p.Generate():
+                self.generate(command)
+            case p.Cancel(request_id=request_id):
+                if self.batch is not None:
+                    self.batch.cancel(request_id)
+            case _:
+                raise RunnerProtocolError(f"unexpected command {command.type}")
+
+    # -- phases -----------------------------------------------------------------
+
+    def connect(self) -> None:
+        import mlx.core as mx
+
+        if self.group is not None:
+            raise RunnerProtocolError("connect received twice")
+        self.channel.send(p.Status, phase=p.Phase.JOINING)
+        self.faults.at(FaultPhase.CONNECTING)
+        if self.world_size > 1:
+            self.group = mx.distributed.init(backend="ring", strict=True)
+            if (self.group.rank(), self.group.size()) != (self.rank, self.world_size):
+                raise RunnerProtocolError(
+                    f"ring group says rank {self.group.rank()}/{self.group.size()}, "
+                    f"argv says {self.rank}/{self.world_size}: hostfile and MLX_RANK disagree"
+                )
+        self.channel.send(p.Status, phase=p.Phase.JOINED)
+
+    def load(self, model_path: Path) -> None:
+        import mlx.core as mx
+
+        import_mlx_lm()
+        from mlx_lm.utils import load_model, load_tokenizer
+
+        if self.world_size > 1 and self.group is None:
+            raise RunnerProtocolError("load before connect on a multi-rank runner")
+        if self.model is not None:
+            raise RunnerProtocolError("load received twice")
+        self.loading = True
+        self.channel.send(p.Status, phase=p.Phase.WEIGHTS)
+        # lazy: nothing is read until evaluated, so each rank reads only its shard, layer by layer
+        model, config = load_model(model_path, lazy=True, strict=True)
+        tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
+        layers = self._shard(model)
+        for index, layer in enumerate(layers, start=1):
+            mx.eval(layer.parameters())
+            self.channel.send(p.Progress, layers_loaded=index, layers_total=len(layers))
+            self.faults.at(FaultPhase.LOADING)
+        mx.eval(model.parameters())  # embeddings, final norm, head
+        if not layers:
+            self.channel.send(p.Progress, layers_loaded=1, layers_total=1)
+        self.model, self.tokenizer = model, tokenizer
+        self.loading = False
+        self.channel.send(p.Status, phase=p.Phase.LOADED)
+        if self.group is not None:
+            # every rank is loaded once this returns (the barrier mlx_lm.sharded_load ends with)
+            mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=self.group))
+
+    def _shard(self, model: Any) -> list[Any]:
+        """Pipeline where the model has it (qwen2…), tensor parallel otherwise; returns this rank's layers."""
+        if self.group is None:
+            return [layer for layer in getattr(model, "layers", []) if layer is not None]
+        inner = getattr(model, "model", None)
+        if inner is not None and hasattr(inner, "pipeline"):
+            inner.pipeline(self.group)
+            log.info("pipeline parallel: layers [%d, %d)", inner.start_idx, inner.end_idx)
+            return list(inner.pipeline_layers)
+        if hasattr(model, "shard"):
+            model.shard(self.group)
+            log.info("tensor parallel over %d ranks", self.world_size)
+            return list(getattr(model, "layers", []))
+        raise UnsupportedModel(f"{type(model).__module__} supports neither pipeline nor tensor parallelism")
+
+    def warm_up(self) -> None:
+        if self.model is None:
+            raise RunnerProtocolError("warm_up before load")
+        self.channel.send(p.Status, phase=p.Phase.WARMING_UP)
+        self.faults.at(FaultPhase.WARMING_UP)
+        lockstep = Lockstep(self.channel.commands, self.group, self.rank)
+        batch = Batch(
+            self.model,
+            self.tokenizer,
+            limits=self.limits,
+            send=self._quiet,
+            rank=self.rank,
+            lockstep=lockstep,
+        )
+        prompt = self.tokenizer.encode("warm up", add_special_tokens=False) or [0]
+        batch.run_alone(p.Generate(request_id="warm-up", prompt_tokens=prompt, max_tokens=WARM_UP_TOKENS), prompt)
+        batch.send, batch.script = self.channel.send, self.script  # from now on, for the callers
+        batch.on_token = lambda: self.faults.at(FaultPhase.BUSY)
+        self.batch = batch
+        self.channel.send(p.Status, phase=p.Phase.READY)
+        self.faults.at_ready_soon()
+
+    def _quiet(self, cls: type[p.Report], **fields: Any) -> None:
+        """The warm-up's reports: nobody asked for them, the daemon hears none."""
+
+    def generate(self, request: p.Generate) -> None:
+        if self.batch is None:
+            self.channel.send(p.RequestError, request_id=request.request_id, message="runner is not ready")
+            return
+        try:
+            prompt = prompt_tokens(self.tokenizer, request)
+        except Exception as exc:  # a bad request is refused; the runner stays Ready
+            message = f"{type(exc).__name__}: {exc}"
+            self.channel.send(p.RequestError, request_id=request.request_id, message=message, invalid=True)
+            return
+        self.batch.join(request, prompt)
+
+
+# -- entry point ------------------------------------------------------------------
+
+
+def import_mlx_lm() -> None:
+    """Import mlx_lm within this process's descriptor limit.
+
+    ``mlx_lm.utils`` sets RLIMIT_NOFILE to (2048, 4096) when imported, which raises ValueError wherever the
+    hard limit is lower (containers, systemd units, a daemon started with ``ulimit -Hn 1024``): every runner
+    would fail, every generation. The call is clamped to the hard limit for that one import.
+    """
+    if "mlx_lm.utils" in sys.modules:
+        return
+    real = resource.setrlimit
+
+    def clamped(which: int, limits: tuple[int, int]) -> None:
+        hard = resource.getrlimit(which)[1]
+        if which == resource.RLIMIT_NOFILE and hard != resource.RLIM_INFINITY:
+            limits = (min(limits[0], hard), min(limits[1], hard))
+        real(which, limits)
+
+    resource.setrlimit = clamped  # type: ignore[assignment]
+    try:
+        import mlx_lm.utils  # noqa: F401
+    finally:
+        resource.setrlimit = real
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m exod.runner", description=__doc__.splitlines()[0])
+    parser.add_argument("--runner-id", required=True)
+    parser.add_argument("--incarnation", type=int, required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--control-fd", type=int, required=True, help="inherited end of a Unix socketpair")
+    parser.add_argument("--hostfile", type=Path, help="ring hostfile; sets MLX_HOSTFILE (default: from the env)")
+    parser.add_argument(
+        "--fault", type=Fault.parse, help="PHASE:KIND fault to inject (tests only; see exod.runner.faults)"
+    )
+    parser.add_argument("--script", help="text every generation emits instead of sampling (tests only)")
+    defaults = BatchLimits()
+    parser.add_argument("--max-sequences", type=int, default=defaults.max_sequences, help="decoded at once")
+    parser.add_argument("--kv-bytes", type=int, default=defaults.kv_bytes, help="KV cache reserved by them")
+    parser.add_argument("--prompt-cache-bytes", type=int, default=defaults.prompt_cache_bytes)
+    parser.add_argument("--prefill-step", type=int, default=defaults.prefill_step, help="prompt tokens per chunk")
+    args = parser.parse_args(argv)
+    if not 0 <= args.rank < args.world_size:
+        parser.error(f"rank {args.rank} out of range for world size {args.world_size}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(name)s %(levelname)s %(message)s", stream=sys.stderr
+    )
+    if args.hostfile is not None:
+        os.environ["MLX_HOSTFILE"] = str(args.hostfile)
+    os.environ["MLX_RANK"] = str(args.rank)
+    start_hangup_watchdog(args.control_fd)
+    channel = Channel(args.control_fd, args.runner_id, args.incarnation)
+
+    def fail(exc: BaseException) -> None:  # a fault on a thread that is not the main one
+        channel.send(p.Failed, **_failure_fields(exc))
+        exit_now(EXIT_FAILED)
+
+    channel.injector = Injector(args.fault, fail=fail, exit_now=exit_now)
+    if args.fault is not None:
+        log.warning("fault injection armed: %s", args.fault)
+    channel.start_reader()  # before importing mlx: EOF must end the process even during a slow import
+    if args.script is not None:
+        log.warning("scripted output armed: every generation emits %r", args.script[:80])
+    limits = BatchLimits(args.max_sequences, args.kv_bytes, args.prompt_cache_bytes, args.prefill_step)
+    Runner(channel, rank=args.rank, world_size=args.world_size, script=args.script, limits=limits).serve()
+
+
+if __name__ == "__main__":
+    main()

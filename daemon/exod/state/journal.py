@@ -1,0 +1,135 @@
+"""What the controller writes, in order, and what happens when the store refuses a write.
+
+The controller changes its machines in plain (synchronous) code and hands each change to `save`, which
+never blocks and never fails: the writer (`run`, in the controller's nursery) writes the newest snapshot
+with every log entry queued since the last write, in one atomic save, so a reader never sees a transition
+whose state was lost. Whoever must tell a caller that something is stored (a placement) awaits `durable`.
+
+A full disk, an I/O error, a vanished file or an etcd out of reach must not end the daemon: its runners
+keep serving, and what could not be written is kept in memory, in order, and written once the store takes
+it again (tried at the next change, or after `WRITE_RETRY` seconds). Until then the daemon is *degraded*:
+`degraded` says why (status, ``/health``, ``/ready``), and new placements wait, for a caller would be told
+of an instance that a crash could lose.
+
+The runner processes this host started are recorded in the host's own SQLite file whatever the cluster's
+state store is (a pid means something on one host only), through the same degraded rule.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import Any
+
+import trio
+
+from exod.state.sqlite import ProcessRecord, Store
+from exod.state.store import StateStore, StateUnavailable
+from fsm.cluster import LogEntry
+
+log = logging.getLogger("exod.journal")
+
+WRITE_RETRY = 2.0  # seconds between attempts to write the state again while the store refuses it
+LOCAL_ERRORS = (sqlite3.Error, OSError)  # a full disk, an I/O error, a locked or vanished file
+
+
+class Journal:
+    def __init__(self, state: StateStore, local: Store) -> None:
+        self.state, self.local = state, local
+        self.written = trio.Event()  # set (and replaced) at every write: wakes the event streams
+        self._state_error: str | None = None
+        self._local_error: str | None = None
+        self._snapshot: Callable[[], dict[str, Any]] | None = None
+        self._now = 0.0
+        self._entries: list[LogEntry] = []
+        self._asked = 0  # saves asked for …
+        self._done = 0  # … and how many of them a write covered
+        self._wake = trio.Event()
+        self._lock = trio.Lock()  # one write at a time: the writer's, or a `durable` caller's
+        self._unwritten_local: list[Callable[[], Any]] = []
+
+    @property
+    def degraded(self) -> str | None:
+        """Why the state cannot be written now; None: it can."""
+        return self._state_error or self._local_error
+
+    # -- the controller's side ------------------------------------------------------------------
+
+    def save(self, snapshot: Callable[[], dict[str, Any]], entries: Iterable[LogEntry], now: float) -> None:
+        """Queue a write of the state as ``snapshot`` will read it, with ``entries``; the journal owns them now."""
+        self._snapshot, self._now = snapshot, now
+        self._entries.extend(entries)
+        self._asked += 1
+        self._wake.set()
+
+    async def durable(self) -> bool:
+        """Wait until every save asked for so far is written; False if the store refuses it now (degraded:
+        it stays queued and is written once the store takes it)."""
+        target = self._asked
+        while self._done < target:
+            if not await self.flush():
+                return False
+        return True
+
+    def record_process(self, record: ProcessRecord) -> None:
+        self._write_local(partial(self.local.record_process, record))
+
+    def forget_process(self, runner_id: str, incarnation: int) -> None:
+        self._write_local(partial(self.local.forget_process, runner_id, incarnation))
+
+    # -- the writer ---------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Write whatever is queued, as it comes; while the store refuses, again at each change, or after
+        `WRITE_RETRY` s."""
+        task_status.started()
+        while True:
+            if self._done == self._asked and not self._unwritten_local:
+                await self._wake.wait()
+            self._wake = trio.Event()
+            if not await self.flush():  # again in WRITE_RETRY s, or at the next change if it comes sooner
+                with trio.move_on_after(WRITE_RETRY):
+                    await self._wake.wait()
+
+    async def flush(self) -> bool:
+        """Write what is queued now; True once nothing is."""
+        async with self._lock:
+            self._write_local(None)
+            if self._done == self._asked:
+                return self._local_error is None
+            asked, entries = self._asked, list(self._entries)
+            assert self._snapshot is not None
+            try:
+                await self.state.save(self._snapshot(), entries, self._now)
+            except StateUnavailable as exc:
+                if self._state_error is None:
+                    log.error("%s: degraded until it can be written", exc)
+                self._state_error = str(exc)
+                return False
+            del self._entries[: len(entries)]
+            self._done = asked
+            if self._state_error is not None:
+                log.warning("the state is written to %s again", self.state.where)
+                self._state_error = None
+            self.written.set()
+            self.written = trio.Event()
+            return self._local_error is None
+
+    def _write_local(self, operation: Callable[[], Any] | None) -> None:
+        if operation is not None:
+            self._unwritten_local.append(operation)
+        try:
+            while self._unwritten_local:
+                self._unwritten_local[0]()
+                self._unwritten_local.pop(0)
+        except LOCAL_ERRORS as exc:
+            if self._local_error is None:
+                log.error("cannot write to %s (%s): degraded until it can", self.local.path, exc)
+                self._wake.set()  # the writer retries it
+            self._local_error = f"cannot write the state to {self.local.path}: {exc}"
+            return
+        if self._local_error is not None:
+            log.warning("the state is written to %s again", self.local.path)
+            self._local_error = None
