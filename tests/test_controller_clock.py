@@ -27,6 +27,7 @@ from fake_runners import TOKENS, FakeFleet, FakeModels, Timing
 
 import fsm
 from daemon_harness import config, instance, with_controller
+from exod import generated as g
 from exod.controller import Controller
 from exod.host.supervisor import Timeouts
 from exod.requests import QueueTimeout, RequestFailed
@@ -344,7 +345,7 @@ def test_delete_ends_an_in_flight_request_with_an_error_at_once(tmp_path):
 
     slow_tokens = Timing(token=10.0)  # 70 s for the whole answer
     tokens, deleted_at, failed_at, inst = simulate(tmp_path, body, timing=slow_tokens)
-    assert [type(t) for t in tokens] == [p.Token]
+    assert [type(t) for t in tokens] == [g.Token]
     assert failed_at == deleted_at  # not after the generation, nor after a watchdog
     assert inst["delete_reason"] == "requested"
 

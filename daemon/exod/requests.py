@@ -3,7 +3,8 @@
 One book. It is the only place requests are kept: the planner sees the ones
 still waiting for a runner (`pending`, passed into its view), the controller
 tells the book what the planner decided (`forwarded`, `cancel`) and what
-rank 0 said (`deliver`), and each caller reads its own `RequestStream`.
+rank 0 said (`deliver`), and each caller reads its own `RequestStream`: what
+rank 0 said, translated from the wire into `exod.generated`'s values.
 
 The book reads the cluster (is the instance there, is it Ready, did its
 leader fail) but never changes a machine; it calls ``wake`` when something
@@ -21,8 +22,11 @@ import attrs
 import trio
 
 import fsm
+from exod import generated as g
 from exod.runner import protocol as p
 from fsm.cluster import Cluster
+
+REQUIRED = p.REQUIRED  # `submit(tool_choice=REQUIRED)`: the model must call a tool, whichever
 
 
 class InstanceNotFound(LookupError):
@@ -77,7 +81,8 @@ class _Request:
 
 
 class RequestStream:
-    """The tokens of one request, then its `Done`; raises `RequestFailed` if it cannot finish."""
+    """What one request said (`exod.generated`: tokens, tool calls), then its `Done`; raises `RequestFailed`
+    if it cannot finish."""
 
     def __init__(self, book: RequestBook, request_id: str, request: _Request, receive: Any) -> None:
         self.request_id = request_id
@@ -97,7 +102,7 @@ class RequestStream:
         if self._first is None and not self._done:
             self._first = await self.__anext__()
 
-    async def __anext__(self) -> p.Token | p.ToolCall | p.Done:
+    async def __anext__(self) -> g.Said:
         if self._first is not None:
             item, self._first = self._first, None
             return item
@@ -109,7 +114,7 @@ class RequestStream:
         if isinstance(item, Exception):
             self._done = True
             raise item
-        if isinstance(item, p.Done):
+        if isinstance(item, g.Done):
             self._done = True
         return item
 
@@ -297,7 +302,7 @@ class RequestBook:
             if isinstance(report, p.Done):
                 self.forget(report.request_id)
         else:
-            request.channel.send_nowait(report)
+            request.channel.send_nowait(_said(report))
 
     def fail_orphaned(self) -> None:
         """A forwarded request whose rank 0 is no longer Ready will never finish: end it now, never hang."""
@@ -321,3 +326,28 @@ class RequestBook:
             return f"instance was deleted ({reason.value if reason else 'gone'})"
         cause = machine.failure.message if machine is not None and machine.failure else "runner stopped"
         return f"the runner serving this request failed: {cause}"
+
+
+def _alternative(alt: p.Alternative) -> g.Alternative:
+    return g.Alternative(alt.token_id, alt.text, alt.logprob)
+
+
+def _said(report: p.Token | p.ToolCall | p.Done) -> g.Said:
+    """Rank 0's report as the front end hears it: the wire's envelope (runner, incarnation, request) dropped."""
+    match report:
+        case p.Token():
+            chosen = None if report.chosen is None else _alternative(report.chosen)
+            top = None if report.top_logprobs is None else [_alternative(a) for a in report.top_logprobs]
+            return g.Token(report.text, report.token_id, chosen, top)
+        case p.ToolCall():
+            return g.ToolCall(report.name, report.arguments)
+        case p.Done():
+            return g.Done(
+                g.FinishReason(report.finish_reason.value),
+                report.prompt_tokens,
+                report.completion_tokens,
+                stop_sequence=report.stop_sequence,
+                cached_tokens=report.cached_tokens,
+                batch_size=report.batch_size,
+                prompt_cache_bytes=report.prompt_cache_bytes,
+            )

@@ -13,11 +13,11 @@ from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
+from exod import generated as g
 from exod.api.errors import ApiError, responses
 from exod.api.generation import Generation, Output, ToolCall, Usage, event_stream, openai_logprobs, sse, usage
 from exod.controller import Controller
-from exod.requests import RequestFailed
-from exod.runner import protocol as p
+from exod.requests import REQUIRED, RequestFailed
 
 MAX_MESSAGES = 256
 MAX_MESSAGE_CHARS = 100_000
@@ -180,7 +180,7 @@ class StreamOptions(BaseModel):
 
 class ChatRequest(BaseModel):
     """OpenAI's chat completion request. ``tool_choice``: ``none`` leaves the tools out of the template;
-    ``required`` or a named function makes the prompt begin the call (`exod.runner.process.forced_call`). Accepted
+    ``required`` or a named function makes the prompt begin the call (`exod.runner.output.forced_call`). Accepted
     but not enforced: ``response_format`` (the output is not checked against the schema),
     ``parallel_tool_calls``."""
 
@@ -234,7 +234,7 @@ class ChatRequest(BaseModel):
         tools = [t.for_template() for t in self.tools or []] if self.tool_choice != "none" else []
         forced = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
         return {
-            "tool_choice": p.REQUIRED if self.tool_choice == "required" else forced,
+            "tool_choice": REQUIRED if self.tool_choice == "required" else forced,
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
             "stop": self.stop,
@@ -305,14 +305,14 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
             return sse(head | {"object": "chat.completion.chunk", "choices": [choice]})
 
         async def events() -> AsyncIterator[ServerSentEvent]:
-            dones: list[p.Done] = []
+            dones: list[g.Done] = []
             try:
                 for index, stream in enumerate(streams):  # choice by choice; each chunk says its index
                     yield chunk(index, {"role": "assistant", "content": ""})
                     calls = 0
                     async for item in generation.pieces(stream):
                         match item:
-                            case p.Token(text=text) if text or item.chosen is not None:
+                            case g.Token(text=text) if text or item.chosen is not None:
                                 logprobs = {"content": openai_logprobs([item])} if item.chosen else None
                                 yield chunk(index, {"content": text}, logprobs=logprobs)
                             case ToolCall():
@@ -320,7 +320,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                                 call = {"index": calls, "id": item.id, "type": "function", "function": function}
                                 yield chunk(index, {"tool_calls": [call]})
                                 calls += 1
-                            case p.Done():
+                            case g.Done():
                                 dones.append(item)
                                 yield chunk(index, {}, item.finish_reason.value)
                 generation.record("ok", sum(d.completion_tokens for d in dones))

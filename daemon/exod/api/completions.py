@@ -12,12 +12,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, field_validator, model_validator
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
+from exod import generated as g
 from exod.api.chat import LENIENT, MAX_CHOICES, MAX_MESSAGE_CHARS, StreamOptions, Text, stop_list
 from exod.api.errors import ApiError, responses
 from exod.api.generation import Generation, Output, Usage, event_stream, sse, usage
 from exod.controller import Controller
 from exod.requests import RequestFailed
-from exod.runner import protocol as p
 
 
 class CompletionRequest(BaseModel):
@@ -120,16 +120,16 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
             return sse(head | {"choices": [choice]})
 
         async def events() -> AsyncIterator[ServerSentEvent]:
-            dones: list[p.Done] = []
+            dones: list[g.Done] = []
             try:
                 for index, stream in enumerate(streams):
                     if echo:
                         yield chunk(index, echo)
                     async for item in generation.pieces(stream):
-                        if isinstance(item, p.Token) and (item.text or item.chosen is not None):
+                        if isinstance(item, g.Token) and (item.text or item.chosen is not None):
                             logprobs = _legacy_logprobs([item], 0) if body.logprobs is not None else None
                             yield chunk(index, item.text, logprobs=logprobs)
-                        elif isinstance(item, p.Done):
+                        elif isinstance(item, g.Done):
                             dones.append(item)
                             yield chunk(index, "", _finish(Output(done=item)))
                 generation.record("ok", sum(d.completion_tokens for d in dones))
@@ -149,10 +149,10 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
 
 def _finish(output: Output) -> str:
     reason = output.finish_reason
-    return "stop" if reason == p.FinishReason.TOOL_CALLS.value else reason  # no tools here
+    return "stop" if reason == g.FinishReason.TOOL_CALLS.value else reason  # no tools here
 
 
-def _legacy_logprobs(tokens: list[p.Token], offset: int) -> dict[str, Any]:
+def _legacy_logprobs(tokens: list[g.Token], offset: int) -> dict[str, Any]:
     """The legacy shape: parallel lists of tokens, their log-probabilities, the likeliest others, offsets."""
     chosen = [t for t in tokens if t.chosen is not None]
     offsets, at = [], offset

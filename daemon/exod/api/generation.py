@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
+from exod import generated as g
 from exod.api.drain import unavailable
 from exod.api.errors import ApiError
 from exod.controller import Controller
@@ -32,7 +33,6 @@ from exod.requests import (
     RequestStream,
     ShuttingDown,
 )
-from exod.runner import protocol as p
 
 log = logging.getLogger("exod.requests")
 
@@ -50,8 +50,8 @@ class Output:
 
     text: str = ""
     tool_calls: list[ToolCall] = attrs.Factory(list)
-    logprobs: list[p.Token] = attrs.Factory(list)  # the tokens that carry their log-probabilities
-    done: p.Done | None = None
+    logprobs: list[g.Token] = attrs.Factory(list)  # the tokens that carry their log-probabilities
+    done: g.Done | None = None
 
     @property
     def finish_reason(self) -> str:
@@ -138,13 +138,13 @@ class Generation:
         finally:
             self.close()
 
-    async def pieces(self, stream: RequestStream) -> AsyncIterator[p.Token | ToolCall | p.Done]:
+    async def pieces(self, stream: RequestStream) -> AsyncIterator[g.Token | ToolCall | g.Done]:
         """The output as it comes: tokens (text and log-probabilities), tool calls with their ids, the end.
         `RequestFailed` ends it early (the dialect says so in its own words)."""
         async for item in stream:
-            if isinstance(item, p.Done):
+            if isinstance(item, g.Done):
                 self.metrics.finished(self.model, item)
-            yield ToolCall(call_id(), item.name, item.arguments) if isinstance(item, p.ToolCall) else item
+            yield ToolCall(call_id(), item.name, item.arguments) if isinstance(item, g.ToolCall) else item
 
     def finished(self, outputs: list[Output]) -> None:
         self.record("ok", sum(o.done.completion_tokens for o in outputs if o.done is not None))
@@ -177,15 +177,15 @@ class Generation:
         return error
 
     @staticmethod
-    def _take(output: Output, item: p.Token | ToolCall | p.Done) -> None:
+    def _take(output: Output, item: g.Token | ToolCall | g.Done) -> None:
         match item:
-            case p.Token():
+            case g.Token():
                 output.text += item.text
                 if item.chosen is not None:
                     output.logprobs.append(item)
             case ToolCall():
                 output.tool_calls.append(item)
-            case p.Done():
+            case g.Done():
                 output.done = item
 
 
@@ -199,7 +199,7 @@ class Usage:
     cached: int = 0
 
     @classmethod
-    def of(cls, dones: list[p.Done]) -> Usage:
+    def of(cls, dones: list[g.Done]) -> Usage:
         if not dones:
             return cls()
         return cls(dones[0].prompt_tokens, sum(d.completion_tokens for d in dones), dones[0].cached_tokens)
@@ -217,10 +217,10 @@ def usage(outputs: list[Output]) -> Usage:
     return Usage.of([o.done for o in outputs if o.done is not None])
 
 
-def openai_logprobs(tokens: list[p.Token]) -> list[dict[str, Any]]:
+def openai_logprobs(tokens: list[g.Token]) -> list[dict[str, Any]]:
     """OpenAI's ``logprobs.content``: each token, its log-probability and bytes, and the likeliest others."""
 
-    def entry(alt: p.Alternative) -> dict[str, Any]:
+    def entry(alt: g.Alternative) -> dict[str, Any]:
         return {"token": alt.text, "logprob": alt.logprob, "bytes": list(alt.text.encode())}
 
     return [

@@ -18,12 +18,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, field_validator
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
+from exod import generated as g
 from exod.api.chat import LENIENT, MAX_MESSAGE_CHARS, MAX_MESSAGES, Text, stop_list, unicode_text
 from exod.api.errors import ApiError, responses
 from exod.api.generation import Generation, Output, ToolCall, event_stream, sse
 from exod.controller import Controller
-from exod.requests import RequestFailed
-from exod.runner import protocol as p
+from exod.requests import REQUIRED, RequestFailed
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -73,10 +73,10 @@ class MessagesRequest(BaseModel):
         return out
 
     def forced_tool(self) -> str | None:
-        """``any``: some tool must be called; ``tool``: that one (`exod.runner.process.forced_call`)."""
+        """``any``: some tool must be called; ``tool``: that one (`exod.runner.output.forced_call`)."""
         choice = self.tool_choice or {}
         if choice.get("type") == "any":
-            return p.REQUIRED
+            return REQUIRED
         return str(choice["name"]) if choice.get("type") == "tool" and choice.get("name") else None
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
@@ -173,7 +173,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                 yield sse({"type": "message_start", "message": start}, "message_start")
                 async for item in generation.pieces(stream):
                     match item:
-                        case p.Token(text=text) if text:
+                        case g.Token(text=text) if text:
                             if not text_open:
                                 block = {"type": "content_block_start", "index": index}
                                 yield sse(block | {"content_block": {"type": "text", "text": ""}}, block["type"])
@@ -197,7 +197,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                             )
                             yield sse({"type": "content_block_stop", "index": index}, "content_block_stop")
                             index += 1
-                        case p.Done():
+                        case g.Done():
                             if text_open:
                                 yield sse({"type": "content_block_stop", "index": index}, "content_block_stop")
                             stop = {"stop_reason": _stop_reason(item), "stop_sequence": item.stop_sequence}
@@ -231,7 +231,7 @@ def _message(output: Output) -> dict[str, Any]:
     }
 
 
-def _usage(done: p.Done) -> dict[str, int]:
+def _usage(done: g.Done) -> dict[str, int]:
     """Anthropic's count: ``input_tokens`` are those not read from the prompt cache, which are counted apart."""
     return {
         "input_tokens": done.prompt_tokens - done.cached_tokens,
@@ -240,7 +240,7 @@ def _usage(done: p.Done) -> dict[str, int]:
     }
 
 
-def _stop_reason(done: p.Done) -> str:
+def _stop_reason(done: g.Done) -> str:
     if done.stop_sequence is not None:
         return "stop_sequence"
     return _STOP_REASONS[done.finish_reason.value]

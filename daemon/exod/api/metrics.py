@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 import fsm
-from exod.runner import protocol as p
+from exod import generated as g
 
 if TYPE_CHECKING:
     from exod.controller import Controller
@@ -58,7 +58,7 @@ class Metrics:
         )
         self.registry.register(_StateCollector(controller))
 
-    def finished(self, model: str, done: p.Done) -> None:
+    def finished(self, model: str, done: g.Done) -> None:
         """One generation ended: how it was batched, what the prompt cache gave it."""
         self.batch_size.labels(model).observe(done.batch_size)
         if done.cached_tokens:

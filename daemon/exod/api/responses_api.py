@@ -18,12 +18,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, model_validator
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
+from exod import generated as g
 from exod.api.chat import LENIENT, MAX_MESSAGE_CHARS, MAX_MESSAGES, Text, text_of
 from exod.api.errors import ApiError, responses
 from exod.api.generation import Generation, Output, ToolCall, event_stream, sse
 from exod.controller import Controller
-from exod.requests import RequestFailed
-from exod.runner import protocol as p
+from exod.requests import REQUIRED, RequestFailed
 
 _ROLES = {"developer": "system", "system": "system", "user": "user", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -73,9 +73,9 @@ class ResponsesRequest(BaseModel):
         return out
 
     def forced_tool(self) -> str | None:
-        """``required``: some tool must be called; a named function: that one (`exod.runner.process.forced_call`)."""
+        """``required``: some tool must be called; a named function: that one (`exod.runner.output.forced_call`)."""
         if self.tool_choice == "required":
-            return p.REQUIRED
+            return REQUIRED
         if isinstance(self.tool_choice, dict) and self.tool_choice.get("type") == "function":
             return str(self.tool_choice.get("name") or "") or None
         return None
@@ -161,7 +161,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                 text_open = False
                 async for item in generation.pieces(stream):
                     match item:
-                        case p.Token(text=text) if text:
+                        case g.Token(text=text) if text:
                             if not text_open:
                                 message_id = f"msg_{secrets.token_hex(12)}"
                                 message = _message_item(message_id, "", done=False)
@@ -185,7 +185,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                             yield event("response.function_call_arguments.done", **in_call, arguments=item.arguments)
                             yield event("response.output_item.done", output_index=index, item=_call_item(item))
                             index += 1
-                        case p.Done():
+                        case g.Done():
                             output.done = item
                 if text_open:
                     for line in _text_done(event, message_id, index, output.text):
@@ -259,7 +259,7 @@ def _finished(shell: dict[str, Any], output: Output, message_id: str | None = No
     assert output.done is not None
     items = [_message_item(message_id or f"msg_{secrets.token_hex(12)}", output.text)] if output.text else []
     items += [_call_item(c) for c in output.tool_calls]
-    cut = output.done.finish_reason is p.FinishReason.LENGTH
+    cut = output.done.finish_reason is g.FinishReason.LENGTH
     prompt, completion, cached = output.done.prompt_tokens, output.done.completion_tokens, output.done.cached_tokens
     return shell | {
         "status": "incomplete" if cut else "completed",
