@@ -10,8 +10,7 @@ import trio
 import trio.testing
 
 from daemon_harness import config
-from exod.api.errors import ApiError
-from exod.cluster.agent import FENCE_MARGIN, Agent, SpawnRequest
+from exod.cluster.agent import FENCE_MARGIN, Agent, Refused, SpawnRequest
 from exod.cluster.etcd import EtcdUnavailable
 from exod.cluster.nodes import NodeRecord, runner_key
 from exod.host.supervisor import Listener, RunnerSpec, Timeouts
@@ -137,7 +136,7 @@ def test_a_key_that_could_not_be_released_is_released_when_etcd_answers_again(tm
 def test_nothing_is_spawned_while_etcd_cannot_take_the_claim(tmp_path):
     async def body(agent, etcd, presence, processes):
         etcd.down = True
-        with pytest.raises(ApiError) as refused:
+        with pytest.raises(Refused) as refused:
             await agent.spawn(request())
         assert refused.value.status == 503 and "claim" in str(refused.value) and processes == []
 
@@ -147,7 +146,7 @@ def test_nothing_is_spawned_while_etcd_cannot_take_the_claim(tmp_path):
 def test_nothing_is_spawned_while_the_lease_is_not_surely_alive(tmp_path):
     async def body(agent, etcd, presence, processes):
         await trio.sleep(TTL * (1 - FENCE_MARGIN))  # no renewal: the lease may expire at any moment now
-        with pytest.raises(ApiError) as refused:
+        with pytest.raises(Refused) as refused:
             await agent.spawn(request())
         assert refused.value.status == 503 and "lease" in str(refused.value) and processes == []
 

@@ -23,29 +23,60 @@ import json
 import logging
 import math
 from collections.abc import AsyncIterator
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import trio
-from fastapi import APIRouter
+from fastapi import APIRouter, HTTPException
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from exod.api.errors import ApiError
 from exod.cluster.etcd import EtcdError
 from exod.cluster.nodes import Presence, runner_key, runners_prefix
-from exod.config import DaemonConfig
 from exod.host import ring
 from exod.host.models import ModelFiles
 from exod.host.orphans import start_ticks
-from exod.host.supervisor import Process, RunnerSpec, Spawn, Supervisor
+from exod.host.supervisor import Process, RunnerSpec, Spawn, Supervisor, Timeouts
 from exod.runner import protocol as p
+from exod.runner.batch import BatchLimits
 from exod.state import retention
+from exod.state.retention import Retention
 from exod.state.sqlite import ProcessRecord, Store
 
 log = logging.getLogger("exod.agent")
 
 BEAT_S = 1.0  # an idle report stream says it is alive this often (`exod.cluster.remote.SILENCE_S` is the limit)
 FENCE_MARGIN = 0.2  # of the lease's TTL: runners stop this much before the node's lease may expire
+
+
+class Refused(HTTPException):
+    """The agent will not do what it was asked; ``status`` says why, as HTTP does (the API answers it in its
+    error shape, like any other refusal)."""
+
+    @property
+    def status(self) -> int:
+        return self.status_code
+
+
+class AgentConfig(Protocol):
+    """What the agent needs of the daemon's configuration (`exod.config.DaemonConfig` is one)."""
+
+    @property
+    def state_dir(self) -> Path: ...
+    @property
+    def hf_home(self) -> Path | None: ...
+    @property
+    def offline(self) -> bool | None: ...
+    @property
+    def download_timeout(self) -> float: ...
+    @property
+    def retention(self) -> Retention: ...
+    @property
+    def script(self) -> str | None: ...
+    @property
+    def batch(self) -> BatchLimits: ...
+    @property
+    def timeouts(self) -> Timeouts: ...
 
 
 class SpawnRequest(BaseModel):
@@ -70,7 +101,7 @@ class CommandRequest(BaseModel):
 class Agent:
     """The runners this node runs for the cluster's controller, and the stream of what they report."""
 
-    def __init__(self, config: DaemonConfig, store: Store, advertise: str, *, spawn: Spawn = Supervisor) -> None:
+    def __init__(self, config: AgentConfig, store: Store, advertise: str, *, spawn: Spawn = Supervisor) -> None:
         self.config, self.store, self.advertise, self._spawn = config, store, advertise, spawn
         self.models = ModelFiles(hf_home=config.hf_home, offline=config.offline, timeout=config.download_timeout)
         self._running: dict[tuple[str, int], Process] = {}
@@ -132,7 +163,7 @@ class Agent:
         await self._claim(key)  # in etcd first: no process runs that the controller could not know of
         if self._session != session:  # a new controller connected meanwhile: this one's runners are over
             self._released.add(self._key_of(key))
-            raise ApiError(409, "the controller that asked for this runner is no longer connected")
+            raise Refused(409, "the controller that asked for this runner is no longer connected")
         self._check_spawn(key)
         hostfile = None
         if request.world_size > 1:
@@ -160,9 +191,9 @@ class Agent:
 
     def _check_spawn(self, key: tuple[str, int]) -> None:
         if self._stream is None or self._nursery is None:
-            raise ApiError(409, "no controller is connected to this agent: open GET /agent/reports first")
+            raise Refused(409, "no controller is connected to this agent: open GET /agent/reports first")
         if key in self._running:
-            raise ApiError(409, f"runner {key[0]}/{key[1]} already runs here")
+            raise Refused(409, f"runner {key[0]}/{key[1]} already runs here")
 
     def _key_of(self, key: tuple[str, int]) -> bytes:
         assert self._presence is not None
@@ -175,11 +206,11 @@ class Agent:
         if presence is None:
             return
         if trio.current_time() >= presence.alive_until - FENCE_MARGIN * presence.ttl:
-            raise ApiError(503, "this node cannot renew its lease in etcd: it runs nothing until it can")
+            raise Refused(503, "this node cannot renew its lease in etcd: it runs nothing until it can")
         try:
             await presence.etcd.put(self._key_of(key), b"", lease=presence.lease)
         except EtcdError as exc:
-            raise ApiError(503, f"this node cannot claim the runner in etcd: {exc}") from exc
+            raise Refused(503, f"this node cannot claim the runner in etcd: {exc}") from exc
 
     async def _release_keys(self) -> None:
         """Delete the keys of reaped runners (retried at every beat while etcd does not answer)."""
@@ -197,13 +228,13 @@ class Agent:
     def post(self, runner_id: str, incarnation: int, request: CommandRequest) -> None:
         process = self._running.get((runner_id, incarnation))
         if process is None:
-            raise ApiError(404, f"no runner {runner_id}/{incarnation} on this node")
+            raise Refused(404, f"no runner {runner_id}/{incarnation} on this node")
         try:
             command = p.from_json(json.dumps(request.command))
         except p.ProtocolError as exc:
-            raise ApiError(400, str(exc)) from exc
+            raise Refused(400, str(exc)) from exc
         if not isinstance(command, p.Command):
-            raise ApiError(400, f"{request.command.get('type')!r} is not a command")
+            raise Refused(400, f"{request.command.get('type')!r} is not a command")
         if isinstance(command, p.Load) and request.model_id is not None:
             try:  # the model as this node's cache has it
                 command = p.Load(str(self.models.path(request.model_id)), command.layers_total)
@@ -319,7 +350,7 @@ def router(agent: Agent) -> APIRouter:
     @api.post("/ports")
     async def ports(count: int) -> dict[str, Any]:
         if not 1 <= count <= 64:
-            raise ApiError(400, f"count must be 1..64, got {count}")
+            raise Refused(400, f"count must be 1..64, got {count}")
         return {"address": agent.advertise, "ports": agent.reserve_ports(count)}
 
     @api.post("/runners", status_code=202)
@@ -342,7 +373,7 @@ def router(agent: Agent) -> APIRouter:
         try:
             await agent.fetch(model_id)
         except Exception as exc:  # ModelNotFound, or what the hub client raised: the controller retries
-            raise ApiError(424, f"{type(exc).__name__}: {exc}") from exc
+            raise Refused(424, f"{type(exc).__name__}: {exc}") from exc
         return {"model_id": model_id}
 
     @api.get("/reports")
