@@ -68,7 +68,7 @@ def test_missing_file(tmp_path):
 
 
 def test_serve_place_option_takes_repo_ids_and_local_directories(tmp_path):
-    from exod.cli import _parse_place
+    from exod.cli.daemon import _parse_place
 
     assert (_parse_place("exod/tiny-qwen2:2").model, _parse_place("exod/tiny-qwen2:2").ranks) == ("exod/tiny-qwen2", 2)
     assert _parse_place(f"{tmp_path}:1").path == tmp_path

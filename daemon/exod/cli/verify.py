@@ -1,0 +1,184 @@
+"""The machines held to account: `exod check` explores them, `exod replay` runs a log against them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from exod.cli._common import _state_dir
+
+
+@click.command()
+@click.option("--ranks", type=click.IntRange(1, 4), default=2, show_default=True)
+@click.option("--max-retries", type=click.IntRange(1, 10), default=5, show_default=True)
+@click.option("--depth", type=click.IntRange(1), default=200, show_default=True, help="Events per path at most.")
+@click.option("--max-states", type=click.IntRange(1), default=400_000, show_default=True)
+@click.option("--no-deletes", is_flag=True, help="Leave user deletes out of the adversary.")
+@click.option("--fine", is_flag=True, help="Each completion and each node's planner as its own event (slower).")
+@click.option("--requests", type=click.IntRange(0, 3), default=0, show_default=True, help="Chat requests to send.")
+@click.option(
+    "--faults",
+    default="crash,error,fatal",
+    show_default=True,
+    help="What the adversary does to runners, of crash, error, fatal, host (the host's failures: uncharged).",
+)
+@click.option("--horizon", type=click.FloatRange(min=1), default=None, help="Seconds of the clock to explore.")
+@click.option(
+    "--hosts",
+    type=click.IntRange(0, 6),
+    default=0,
+    show_default=True,
+    help="Nodes of a cluster the ranks run on (at least --ranks); 0: one node per rank, never failing.",
+)
+@click.option(
+    "--node-failures",
+    type=click.IntRange(0, 4),
+    default=0,
+    show_default=True,
+    help="Times the adversary may kill or cut off a node (needs --hosts); a cut node may heal.",
+)
+def check(
+    ranks: int,
+    max_retries: int,
+    depth: int,
+    max_states: int,
+    no_deletes: bool,
+    fine: bool,
+    requests: int,
+    faults: str,
+    horizon: float | None,
+    hosts: int,
+    node_failures: int,
+) -> None:
+    """Model-check the composed system; a violated invariant prints its shortest trace and exits 1."""
+    import fsm
+    from fsm.check import CheckConfig, Fault
+    from fsm.check import check as run_check
+
+    try:
+        chosen = tuple(Fault(name.strip()) for name in faults.split(",") if name.strip())
+    except ValueError as exc:
+        raise click.BadParameter(
+            f"{exc}; choose from {', '.join(f.value for f in Fault)}", param_hint="--faults"
+        ) from None
+    try:
+        config = CheckConfig(
+            faults=chosen,
+            horizon=horizon,
+            ranks=ranks,
+            policy=fsm.RetryPolicy(max_retries=max_retries),
+            depth=depth,
+            max_states=max_states,
+            deletes=not no_deletes,
+            coarse=not fine,
+            requests=requests,
+            hosts=hosts,
+            node_failures=node_failures,
+        )
+    except ValueError as exc:  # --hosts below --ranks, or node failures without hosts
+        raise click.UsageError(str(exc)) from None
+    import time
+
+    result = run_check(config, timer=time.perf_counter)
+    click.echo(result.report())
+    if not result.ok:
+        raise SystemExit(1)
+
+
+def _cluster_log(url: str) -> tuple[int, list]:
+    """Where the cluster's log starts, and its entries, as the etcd at ``url`` holds them."""
+    import trio
+
+    from exod.cluster.etcd import Etcd
+    from exod.cluster.etcd_state import EtcdState
+    from exod.cluster.membership import DEFAULT_PREFIX
+    from exod.state.store import StateUnavailable
+
+    async def read() -> tuple[int, list]:
+        etcd = Etcd(url)
+        try:
+            state = EtcdState(etcd, DEFAULT_PREFIX.encode(), None)
+            return await state.log_start(), [entry for _, entry in await state.transitions()]
+        finally:
+            await etcd.aclose()
+
+    try:
+        return trio.run(read)
+    except StateUnavailable as exc:
+        raise click.ClickException(f"{exc}. Is etcd running at {url}?") from exc
+
+
+@click.command()
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Replay the log of this daemon's state dir (default: the user's data dir).",
+)
+@click.option(
+    "--jsonl",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="Replay an exported log: one JSON object per line (time, machine, id, event, from, to, cause).",
+)
+@click.option(
+    "--export",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the log as JSONL to this file.",
+)
+@click.option(
+    "--cluster",
+    "cluster_url",
+    default=None,
+    metavar="URL",
+    help="Replay the log of the cluster whose state is in the etcd at URL (http://HOST:2379).",
+)
+def replay(state_dir, jsonl, export, cluster_url) -> None:
+    """Replay a transition log against the machines: first divergence, and coverage. Exits 1 on divergence.
+
+    A log that [retention] pruned is replayed from its oldest entry kept, and says so.
+    """
+    import json
+
+    from fsm.cluster import LogEntry
+    from fsm.conformance import replay as run_replay
+
+    if jsonl is not None:
+        try:
+            lines = jsonl.read_text().splitlines()
+            entries = [LogEntry.from_record(json.loads(line)) for line in lines if line.strip()]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise click.ClickException(f"{jsonl} is not a transition log (JSON lines): {exc}") from exc
+    elif cluster_url is not None:
+        start, entries = _cluster_log(cluster_url)
+    else:
+        from exod.state.sqlite import Store, StoreError
+
+        db = _state_dir(state_dir) / "state.db"
+        if not db.exists():
+            raise click.ClickException(f"no state database at {db}; pass --state-dir or --jsonl")
+        try:
+            store = Store.open(db)
+        except StoreError as exc:
+            raise click.ClickException(str(exc)) from exc
+        try:
+            start = store.log_start()
+            entries = [entry for _, entry in store.transitions()]
+        finally:
+            store.close()
+    if jsonl is None and start > 1:
+        from datetime import datetime
+
+        when = f" ({datetime.fromtimestamp(entries[0].time).astimezone():%Y-%m-%d %H:%M:%S %z})" if entries else ""
+        click.echo(
+            f"history before seq {start}{when} was pruned by the [retention] settings of the config; "
+            "replaying from there"
+        )
+    if export is not None:
+        export.write_text("".join(json.dumps(e.as_record()) + "\n" for e in entries))
+    report = run_replay(entries)
+    click.echo(report.text())
+    if not report.ok:
+        raise SystemExit(1)
