@@ -24,7 +24,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +44,9 @@ from exod.reports import Reports
 from exod.requests import InstanceNotFound, RequestBook
 from exod.runner import protocol as p
 from exod.state import retention
-from exod.state.journal import Journal
+from exod.state.journal import WRITE_RETRY, Journal
 from exod.state.sqlite import ProcessRecord, Store
-from exod.state.store import SqliteState, StateStore
+from exod.state.store import SqliteState, StateStore, StateUnavailable
 from exod.status import NODE, status_of
 from fsm import download as dl
 from fsm import runner as rn
@@ -57,10 +57,11 @@ log = logging.getLogger("exod.controller")
 SHUTDOWN_WRITE_S = 5.0  # how long a stopping daemon tries to write its last state
 MAX_PLAN_ROUNDS = 64  # one change rarely needs more than a handful of plan → execute rounds
 KEEP_DELETED = 32  # deleted instances kept for `status` before they are forgotten
+RETRY_AFTER = WRITE_RETRY  # seconds: a degraded daemon tries to write its state again this often
 
 
 class StoreUnavailable(Exception):
-    """The state cannot be written now (the daemon is degraded): new placements wait until it can."""
+    """The state cannot be written now (degraded: new placements wait until it can), or read (etcd is away)."""
 
 
 class PlacementRefused(Exception):
@@ -113,7 +114,7 @@ class Controller:
         c = self.config
         return RequestBook(
             self.cluster,
-            wake=self._wake_up,
+            wake=lambda: self._wake.set(),  # the event of the moment: `run` replaces it
             now=self.now,
             max_per_instance=c.max_requests_per_instance,
             queue_timeout=c.queue_timeout,
@@ -251,28 +252,31 @@ class Controller:
 
     async def transitions(self, after: int = 0, limit: int | None = None) -> list[tuple[int, LogEntry]]:
         """The durable transition log after sequence number ``after``; `log_written` is set when it grows."""
-        return await self.journal.state.transitions(after=after, limit=limit)
+        return await self._read(self.journal.state.transitions(after=after, limit=limit))
 
     async def log_start(self) -> int:
         """The first sequence number the log still holds: the entries before it were pruned (`exod.state.retention`)."""
-        return await self.journal.state.log_start()
+        return await self._read(self.journal.state.log_start())
 
     async def log_grew(self, after: int) -> None:
         """Return once the durable log holds an entry past ``after``."""
-        await self.journal.state.changed(after)
+        await self._read(self.journal.state.changed(after))
 
     @property
     def log_written(self) -> trio.Event:
         """Set (and replaced) at every write of the state by this controller."""
         return self.journal.written
 
+    async def _read(self, reading: Awaitable[Any]) -> Any:
+        try:
+            return await reading
+        except StateUnavailable as exc:  # the front ends hear of it in the controller's words
+            raise StoreUnavailable(str(exc)) from exc
+
     # -- plan → execute ------------------------------------------------------------------
 
     def _view(self) -> fsm.ClusterView:
         return self.cluster.view(self.requests.pending())
-
-    def _wake_up(self) -> None:
-        self._wake.set()
 
     def _changed(self) -> None:
         self._commit()

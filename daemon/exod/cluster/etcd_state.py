@@ -35,7 +35,6 @@ from exod.cluster.etcd import Delete, Etcd, EtcdError, EtcdUnavailable, KeyValue
 from exod.state.retention import Retention
 from exod.state.sqlite import PRUNE_TO, StoreError
 from exod.state.store import StateUnavailable
-from exod.status import status_of
 from fsm.cluster import Cluster, LogEntry
 
 log = logging.getLogger("exod.etcd_state")
@@ -209,12 +208,14 @@ class EtcdState:
             raise self.snapshot_error(f"{self._meta_key.decode()} is not exod's: {exc}") from exc
 
 
-async def stored_status(etcd: Etcd, prefix: bytes) -> dict[str, Any]:
-    """The status document of the cluster's state as etcd holds it: what a node that is not the controller
-    shows (as of the controller's last write)."""
-    snapshot = await EtcdState(etcd, prefix, None).load()
-    cluster = Cluster() if snapshot is None else Cluster.from_dict(snapshot)
-    return {**status_of(cluster), "degraded": None}
+async def stored_cluster(etcd: Etcd, prefix: bytes) -> Cluster:
+    """The cluster's machines as etcd holds them: what a node that is not the controller shows (as of the
+    controller's last write). `EtcdUnavailable` if etcd cannot be reached; the message says where."""
+    try:
+        snapshot = await EtcdState(etcd, prefix, None).load()
+    except StateUnavailable as exc:
+        raise EtcdUnavailable(str(exc)) from exc
+    return Cluster() if snapshot is None else Cluster.from_dict(snapshot)
 
 
 def _entries(kv: KeyValue) -> list[tuple[int, LogEntry]]:

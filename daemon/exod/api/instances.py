@@ -1,0 +1,130 @@
+"""Placing models and reading what is placed where: the instances, and the nodes they are placed on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
+
+import fsm
+from exod.api.errors import ApiError, responses
+from exod.cluster.etcd import EtcdUnavailable
+from exod.cluster.etcd_state import stored_cluster
+from exod.cluster.membership import Membership
+from exod.controller import RETRY_AFTER, Controller, PlacementRefused, StoreUnavailable
+from exod.host.models import InvalidModelId
+from exod.requests import InstanceNotFound
+from exod.status import NODE, status_of
+
+
+class RetryOverrides(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)  # `"max_retries": true` is a mistake, not 1
+
+    initial: float | None = Field(None, gt=0, le=3600)
+    factor: float | None = Field(None, ge=1, le=100)
+    cap: float | None = Field(None, gt=0, le=86400)
+    max_retries: int | None = Field(None, ge=1, le=1000)
+    reset_after: float | None = Field(None, gt=0, le=7 * 86400)
+
+
+class PlaceRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)  # `"ranks": "2"` or `true` is a mistake, not 2 or 1
+
+    model: str = Field(..., min_length=3, max_length=200, description="a Hugging Face repo id, org/name")
+    ranks: int = Field(1, ge=1, le=64)
+    nodes: list[str] | None = Field(None, min_length=1, max_length=64, description="place on these nodes only")
+    retry: RetryOverrides | None = None
+
+
+def _policy(base: fsm.RetryPolicy, overrides: RetryOverrides | None) -> fsm.RetryPolicy | None:
+    if overrides is None:
+        return None
+    b = base.backoff
+    o = overrides
+    return fsm.RetryPolicy(
+        backoff=fsm.Backoff(
+            initial=b.initial if o.initial is None else o.initial,
+            factor=b.factor if o.factor is None else o.factor,
+            cap=b.cap if o.cap is None else o.cap,
+            jitter=b.jitter,
+        ),
+        max_retries=base.max_retries if o.max_retries is None else o.max_retries,
+        reset_after=base.reset_after if o.reset_after is None else o.reset_after,
+    )
+
+
+# unknown model: not found; asking for more than the model or the limits allow: never satisfiable as asked;
+# a limit reached, or no memory: a conflict with what is placed now (deleting an instance may resolve it)
+_REFUSAL_STATUS = {
+    fsm.Refusal.UNKNOWN_MODEL: (404, "model"),
+    fsm.Refusal.TOO_MANY_RANKS: (422, "ranks"),
+    fsm.Refusal.LIMIT_REACHED: (409, None),
+    fsm.Refusal.NO_MEMORY: (409, "ranks"),
+}
+
+
+def router(controller: Controller, membership: Membership | None) -> APIRouter:
+    api = APIRouter()
+
+    async def current() -> dict[str, Any]:
+        """The instances: the controller's own, or on another node of a cluster what etcd holds of them."""
+        if membership is None or membership.term is not None:
+            return controller.status()
+        try:
+            cluster = await stored_cluster(membership.etcd, membership.prefix)
+        except EtcdUnavailable as exc:
+            raise ApiError(503, str(exc), headers={"Retry-After": "1"}) from exc
+        return {**status_of(cluster), "degraded": None}
+
+    async def find(instance_id: str) -> dict[str, Any]:
+        for inst in (await current())["instances"]:
+            if inst["instance_id"] == instance_id:
+                return inst
+        raise ApiError(404, f"no instance {instance_id!r}")
+
+    @api.post("/instances", status_code=201, responses=responses(400, 404, 409, 422, 503))
+    async def place(body: PlaceRequest) -> dict[str, Any]:
+        """Place a model; `fsm.admit` decides up front, and a refusal stores nothing."""
+        if membership is not None and membership.presence.lost is not None:
+            raise ApiError(503, f"degraded: {membership.presence.lost}", headers={"Retry-After": "1"})
+        try:
+            policy = _policy(controller.config.policy, body.retry)
+            instance_id = await controller.place(body.model, body.ranks, policy=policy, nodes=body.nodes)
+        except (InvalidModelId, fsm.InvalidConfig) as exc:
+            raise ApiError(400, str(exc), param="ranks" if str(exc).startswith("ranks") else "model") from exc
+        except PlacementRefused as exc:
+            status, param = _REFUSAL_STATUS[exc.refusal]
+            raise ApiError(status, str(exc), param=param, code=exc.refusal.value) from exc
+        except StoreUnavailable as exc:
+            raise ApiError(503, str(exc), headers={"Retry-After": str(int(RETRY_AFTER))}) from exc
+        return await find(instance_id)
+
+    @api.get("/instances")
+    async def instances() -> dict[str, Any]:
+        return await current()
+
+    @api.get("/nodes", responses=responses(503))
+    async def nodes() -> dict[str, Any]:
+        """The cluster's live nodes and its controller, as etcd has them; one host is a cluster of one."""
+        if membership is None:
+            local = {"node_id": NODE, "api_url": None, "controller": True, "lease_age": None}
+            return {"cluster": None, "node_id": NODE, "controller": NODE, "nodes": [local]}
+        try:
+            return await membership.nodes()
+        except EtcdUnavailable as exc:
+            raise ApiError(503, f"the cluster's store cannot be reached: {exc}", headers={"Retry-After": "1"}) from exc
+
+    @api.get("/instances/{instance_id}", responses=responses(404))
+    async def instance(instance_id: str) -> dict[str, Any]:
+        return await find(instance_id)
+
+    @api.delete("/instances/{instance_id}", responses=responses(404))
+    async def delete(instance_id: str) -> dict[str, Any]:
+        try:
+            await controller.delete(instance_id)
+        except InstanceNotFound as exc:
+            raise ApiError(404, str(exc)) from exc
+        return await find(instance_id)
+
+    return api
