@@ -58,7 +58,11 @@ def test_the_detector_sees_the_shapes_it_forbids():
     assert string_state_comparisons("x is RunnerPhase.STOPPED\ny == RunnerState.READY.value\n") == []
 
 
-FRONT_ENDS = ("api/app.py", "api/chat.py", "serve.py", "api/metrics.py", "cli/__init__.py")
+_DAEMON = ROOT / "daemon" / "exod"
+FRONT_ENDS = sorted(  # the HTTP front end, the command line and the task tree that starts them
+    p.relative_to(_DAEMON).as_posix()
+    for p in [*_DAEMON.glob("api/*.py"), *_DAEMON.glob("cli/*.py"), _DAEMON / "serve.py"]
+)
 CONTROLLER_INSIDES = {"cluster", "store", "models", "journal", "processes"}
 
 
@@ -90,3 +94,105 @@ def test_the_controller_stays_one_room_not_a_house():
     gets its own module (as requests, processes, status and the journal did)."""
     lines = (ROOT / "daemon" / "exod" / "controller.py").read_text().count("\n")
     assert lines < 400, f"daemon/exod/controller.py has {lines} lines: move a job out into its own module"
+
+
+# -- the daemon's rooms: which package may import which (exod/__init__.py says why) -----------------------
+
+EXOD = _DAEMON
+# Bottom to top: a package imports only its own layer and those below it.
+LAYERS = ("runner", "state", "host", "cluster", "core", "api", "shell")
+SHELL = {"exod", "exod.__main__", "exod.serve", "exod.cli"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(EXOD.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> str:
+    """The layer of ``exod.x.y``: its package, the shell, or the core (the daemon's other top-level modules)."""
+    parts = module.split(".")
+    if module in SHELL or parts[:2] == ["exod", "cli"]:
+        return "shell"
+    if len(parts) > 1 and parts[1] in LAYERS:
+        return parts[1]
+    return "core"
+
+
+def exod_imports(source: str) -> list[tuple[int, str]]:
+    """(line, module) for every import of an exod module, at the top or inside a function."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "exod"]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level or base.split(".")[0] != "exod":  # the house imports absolutely (ruff's TID252)
+                continue
+            for alias in node.names:  # `from exod.api import chat` names a module; `from exod.api.chat import X` not
+                candidate = f"{base}.{alias.name}"
+                is_module = (EXOD.parent / candidate.replace(".", "/")).with_suffix(".py").exists() or (
+                    EXOD.parent / candidate.replace(".", "/") / "__init__.py"
+                ).exists()
+                found.append((node.lineno, candidate if is_module else base))
+    return found
+
+
+def _daemon_modules() -> list[Path]:
+    return sorted(EXOD.rglob("*.py"))
+
+
+def refused_imports(path: Path) -> list[str]:
+    name = module_name(path)
+    here = layer_of(name)
+    refused = []
+    for line, target in exod_imports(path.read_text()):
+        there = layer_of(target)
+        if LAYERS.index(there) > LAYERS.index(here):
+            refused.append(f"{line}: {name} ({here}) imports {target} ({there}), a layer above it")
+        elif here == "api" and there in ("state", "runner"):
+            refused.append(f"{line}: {name} imports {target}: the front end asks the controller, not the {there}")
+    return refused
+
+
+@pytest.mark.parametrize("path", _daemon_modules(), ids=lambda p: p.relative_to(EXOD).as_posix())
+def test_no_package_imports_one_above_it(path: Path):
+    assert not refused_imports(path), "\n".join(refused_imports(path))
+
+
+def test_the_import_rules_see_what_they_forbid(tmp_path, monkeypatch):
+    assert [layer_of(m) for m in ("exod.runner.batch", "exod.state.sqlite", "exod.host.ring")] == [
+        "runner",
+        "state",
+        "host",
+    ]
+    assert [layer_of(m) for m in ("exod.cluster.agent", "exod.controller", "exod.api.chat", "exod.cli.serve")] == [
+        "cluster",
+        "core",
+        "api",
+        "shell",
+    ]
+    assert layer_of("exod.serve") == layer_of("exod") == "shell"
+    up = "from exod.config import DaemonConfig\n\ndef f():\n    from exod.api.errors import ApiError\n"
+    assert exod_imports(up) == [(1, "exod.config"), (4, "exod.api.errors")]
+    assert exod_imports("from exod.api import chat\nfrom exod import generated as g\n") == [
+        (1, "exod.api.chat"),
+        (2, "exod.generated"),
+    ]
+    fake = EXOD / "cluster" / "agent.py"
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: up if self == fake else "")
+    assert refused_imports(fake) == [
+        "1: exod.cluster.agent (cluster) imports exod.config (core), a layer above it",
+        "4: exod.cluster.agent (cluster) imports exod.api.errors (api), a layer above it",
+    ]
+    wire = EXOD / "api" / "chat.py"
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "from exod.runner import protocol as p\n")
+    assert refused_imports(wire) == [
+        "1: exod.api.chat imports exod.runner.protocol: the front end asks the controller, not the runner"
+    ]
+
+
+def test_the_daemons_top_level_stays_a_short_list():
+    """The packages are the map; a new top-level module is a decision, not a default."""
+    top = sorted(p.name for p in EXOD.glob("*.py"))
+    assert len(top) <= 15, f"daemon/exod/ has {len(top)} modules at its top level: {top}"

@@ -1,7 +1,21 @@
 """exod: the daemon that drives real runner processes through the `fsm` machines.
 
-Importing `exod` imports nothing else: every runner process starts with
-``python -m exod.runner``, and each import there is paid once per rank.
+Its rooms, bottom to top; each imports only its own layer and those below (tests/test_house_rules.py):
+
+* `exod.runner` — the runner process (``python -m exod.runner``) and its wire protocol: it imports nothing
+  of the daemon, since each import there is paid once per rank.
+* `exod.state` — the state directory and the stores (SQLite, the store interface, the journal, retention):
+  they keep what they are given and decide nothing.
+* `exod.host` — this machine: runner processes and their supervisors, orphans, ring ports, the model cache.
+* `exod.cluster` — only with ``--cluster``: etcd, the node's lease, the election, the agent and the other
+  nodes; it never reaches up into the controller that uses it.
+* the core, at the top level — the controller, the request book, what runners report, the status document,
+  placement, downloads, the configuration, and what a generation says (`exod.generated`).
+* `exod.api` — the HTTP front end: it asks the controller and the request book, never a store or the
+  runner's wire (`exod.state`, `exod.runner`).
+* the shell — `exod.serve` (the task tree) and `exod.cli`: the only code that imports `exod.api`.
+
+Importing `exod` imports nothing else.
 """
 
 from typing import Any
