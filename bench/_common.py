@@ -1,7 +1,9 @@
-"""Shared helpers of the benchmarks: a timestamping Controller, statistics, cleanup, result files."""
+"""Shared helpers of the benchmarks: the command line (``--smoke``, ``--results-dir``), a timestamping
+Controller, statistics, cleanup, result files."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import math
@@ -21,10 +23,9 @@ import trio
 import fsm
 from exod.config import DaemonConfig
 from exod.controller import Controller
-from exod.host.supervisor import RunnerSpec, Timeouts
-from exod.reports import Reports
+from exod.host.supervisor import Listener, Process, RunnerSpec, Supervisor, Timeouts
 from exod.state.sqlite import Store
-from fsm import runner as rn
+from fsm.cluster import LogEntry
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -45,91 +46,163 @@ def bench_config(state_dir: Path, hf_home: Path) -> DaemonConfig:
     )
 
 
-class TimedController(Controller):
-    """A Controller that timestamps (``time.monotonic``) what it does and learns, and wakes waiters without polling.
+# -- the command line every benchmark shares ------------------------------------------------------------
 
-    * ``events``: ``(t_received, t_recorded, event)`` for every runner event; ``t_recorded`` is taken after
-      the machines changed and the change was committed to the store.
-    * ``first_exit``: per ``(runner_id, incarnation)``, the first ``Exited``/``Fail`` event's timestamps, the
-      runner state and the failure the controller recorded.
-    * ``reports``: ``(t, runner_id, report)`` for every line a runner sent, as the supervisor hands it over.
-    * ``exit_reported``: per runner incarnation, when the supervisor called ``on_exit`` (before the store write).
-    * ``actions``: ``(t, action)`` for every action executed; ``spawned``: pid and time per runner incarnation.
+SMOKE_HELP = (
+    "one short repetition at the smallest sizes: runs the benchmark end to end and fails (non-zero exit) if it "
+    "breaks; its figures are not measurements, no goal is judged, and nothing is written to bench/results "
+    "unless --results-dir is given"
+)
+
+
+def parse_args(parser: argparse.ArgumentParser, smoke: dict[str, Any]) -> argparse.Namespace:
+    """Parse the benchmark's options, adding ``--smoke`` and ``--results-dir``.
+
+    With ``--smoke``, ``smoke`` replaces the options' defaults (options given explicitly still win). Either
+    way SIGTERM ends the script through its ``finally`` blocks, so what it started is stopped and reaped.
+    """
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    parser.add_argument(
+        "--results-dir",
+        type=Path,
+        default=None,
+        help=f"where NAME.json is written (default {RESULTS.relative_to(RESULTS.parent.parent)}; a smoke run "
+        "writes nothing unless given)",
+    )
+    if parser.parse_known_args()[0].smoke:
+        parser.set_defaults(**smoke)
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # trio's signal receivers take it over while they run
+    if args.smoke:
+        print("smoke run: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in smoke.items()), flush=True)
+    return args
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def verdict(args: argparse.Namespace, met: bool) -> str:
+    """How a goal is reported: judged in full runs only."""
+    if args.smoke:
+        return "not judged (smoke run)"
+    return "meets" if met else "MISSES"
+
+
+class TimedController(Controller):
+    """A Controller whose runners' supervisors are timestamped (``time.monotonic``), and whose waiters wake
+    without polling.
+
+    It observes through the controller's public surfaces only, so a refactor of its insides does not blind it
+    (`check_observed` fails loudly if it ever does):
+
+    * the ``spawn`` argument of `Controller` (what starts a runner's supervisor): each supervisor gets a
+      listener that timestamps what it tells the controller, then passes it on unchanged —
+      ``spawned`` (pid and time per runner incarnation), ``reports`` (every line a runner sent),
+      ``exit_reported`` (when the supervisor reported the reaped process's exit), ``alive`` (spawned, not yet
+      reaped);
+    * the transition log (`Controller.transitions`, `log_grew`): what the machines did and when (`logged`,
+      `log_times`), and when it was durable;
+    * the status document (`Controller.status`): states, incarnations, failures (`instance_doc`).
     """
 
     def __init__(self, config: DaemonConfig, store: Store) -> None:
-        super().__init__(config, store)
-        self._reports = _TimedReports(self)
-        self.events: list[tuple[float, float, rn.RunnerEvent]] = []
-        self.first_exit: dict[tuple[str, int], tuple[float, float, str, str | None]] = {}
+        super().__init__(config, store, spawn=self._spawn_timed)
+        self.spawned: dict[tuple[str, int], tuple[float, int]] = {}
         self.exit_reported: dict[tuple[str, int], float] = {}
         self.reports: list[tuple[float, str, Any]] = []
-        self.actions: list[tuple[float, fsm.Action]] = []
-        self.spawned: dict[tuple[str, int], tuple[float, int]] = {}
-        self.download_done: list[float] = []
-        self.tick = trio.Event()
+        self.alive: set[tuple[str, int]] = set()
+        self.changed = trio.Event()
+        self._clock_offset = self.now() - time.monotonic()  # the log's wall time - monotonic (one constant)
 
-    def runner_event(self, event: rn.RunnerEvent) -> None:
-        t_received = time.monotonic()
-        super().runner_event(event)
-        t_recorded = time.monotonic()
-        self.events.append((t_received, t_recorded, event))
-        key = (event.runner_id, event.incarnation)
-        if isinstance(event, rn.Exited | rn.Fail) and key not in self.first_exit:
-            # an Exited from a running state passes through Failed (recording the cause) on to Shutdown
-            entry = self.cluster.runners.get(event.runner_id)
-            machine = None if entry is None else entry.machine
-            state = "gone" if machine is None else machine.runner_state.value
-            failure = None if machine is None or machine.failure is None else machine.failure.message
-            self.first_exit[key] = (t_received, t_recorded, state, failure)
-        self._kick()
+    def _spawn_timed(self, spec: RunnerSpec, listener: Listener, timeouts: Timeouts) -> Process:
+        return Supervisor(spec, _TimedListener(self, listener), timeouts)
 
-    def _execute(self, action: fsm.Action, now: float) -> None:
-        self.actions.append((time.monotonic(), action))
-        super()._execute(action, now)
-
-    async def _download(self, model_id: str) -> None:
-        await super()._download(model_id)
-        self.download_done.append(time.monotonic())
-        self._kick()
-
-    def _kick(self) -> None:
-        self.tick.set()
-        self.tick = trio.Event()
+    def kick(self) -> None:
+        """Wake every `until`."""
+        self.changed.set()
+        self.changed = trio.Event()
 
     async def until(self, predicate: Callable[[], Any], timeout: float = 60.0) -> Any:
-        """Wait, woken by each runner event (no polling), until ``predicate()`` is truthy; returns its value."""
+        """Wait, woken by each write of the log and each supervisor report (no polling), until ``predicate()``
+        is truthy; returns its value."""
         with trio.fail_after(timeout):
             while not (value := predicate()):
-                await self.tick.wait()
+                await self.changed.wait()
             return value
 
+    def instance_doc(self, instance_id: str) -> dict[str, Any] | None:
+        """The instance's entry in the status document (None if there is none)."""
+        return next((i for i in self.status()["instances"] if i["instance_id"] == instance_id), None)
+
     def instance_state(self, instance_id: str) -> str | None:
-        placement = self.cluster.instances.get(instance_id)
-        return None if placement is None else placement.machine.instance_state.value
+        doc = self.instance_doc(instance_id)
+        return None if doc is None else doc["state"]
 
-    def runners_alive(self) -> bool:
-        return bool(self.processes)
+    def monotonic(self, log_time: float) -> float:
+        """A transition log time (the controller's wall time) on the ``time.monotonic`` clock."""
+        return log_time - self._clock_offset
+
+    async def last_seq(self) -> int:
+        """The sequence number of the newest durable log entry (0 if none)."""
+        entries = await self.transitions()
+        return entries[-1][0] if entries else 0
+
+    async def logged(
+        self, after: int, match: Callable[[LogEntry], bool], timeout: float = 60.0
+    ) -> tuple[LogEntry, float]:
+        """The first durable log entry past ``after`` that ``match``es, and when (``time.monotonic``) this
+        waiter saw it written: woken by the log's own growth."""
+        with trio.fail_after(timeout):
+            while True:
+                await self.log_grew(after)
+                seen = time.monotonic()
+                for seq, entry in await self.transitions(after):
+                    if match(entry):
+                        return entry, seen
+                    after = seq
+
+    async def log_times(self, after: int = 0) -> list[tuple[float, LogEntry]]:
+        """Every durable log entry past ``after``, with its time on the ``time.monotonic`` clock."""
+        return [(self.monotonic(entry.time), entry) for _, entry in await self.transitions(after)]
+
+    def check_observed(self) -> None:
+        """Fail loudly if the clock mapping drifted or a hook saw nothing: the controller's code moved."""
+        drift = abs(self.now() - time.monotonic() - self._clock_offset)
+        if drift > 0.001:
+            raise RuntimeError(f"the controller's clock drifted {drift * 1000:.3f} ms from time.monotonic")
+        if not self.spawned:
+            raise RuntimeError("no runner spawn was observed: Controller(spawn=...) is no longer how runners start")
 
 
-class _TimedReports(Reports):
-    """The supervisors' listener, timestamping what each runner said into the controller's lists."""
+class _TimedListener:
+    """A supervisor's listener (`exod.host.supervisor.Listener`) that timestamps each call, then passes it on."""
 
-    def __init__(self, controller: TimedController) -> None:
-        super().__init__(controller)
-        self.controller = controller
+    def __init__(self, controller: TimedController, inner: Listener) -> None:
+        self.controller, self.inner = controller, inner
 
     def on_spawned(self, spec: RunnerSpec, pid: int) -> None:
-        self.controller.spawned[(spec.runner_id, spec.incarnation)] = (time.monotonic(), pid)
-        super().on_spawned(spec, pid)
+        key = (spec.runner_id, spec.incarnation)
+        self.controller.spawned[key] = (time.monotonic(), pid)
+        self.controller.alive.add(key)
+        self.inner.on_spawned(spec, pid)
+        self.controller.kick()
 
     def on_report(self, spec: RunnerSpec, report: Any) -> None:
         self.controller.reports.append((time.monotonic(), spec.runner_id, report))
-        super().on_report(spec, report)
+        self.inner.on_report(spec, report)
+        self.controller.kick()
+
+    def on_stall(self, spec: RunnerSpec, phase: str, seconds: float) -> None:
+        self.inner.on_stall(spec, phase, seconds)
+        self.controller.kick()
 
     def on_exit(self, spec: RunnerSpec, exit_code: int, stderr_tail: str, stop_delivered: bool) -> None:
-        self.controller.exit_reported.setdefault((spec.runner_id, spec.incarnation), time.monotonic())
-        super().on_exit(spec, exit_code, stderr_tail, stop_delivered)
+        key = (spec.runner_id, spec.incarnation)
+        self.controller.exit_reported.setdefault(key, time.monotonic())  # the process is reaped by now
+        self.controller.alive.discard(key)
+        self.inner.on_exit(spec, exit_code, stderr_tail, stop_delivered)
+        self.controller.kick()
 
 
 async def run_controller(config: DaemonConfig, body: Callable[[TimedController], Any]) -> Any:
@@ -141,11 +214,19 @@ async def run_controller(config: DaemonConfig, body: Callable[[TimedController],
         async with trio.open_nursery() as nursery:
             await nursery.start(controller.run)
             nursery.start_soon(_cancel_on_sigterm, nursery.cancel_scope)
+            nursery.start_soon(_kick_on_log_writes, controller)
             result = await body(controller)
+            controller.check_observed()
             nursery.cancel_scope.cancel()  # the supervisors kill and reap their processes (shielded)
         return result
     finally:
         store.close()
+
+
+async def _kick_on_log_writes(controller: TimedController) -> None:
+    while True:
+        await controller.log_written.wait()
+        controller.kick()
 
 
 async def _cancel_on_sigterm(scope: trio.CancelScope) -> None:
@@ -197,10 +278,18 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def write_result(name: str, result: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+def write_result(name: str, result: dict[str, Any], args: argparse.Namespace) -> Path | None:
+    """Write ``result`` to ``NAME.json`` in the results directory; a smoke run writes only where
+    ``--results-dir`` says (it must never replace the figures of a full run)."""
+    text = json.dumps({**result, "smoke": True} if args.smoke else result, indent=2, sort_keys=True) + "\n"
+    if args.smoke and args.results_dir is None:
+        print(f"smoke run: {name}.json not written")
+        return None
+    directory = args.results_dir or RESULTS
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
+    path.write_text(text)
+    print(f"→ {path}")
     return path
 
 

@@ -1,7 +1,7 @@
 """Chat throughput and latency: exod's OpenAI API against ``mlx_lm.server``, same model, same prompts.
 
     python bench/chat_throughput.py [--hidden 256|512] [--prompts fresh|repeated] [--runs 5]
-                                    [--requests N] [--max-tokens T] [--concurrency 1,4,8,16] [--ranks 1]
+                                    [--requests N] [--max-tokens T] [--concurrency 1,4,8,16] [--ranks 1] [--smoke]
 
 Both servers run at once on loopback and serve the same generated qwen2 (8 layers, ``--hidden`` wide):
 ``exod serve`` with the model placed on ``--ranks`` ranks, and ``python -m mlx_lm.server --model <snapshot>``.
@@ -36,7 +36,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _common import machine_info, percentile, reaped, table, write_result  # type: ignore[import-not-found]
+from _common import (  # type: ignore[import-not-found]
+    machine_info,
+    parse_args,
+    percentile,
+    reaped,
+    table,
+    verdict,
+    write_result,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from exod.host.models import resolve_model
@@ -287,7 +295,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request (default 64)")
     parser.add_argument("--concurrency", default="1,4,8,16", help="comma-separated levels (default 1,4,8,16)")
     parser.add_argument("--ranks", type=int, default=1, help="exod's ranks for the model (default 1)")
-    args = parser.parse_args()
+    smoke = {"hidden": 256, "runs": 1, "requests": 2, "max_tokens": 8, "concurrency": "1,2"}
+    args = parse_args(parser, smoke=smoke)
     levels = [int(c) for c in args.concurrency.split(",")]
     if any(args.requests % c for c in levels):
         parser.error("--requests must be a multiple of every concurrency level")
@@ -388,7 +397,6 @@ def main() -> None:
         "meets_goal": meets,
         "machine": machine_info(),
     }
-    path = write_result(f"chat_throughput_h{args.hidden}_{args.prompts}_r{args.ranks}", result)
 
     rows: list[tuple[str, ...]] = [("exod/mlx_lm (median of runs)", "tok/s", "lat p50", "TTFT p50")]
     for c in levels:
@@ -416,8 +424,9 @@ def main() -> None:
         )
     )
     print(table(rows))
-    print(f"exod's batch reached the bucket le={widest:g}; goals: {meets}")
-    print(f"→ {path}")
+    goals = ", ".join(f"{goal}: {verdict(args, met)}" for goal, met in meets.items())
+    print(f"exod's batch reached the bucket le={widest:g}; goals: {goals}")
+    write_result(f"chat_throughput_h{args.hidden}_{args.prompts}_r{args.ranks}", result, args)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,18 @@
 """Cold start: place → Ready through the Controller, against the same work done by a plain mlx_lm script.
 
-    python bench/cold_start.py [--repeat N]
+    python bench/cold_start.py [--repeat N] [--smoke]
 
 exod: a fresh Controller (fresh state dir; the daemon is up before the clock starts) places a 1-rank
-instance of a tiny qwen2 (8 layers, hidden 256); timed from ``place()`` to the runner event that makes the
-instance Ready (no polling: the controller wakes the waiter). Baseline: spawn ``python -c`` that imports
-mlx_lm, loads the same snapshot with ``mlx_lm.load`` and generates 4 greedy tokens (the runner's warm-up),
-timed from spawn to reading its ``done`` line. Runs are interleaved. Goal: median exod/baseline ≤ 1.15.
+instance of a tiny qwen2 (8 layers, hidden 256); timed from ``place()`` to the instance's transition to
+Ready, at the time the controller's transition log gives it (the waiter is woken by the log, no polling).
+Baseline: spawn ``python -c`` that imports mlx_lm, loads the same snapshot with ``mlx_lm.load`` and generates
+4 greedy tokens (the runner's warm-up), timed from spawn to reading its ``done`` line. Runs are interleaved.
+Goal: median exod/baseline ≤ 1.15.
 
-Where exod's time goes is broken down from the controller's own timestamps (``time.monotonic`` is one clock
-for every process on Linux, so the baseline's in-process timestamps line up too).
+Where exod's time goes is broken down from the controller's transition log (each machine's transitions, with
+their times) and from the listener the controller's ``spawn`` gives each supervisor (the spawn, and the
+runner's reports as they arrive); ``time.monotonic`` is one clock for every process on Linux, so the
+baseline's in-process timestamps line up too.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ from _common import (  # type: ignore[import-not-found]
     TimedController,
     bench_config,
     machine_info,
+    parse_args,
     reaped,
     run_controller,
     summary,
     table,
+    verdict,
     write_result,
 )
 
@@ -39,7 +44,6 @@ import fsm
 from exod.host.models import resolve_model
 from exod.host.tiny_model import make_tiny_model
 from exod.runner import protocol as p
-from fsm import runner as rn
 
 MODEL = "exod/tiny-bench"
 GOAL_RATIO = 1.15
@@ -58,45 +62,53 @@ print("done " + json.dumps([t0, t1, t2, t3]), flush=True)
 """
 
 
+# the marks read from the transition log: (machine, event) → name
+LOGGED = {
+    ("instance", "place"): "placed",
+    ("download", "begin"): "start_download",
+    ("download", "complete"): "download_done",
+    ("runner", "create"): "create_runner",
+    ("runner", "connect"): "connect_sent",
+    ("runner", "connected"): "connected",
+    ("runner", "load"): "load_sent",
+    ("runner", "weights_loaded"): "loaded",
+    ("runner", "warm_up"): "warm_up_sent",
+    ("runner", "warmed"): "warmed",
+}
+
+
 async def exod_once(controller: TimedController) -> dict[str, float]:
+    after = await controller.last_seq()
     t_place = time.monotonic()
     iid = await controller.place(MODEL, 1)
-    await controller.until(lambda: controller.instance_state(iid) == "ready")
-    t_ready = time.monotonic()
+    ready, _ = await controller.logged(after, lambda e: e.key == iid and e.target == fsm.InstanceState.READY.value)
     rid = f"{iid}/0"
+    marks: dict[str, float] = {"ready": controller.monotonic(ready.time)}
+    for t, entry in await controller.log_times(after):
+        name = LOGGED.get((entry.machine, entry.event))
+        ours = entry.key in (iid, rid) or (entry.machine == "download" and entry.key.endswith(f":{MODEL}"))
+        if name is not None and ours and name not in marks:
+            marks[name] = t
 
-    def action(kind: type) -> float | None:  # None: the planner did not need that step
-        times = (t for t, a in controller.actions if isinstance(a, kind) and getattr(a, "runner_id", rid) == rid)
-        return next(times, None)
-
-    def event(kind: type) -> float | None:
-        return next((t for _, t, e in controller.events if isinstance(e, kind) and e.runner_id == rid), None)
-
-    def status(phase: p.Phase) -> float | None:
+    def status(phase: p.Phase) -> float | None:  # None: the runner did not say it
         times = (t for t, r, m in controller.reports if r == rid and isinstance(m, p.Status) and m.phase is phase)
         return next(times, None)
 
     progress = [t for t, r, m in controller.reports if r == rid and isinstance(m, p.Progress)]
-    t_spawned = next(t for (r, _), (t, _) in controller.spawned.items() if r == rid)
-    marks = {
-        "start_download": action(fsm.StartDownload),
-        "download_done": controller.download_done[0],
-        "create_runner": action(fsm.CreateRunner),
-        "spawned": t_spawned,
-        "connect_sent": action(fsm.ConnectRunner),
-        "connected": event(rn.Connected),
-        "load_sent": action(fsm.LoadModel),
+    spawned = [t for (r, _), (t, _) in controller.spawned.items() if r == rid]
+    missing = {"placed", "create_runner", "load_sent", "loaded", "warm_up_sent", "warmed"} - marks.keys()
+    if missing or not spawned or not progress:
+        seen = "spawn" if spawned else "no spawn"
+        raise RuntimeError(f"cold start of {rid} observed without {sorted(missing)}; {seen}, {len(progress)} layers")
+    marks |= {
+        "spawned": spawned[0],
         "weights_started": status(p.Phase.WEIGHTS),
-        "first_layer": progress[0] if progress else None,
-        "last_layer": progress[-1] if progress else None,
-        "loaded": event(rn.WeightsLoaded),
+        "first_layer": progress[0],
+        "last_layer": progress[-1],
         "warming_up": status(p.Phase.WARMING_UP),
-        "warm_up_sent": action(fsm.WarmUp),
-        "warmed": event(rn.Warmed),
-        "ready": t_ready,
     }
     await controller.delete(iid)  # stop it, and wait until it is reaped, so it does not load the next run
-    await controller.until(lambda: not controller.runners_alive(), timeout=30)
+    await controller.until(lambda: not controller.alive, timeout=30)
     return {name: (t - t_place) * 1000 for name, t in marks.items() if t is not None}
 
 
@@ -127,7 +139,7 @@ def medians(runs: list[dict[str, float]]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=5, help="runs of each, interleaved (default 5)")
-    args = parser.parse_args()
+    args = parse_args(parser, smoke={"repeat": 1})
 
     exod_runs: list[dict[str, float]] = []
     base_runs: list[dict[str, float]] = []
@@ -164,7 +176,6 @@ def main() -> None:
         "baseline_runs": base_runs,
         "machine": machine_info(),
     }
-    path = write_result("cold_start", result)
 
     print(
         table(
@@ -175,11 +186,10 @@ def main() -> None:
             ]
         )
     )
-    verdict = "meets" if result["meets_goal"] else "MISSES"
-    print(f"exod/baseline (median): {ratio:.3f}   goal ≤ {GOAL_RATIO}: {verdict}")
+    print(f"exod/baseline (median): {ratio:.3f}   goal ≤ {GOAL_RATIO}: {verdict(args, result['meets_goal'])}")
     print("exod medians, ms since place():", ", ".join(f"{k} {v}" for k, v in exod_marks.items()))
     print("baseline medians, ms since spawn:", ", ".join(f"{k} {v}" for k, v in base_marks.items()))
-    print(f"→ {path}")
+    write_result("cold_start", result, args)
 
 
 if __name__ == "__main__":

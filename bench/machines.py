@@ -9,24 +9,22 @@ goes connect → connected → load → progress ×4 → weights_loaded → warm
   events and guards, an in-flight counter), driven by ``send(name)``;
 * dict: ``state = table[(state, event)]`` over the leaf states (no guards, no counters).
 
-Prints a table and writes bench/results/machines.json. Run: ``.venv/bin/python bench/machines.py``.
+Prints a table and writes bench/results/machines.json. Run: ``.venv/bin/python bench/machines.py [--smoke]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
-from pathlib import Path
 
 import statemachine
+from _common import parse_args, write_result  # type: ignore[import-not-found]
 from statemachine import State, StateMachine
 
 from fsm import runner as rn
 
-RESULTS = Path(__file__).resolve().parent / "results"
 RID, INC = "bench/0", 0
 
 
@@ -171,7 +169,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=100, help="fresh machines per contestant (default 100)")
     parser.add_argument("--cycles", type=int, default=100, help="busy ⇄ available pairs per machine (default 100)")
-    args = parser.parse_args()
+    args = parse_args(parser, smoke={"rounds": 2, "cycles": 5})
 
     results = {}
     for name, fn, rounds in (
@@ -193,7 +191,6 @@ def main() -> None:
     bare = results["bare python-statemachine: send"]["per_second"]
     print(f"\nlibrary overhead over bare python-statemachine: {bare / library:.2f}× the time per transition")
 
-    RESULTS.mkdir(exist_ok=True)
     doc = {
         "benchmark": "machines",
         "python": sys.version.split()[0],
@@ -204,7 +201,7 @@ def main() -> None:
         "results": results,
         "library_over_bare": bare / library,
     }
-    (RESULTS / "machines.json").write_text(json.dumps(doc, indent=2) + "\n")
+    write_result("machines", doc, args)
 
 
 if __name__ == "__main__":

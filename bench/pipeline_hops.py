@@ -1,7 +1,7 @@
 """Tokens/s of a model split over 3 nodes (pipeline-parallel, one MLX ring across 127.0.0.1-3) against the
 same model on one node: on loopback, what the hops between ranks cost.
 
-    python bench/pipeline_hops.py [--requests N] [--max-tokens T]
+    python bench/pipeline_hops.py [--requests N] [--max-tokens T] [--smoke]
 
 A local cluster (`exod.cluster.devcluster`: an etcd and three `exod serve --cluster` nodes) serves three copies of
 one generated qwen2 (same shape, same seed, so the same weights, under three names): on 3 ranks, one per
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import httpx
-from _common import machine_info, table, write_result  # type: ignore[import-not-found]
+from _common import machine_info, parse_args, table, verdict, write_result  # type: ignore[import-not-found]
 from chat_throughput import chat_stream, prompts  # type: ignore[import-not-found]
 
 from exod.cluster.devcluster import local_cluster, place
@@ -36,7 +36,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
-    args = parser.parse_args()
+    args = parse_args(parser, smoke={"requests": 1, "max_tokens": 8})
     with tempfile.TemporaryDirectory(prefix="exod-bench-") as scratch:
         root = Path(scratch)
         for repo in RANKS:
@@ -67,7 +67,8 @@ def main() -> None:
             ]
         )
     )
-    print(f"3 nodes / 1 rank: {ratio:.3f}× (goal ≥ {GOAL_RATIO}×); 3 nodes / 3 ranks on 1 node: {hops:.3f}×")
+    judged = verdict(args, ratio >= GOAL_RATIO)
+    print(f"3 nodes / 1 rank: {ratio:.3f}× (goal ≥ {GOAL_RATIO}×: {judged}); 3 nodes / 3 ranks on 1 node: {hops:.3f}×")
     result = {
         "machine": machine_info(),
         "shape": SHAPE,
@@ -78,7 +79,7 @@ def main() -> None:
         "ratio_to_3_ranks_on_1_node": hops,
         "goal": GOAL_RATIO,
     }
-    print(f"written to {write_result('pipeline_hops', result)}")
+    write_result("pipeline_hops", result, args)
 
 
 if __name__ == "__main__":

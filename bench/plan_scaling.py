@@ -14,23 +14,22 @@ Downloads are completed on every node except for the pending instances. The view
 with `fsm.ClusterView.build`; `plan(view, "node-0", now)` is timed alone (best and median of
 repeated batches). Goal: linear growth, ≤ 50 ms per call at 1,000 instances.
 
-Prints a table and writes bench/results/plan_scaling.json. Run: ``.venv/bin/python bench/plan_scaling.py``.
+Prints a table and writes bench/results/plan_scaling.json. Run: ``.venv/bin/python bench/plan_scaling.py [--smoke]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
 import time
-from pathlib import Path
+
+from _common import parse_args, verdict, write_result  # type: ignore[import-not-found]
 
 import fsm
 from fsm import DownloadState, InstanceState, RunnerPhase, RunnerState
 
-RESULTS = Path(__file__).resolve().parent / "results"
 NODES = ("node-0", "node-1", "node-2", "node-3")
 RANKS = len(NODES)
 NOW = 1_000.0
@@ -124,7 +123,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[10, 100, 1000])
     parser.add_argument("--budget", type=float, default=3.0, help="seconds of timing per size (default 3)")
-    args = parser.parse_args()
+    args = parse_args(parser, smoke={"sizes": [10, 100], "budget": 0.05})
 
     rows = []
     for n in args.sizes:
@@ -156,10 +155,9 @@ def main() -> None:
             f"{row['median_ms']:>10.3f} {row['median_us_per_instance']:>12.2f} {growth}"
         )
     largest = rows[-1]
-    verdict = "met" if largest["median_ms"] <= 50 else "NOT met"
-    print(f"\ngoal ≤ 50 ms at {largest['instances']} instances: {largest['median_ms']:.2f} ms, {verdict}")
+    judged = verdict(args, largest["median_ms"] <= 50)
+    print(f"\ngoal ≤ 50 ms at {largest['instances']} instances: {largest['median_ms']:.2f} ms, {judged}")
 
-    RESULTS.mkdir(exist_ok=True)
     doc = {
         "benchmark": "plan_scaling",
         "python": sys.version.split()[0],
@@ -168,7 +166,7 @@ def main() -> None:
         "ranks_per_instance": RANKS,
         "rows": rows,
     }
-    (RESULTS / "plan_scaling.json").write_text(json.dumps(doc, indent=2) + "\n")
+    write_result("plan_scaling", doc, args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,112 @@
+"""Every benchmark in bench/ runs end to end in its smoke mode (``--smoke``: one short repetition at the smallest
+sizes, no goal judged), as a process of its own with this venv's python, and leaves no process behind.
+
+The scripts are found by glob, so a new one is covered (and must take ``--smoke``: see bench/_common.py's
+``parse_args``); modules whose name starts with ``_`` (``_common.py``) are helpers, not benchmarks. Timing
+figures are never asserted here: they belong to full runs (bench/README.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+import warnings
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+SCRIPTS = sorted(path for path in BENCH.glob("*.py") if not path.name.startswith("_"))
+pytestmark = pytest.mark.usefixtures("no_runner_left_behind")  # and none of this test session's runners either
+
+# A smoke run should take at most this long on 2 busy cores (bench/README.md); one that takes longer passes
+# with a warning. The hard limit leaves room for a machine loaded several times over (CI next to other jobs).
+SMOKE_BUDGET_S = 60
+TIMEOUT_S = 5 * SMOKE_BUDGET_S
+TERM_GRACE_S = 30  # after SIGTERM, for the benchmark to stop and reap what it started
+TAG = "EXOD_BENCH_SMOKE"
+LEFTOVER_GRACE_S = 10  # after it ended, for its processes' own watchdogs to end them (a runner's hang-up check)
+
+
+def test_the_benchmarks_are_found():
+    names = {path.name for path in SCRIPTS}
+    assert {"failure_detection.py", "cold_start.py", "chat_throughput.py", "host_death.py"} <= names, names
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda path: path.stem)
+def test_benchmark_runs_in_smoke_mode(script: Path, tmp_path: Path):
+    tag = uuid.uuid4().hex  # in the environment every process it starts inherits: its leftovers are found by it
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", TAG: tag}
+    results = tmp_path / "results"
+    argv = [sys.executable, str(script), "--smoke", "--results-dir", str(results)]
+    log = tmp_path / "output.log"
+    started = time.monotonic()
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    timed_out = False
+    try:
+        process.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        process.send_signal(signal.SIGTERM)  # the benchmark stops what it started on the way out
+        try:
+            process.wait(timeout=TERM_GRACE_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    finally:
+        if process.poll() is None:  # the test itself was interrupted
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        leftovers = _end_leftovers(tag)
+    elapsed = time.monotonic() - started
+    output = log.read_text(errors="replace")
+    print(f"$ {' '.join(argv)}\n{output}\n[exit {process.returncode} after {elapsed:.1f} s]")
+
+    assert not timed_out, f"{script.name} --smoke ran past {TIMEOUT_S} s:\n{output[-4000:]}"
+    assert process.returncode == 0, f"{script.name} --smoke exited with {process.returncode}:\n{output[-4000:]}"
+    assert not leftovers, f"{script.name} --smoke left processes behind (killed now): {leftovers}"
+    written = sorted(results.glob("*.json"))
+    assert written, f"{script.name} --smoke wrote no result to --results-dir:\n{output[-4000:]}"
+    for path in written:
+        assert json.loads(path.read_text())["smoke"] is True, path
+    if elapsed > SMOKE_BUDGET_S:
+        warnings.warn(f"{script.name} --smoke took {elapsed:.0f} s (budget {SMOKE_BUDGET_S} s)", stacklevel=1)
+
+
+def _tagged(tag: str) -> dict[int, str]:
+    """Live processes whose environment holds ``TAG=tag``: pid → command line."""
+    found = {}
+    for proc in psutil.process_iter(["environ", "cmdline", "status"], ad_value=None):
+        if (proc.info["environ"] or {}).get(TAG) == tag and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            found[proc.pid] = " ".join(proc.info["cmdline"] or [])
+    return found
+
+
+def _end_leftovers(tag: str) -> dict[int, str]:
+    """Wait a little for the benchmark's processes to end by themselves; SIGKILL those that do not, and name them."""
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    while (leftovers := _tagged(tag)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in leftovers:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    return leftovers
