@@ -49,6 +49,9 @@ CLUSTER: dict[str, str] = {
     "partition of the controller": "the same for the controller: it steps down and kills its runner; the next "
     "controller first stops the runner the old one had on an agent and waits for its key to go, then starts "
     "the next generation: never two alive",
+    "partition of the controller holding every rank": "no peer's loss ends its runner and no watch tells it: "
+    "the controller steps down by its own clock before its lease can expire and kills its runner; the next "
+    "generation runs on a node left: never two alive",
     "etcd member loss": "a 3-member etcd loses the member every node talks to first: nothing is disrupted",
     "etcd outage shorter than the lease": "degraded, the instance serves throughout, no new generation",
     "etcd outage longer than the lease": "every node fences itself (its runners stop before a lease could "

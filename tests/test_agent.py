@@ -10,9 +10,9 @@ import trio
 import trio.testing
 
 from daemon_harness import config
-from exod.cluster.agent import FENCE_MARGIN, Agent, Refused, SpawnRequest
+from exod.cluster.agent import Agent, Refused, SpawnRequest
 from exod.cluster.etcd import EtcdUnavailable
-from exod.cluster.nodes import NodeRecord, runner_key
+from exod.cluster.nodes import FENCE_MARGIN, NodeRecord, runner_key
 from exod.host.supervisor import Listener, RunnerSpec, Timeouts
 from exod.state.sqlite import Store
 
@@ -51,6 +51,10 @@ class FakePresence:
         self.etcd, self.prefix, self.ttl, self.lease = etcd, PREFIX, TTL, 7
         self.record = NodeRecord("node-2", "127.0.0.2", "http://127.0.0.2:1", 1 << 30, 1 << 30)
         self.alive_until = trio.current_time() + TTL
+
+    @property
+    def authority_until(self) -> float:
+        return self.alive_until - FENCE_MARGIN * self.ttl
 
     def renewed(self) -> None:
         self.alive_until = trio.current_time() + TTL

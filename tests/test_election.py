@@ -7,9 +7,10 @@ import attrs
 import trio
 from etcd_harness import run_with_client as run
 
-from exod.cluster.election import Deposed, campaign, guarded_write, leader, wait_for_term
-from exod.cluster.etcd import Etcd, Put
-from exod.cluster.nodes import NodeRecord, Presence, list_nodes
+from exod.cluster.election import Deposed, campaign, election_key, guarded_write, leader, wait_for_term
+from exod.cluster.etcd import Etcd, EtcdUnavailable, Put
+from exod.cluster.membership import ClusterConfig, Membership
+from exod.cluster.nodes import FENCE_MARGIN, NodeRecord, Presence, list_nodes
 
 PREFIX = b"/exod-test/"
 TTL = 5  # the shortest the cluster tests use: two busy cores must not expire a lease falsely
@@ -113,3 +114,51 @@ def test_a_node_record_is_refreshed_at_each_renewal(etcd):
     before, after = run(etcd, body)
     assert (before.memory_free, before.models) == (6 << 30, ())
     assert (after.memory_free, after.models) == (5 << 30, ("org/model",))
+
+
+class Silenced(Etcd):
+    """An etcd client whose network can go silent, as a cut cable does: calls get no answer until their
+    timeout, and an open watch gets nothing more, not even an error."""
+
+    silent = False
+
+    async def _call(self, path, body):
+        if self.silent:
+            await trio.sleep(self.timeout)
+            raise EtcdUnavailable(f"no answer from {path} within {self.timeout} s (silenced by the test)")
+        return await super()._call(path, body)
+
+    async def watch(self, prefix, *, start_revision=0):
+        async for event in super().watch(prefix, start_revision=start_revision):
+            while self.silent:
+                await trio.sleep_forever()
+            yield event
+
+
+def test_a_controller_cut_off_in_silence_steps_down_by_its_own_clock_before_its_lease_expires(etcd):
+    """The term ends by the clock (DESIGN §5): no answer and no watch event ever come, and still the controller
+    steps down before its lease may expire, so before another node can be elected."""
+
+    async def main():
+        client, observer = Silenced(etcd, timeout=1.0), Etcd(etcd)
+        config = ClusterConfig(etcd, "node-a", "127.0.0.1", lease_ttl=TTL, prefix=PREFIX.decode())
+        membership = Membership(client, config, record("node-a", "127.0.0.1"))
+        await membership.presence.join()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(membership.run)
+            with trio.fail_after(TTL):
+                term = await membership.elected()
+                await membership.presence.renewed.wait()
+            renewed_at, client.silent = trio.current_time(), True
+            with trio.fail_after(2 * TTL):  # before the fix: never (the watch waited on, silent forever)
+                await membership.deposed(term)
+            stepped_down_after = trio.current_time() - renewed_at
+            still_held = await observer.get(election_key(PREFIX))  # the lease has not expired yet
+            nursery.cancel_scope.cancel()
+        await observer.revoke(membership.presence.lease)
+        await observer.aclose()
+        return stepped_down_after, still_held
+
+    stepped_down_after, still_held = trio.run(main)
+    assert still_held is not None and still_held.value == b"node-a"
+    assert stepped_down_after <= TTL * (1 - FENCE_MARGIN) + 0.5  # the renewal was asked for before renewed_at

@@ -46,7 +46,6 @@ from exod.state.sqlite import ProcessRecord, Store
 log = logging.getLogger("exod.agent")
 
 BEAT_S = 1.0  # an idle report stream says it is alive this often (`exod.cluster.remote.SILENCE_S` is the limit)
-FENCE_MARGIN = 0.2  # of the lease's TTL: runners stop this much before the node's lease may expire
 
 
 class Refused(HTTPException):
@@ -137,7 +136,7 @@ class Agent:
         the margin after the last renewal was asked for. Its own task: nothing else may delay it."""
         while True:
             now = trio.current_time()
-            fence_at = presence.alive_until - FENCE_MARGIN * presence.ttl
+            fence_at = presence.authority_until
             if now < fence_at:
                 await trio.sleep_until(min(fence_at, now + BEAT_S))  # a renewal moves it on meanwhile
                 continue
@@ -205,7 +204,7 @@ class Agent:
         presence = self._presence
         if presence is None:
             return
-        if trio.current_time() >= presence.alive_until - FENCE_MARGIN * presence.ttl:
+        if trio.current_time() >= presence.authority_until:
             raise Refused(503, "this node cannot renew its lease in etcd: it runs nothing until it can")
         try:
             await presence.etcd.put(self._key_of(key), b"", lease=presence.lease)

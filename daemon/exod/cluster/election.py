@@ -71,8 +71,10 @@ async def guarded_write(etcd: Etcd, term: Term, ops: Sequence[Put | Delete]) -> 
     return result.revision
 
 
-async def wait_for_term(etcd: Etcd, prefix: bytes, node_id: str, lease: int) -> Term:
-    """Campaign until elected: again each time the key is deleted (its holder's lease expired, or it resigned)."""
+async def wait_for_term(etcd: Etcd, prefix: bytes, node_id: str, lease: int, *, recheck: float = 10.0) -> Term:
+    """Campaign until elected: again each time the key is deleted (its holder's lease expired, or it resigned),
+    and at least every ``recheck`` seconds: a watch whose connection died in silence says nothing, so none is
+    trusted to say the key went."""
     key = election_key(prefix)
     while True:
         term = await campaign(etcd, prefix, node_id, lease)
@@ -82,9 +84,10 @@ async def wait_for_term(etcd: Etcd, prefix: bytes, node_id: str, lease: int) -> 
         if holder is None:
             continue
         try:
-            async for event in etcd.watch(key, start_revision=revision + 1):
-                if event.deleted:
-                    break
+            with trio.move_on_after(recheck):
+                async for event in etcd.watch(key, start_revision=revision + 1):
+                    if event.deleted:
+                        break
         except EtcdUnavailable as exc:
             log.warning("watching the election failed (%s): campaigning again", exc)
             await trio.sleep(1.0)

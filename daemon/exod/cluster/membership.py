@@ -22,7 +22,6 @@ from exod.cluster.nodes import DEFAULT_TTL, NodeRecord, Presence, list_nodes
 log = logging.getLogger("exod.membership")
 
 DEFAULT_PREFIX = "/exod/"  # every key of the cluster is under it
-FENCE_MARGIN = 0.2  # of the TTL: a controller out of touch steps down this much before its lease may expire
 
 
 @attrs.frozen
@@ -82,7 +81,8 @@ class Membership:
             task_status.started()
             while True:
                 try:
-                    term = await wait_for_term(self.etcd, self.prefix, self.node_id, self.presence.lease)
+                    lease, ttl = self.presence.lease, self.config.lease_ttl
+                    term = await wait_for_term(self.etcd, self.prefix, self.node_id, lease, recheck=ttl)
                     self.term = term
                     log.warning("node %s is the controller (term %d)", self.node_id, term.revision)
                     await self._until_deposed(term)
@@ -96,13 +96,27 @@ class Membership:
                     self.term = None
 
     async def _until_deposed(self, term: Term) -> None:
-        """Return once the election key is no longer ours (deleted with our lease, or written by another).
+        """Return once ``term`` has ended: the election key is no longer ours (deleted with our lease, or
+        written by another), or — whatever etcd or any watch says — our authority ran out by our own clock
+        (`Presence.authority_until`). A silent partition leaves a watch waiting forever; the clock ends the
+        term all the same, before our lease may expire and another node be elected (DESIGN §5). Through a
+        short outage the term holds, and the runners keep serving."""
 
-        While etcd cannot be reached the term holds for as long as our lease is surely alive (`Presence.
-        alive_until`, by our own monotonic clock, less `FENCE_MARGIN`): no other node can be elected before
-        it expires, and the runners keep serving through a short outage. Past that, another node may soon
-        be the controller: this one steps down first (DESIGN §5, fencing).
-        """
+        async def key_lost() -> None:
+            await self._until_key_lost(term)
+            ended.cancel_scope.cancel()
+
+        async def clock() -> None:
+            await self.presence.authority_lost()
+            log.error("node %s cannot renew its lease in time: stepping down as the controller", self.node_id)
+            ended.cancel_scope.cancel()
+
+        async with trio.open_nursery() as ended:
+            ended.start_soon(key_lost)
+            ended.start_soon(clock)
+
+    async def _until_key_lost(self, term: Term) -> None:
+        """Return once etcd says the election key is no longer ``term``'s."""
         while True:
             try:
                 holder, revision = await self.etcd.read(term.key)
@@ -111,13 +125,8 @@ class Membership:
                 async for event in self.etcd.watch(term.key, start_revision=revision + 1):
                     if event.deleted or not _holds(term, event.kv):
                         return
-            except EtcdUnavailable as exc:
-                margin = FENCE_MARGIN * self.config.lease_ttl
-                left = self.presence.alive_until - margin - trio.current_time()
-                if left <= 0:
-                    log.error("etcd out of reach past our lease (%s): stepping down as the controller", exc)
-                    return
-                await trio.sleep(min(1.0, left))
+            except EtcdUnavailable:  # meanwhile the clock decides (`_until_deposed`)
+                await trio.sleep(1.0)
 
     async def controller(self) -> tuple[str | None, str | None]:
         """The controller's node id and API URL, as etcd has them (None where there is none yet)."""

@@ -24,6 +24,7 @@ from exod.cluster.etcd import Etcd, EtcdError, EtcdUnavailable, LeaseExpired
 log = logging.getLogger("exod.nodes")
 
 DEFAULT_TTL = 10  # seconds; tests use >= 5: two busy cores must not let a lease expire falsely
+FENCE_MARGIN = 0.2  # of the TTL: a node's authority ends this much before its lease may expire
 
 
 @attrs.frozen
@@ -123,6 +124,21 @@ class Presence:
         self.renewed = trio.Event()  # set (and replaced) whenever the lease was renewed or re-created
         # (trio time) until when the lease is surely alive: TTL after the last renewal was *asked for*
         self.alive_until = -math.inf
+
+    @property
+    def authority_until(self) -> float:
+        """(trio time) When this node's authority ends — as the controller, and as an agent allowed to run
+        runners: its lease's surely-alive bound less `FENCE_MARGIN` of the TTL, by this node's own monotonic
+        clock. Only a renewal that etcd acknowledged moves it on; no watch, no silence, no other clock does,
+        so a node cut off in silence gives up before another node can take its place (DESIGN §5)."""
+        return self.alive_until - FENCE_MARGIN * self.ttl
+
+    async def authority_lost(self) -> None:
+        """Return once `authority_until` has passed with no renewal moving it on."""
+        while (left := self.authority_until - trio.current_time()) > 0:
+            renewed = self.renewed
+            with trio.move_on_after(left):
+                await renewed.wait()
 
     async def join(self) -> None:
         """Grant a lease and write the record on it (raises if etcd cannot be reached)."""
