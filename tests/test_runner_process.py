@@ -39,6 +39,12 @@ class RunnerProc:
         self.args, self.sock, self.proc, self.log = args, sock, proc, log
         self.reader = p.LineReader()
         self.lines: list[bytes] = []
+        self.deadline_w: int | None = None  # the deadline pipe's write end, if it holds one
+
+    def extend(self, seconds: float) -> None:
+        """Its deadline: ``seconds`` from now."""
+        assert self.deadline_w is not None
+        os.write(self.deadline_w, b"%.6f\n" % (time.monotonic() + seconds))
 
     def send(self, command: p.Command) -> None:
         self.sock.sendall(command.to_line())
@@ -83,8 +89,15 @@ def spawn(tmp_path: Path) -> Iterator:
     procs: list[RunnerProc] = []
 
     def start(
-        *, rank: int = 0, world_size: int = 1, hostfile: Path | None = None, incarnation: int = 0, extra: tuple = ()
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        hostfile: Path | None = None,
+        incarnation: int = 0,
+        extra: tuple = (),
+        deadline: float | None = None,
     ) -> RunnerProc:
+        """``deadline``: seconds from now the runner may live unless extended (`RunnerProc.extend`)."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         args = [
             sys.executable, "-m", "exod.runner",
@@ -92,6 +105,13 @@ def spawn(tmp_path: Path) -> Iterator:
             "--rank", str(rank), "--world-size", str(world_size),
             "--control-fd", str(child.fileno()),
         ]  # fmt: skip
+        fds = [child.fileno()]
+        deadline_r = deadline_w = None
+        if deadline is not None:
+            deadline_r, deadline_w = os.pipe()
+            os.write(deadline_w, b"%.6f\n" % (time.monotonic() + deadline))
+            args += ["--deadline-fd", str(deadline_r)]
+            fds.append(deadline_r)
         if hostfile is not None:
             args += ["--hostfile", str(hostfile)]
         args += list(extra)
@@ -99,10 +119,13 @@ def spawn(tmp_path: Path) -> Iterator:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with log.open("wb") as out:
             proc = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, pass_fds=[child.fileno()], env=env
+                args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, pass_fds=fds, env=env
             )
         child.close()  # only the runner holds the child end: its death is our EOF, ours is its EOF
+        if deadline_r is not None:
+            os.close(deadline_r)
         runner = RunnerProc(args, parent, proc, log)
+        runner.deadline_w = deadline_w
         procs.append(runner)
         return runner
 
@@ -114,6 +137,8 @@ def spawn(tmp_path: Path) -> Iterator:
                 r.proc.kill()
             r.proc.wait(timeout=10)
             r.sock.close()
+            if r.deadline_w is not None:
+                os.close(r.deadline_w)
         assert all(r.proc.returncode is not None for r in procs), "orphan runner processes"
         deadline = time.monotonic() + 5  # forked watchdogs exit with their runner
         while (left := live_processes_with_args([r.args for r in procs])) and time.monotonic() < deadline:
@@ -406,6 +431,35 @@ def test_closing_the_control_channel_ends_a_runner_stuck_in_ring_init(spawn, tmp
     runner.sock.close()
     assert runner.wait(timeout=10) == -signal.SIGKILL  # no Python thread can run: killed, not exited
     assert time.monotonic() - started < 5
+
+
+def test_a_runner_past_its_unextended_deadline_is_killed_even_holding_the_gil_in_ring_init(spawn, tmp_path) -> None:
+    """The dead man's switch (DESIGN §5): its supervisor still holds the channel open (a stalled daemon), but
+    no longer extends the deadline; a lone rank 0 blocks in mx.distributed.init with the GIL held, and its
+    watchdog process ends it at the deadline all the same."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(2)]))
+    runner = spawn(rank=0, world_size=2, hostfile=hostfile, deadline=60)
+    runner.send(p.Connect())
+    assert phases(runner.recv_until(p.Status)) == [p.Phase.JOINING]
+    runner.extend(2.0)
+    deadline = time.monotonic() + 2.0
+    assert runner.wait(timeout=30) == -signal.SIGKILL  # killed from outside: no Python thread can run
+    ended = time.monotonic()
+    assert deadline <= ended < deadline + 5
+    assert "deadline passed without an extension" in runner.log.read_text()
+
+
+def test_a_runner_whose_deadline_is_extended_lives_on_and_serves(spawn, model_dir) -> None:
+    runner = spawn(deadline=1.0)
+    for _ in range(8):  # twice as long as its first deadline, extended every 0.25 s
+        runner.extend(1.0)
+        time.sleep(0.25)
+    assert runner.proc.poll() is None
+    runner.send(p.Load(str(model_dir)))
+    assert runner.recv_until(p.Status)[-1].phase is p.Phase.WEIGHTS  # it still answers
+    runner.sock.close()
+    assert runner.wait(timeout=10) == 0
 
 
 def test_a_runner_imports_mlx_lm_under_a_hard_descriptor_limit_below_what_mlx_lm_asks():

@@ -19,7 +19,8 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -54,6 +55,7 @@ class RunnerSpec:
     fault: str | None = None  # "PHASE:KIND", for tests (exod.runner.faults); None in production
     script: str | None = None  # text every generation emits instead of sampling, for tests; None in production
     batch: BatchLimits = attrs.Factory(BatchLimits)  # what it decodes at once
+    fenced: bool = False  # a cluster's runner: it holds a deadline its agent extends (`Supervisor.extend`)
 
 
 class Listener(Protocol):
@@ -75,7 +77,14 @@ class Process(Protocol):
     def stop(self) -> None: ...
 
 
+class FencedProcess(Process, Protocol):
+    """What a cluster's agent needs besides: the runner's deadline, moved on while its node may run it."""
+
+    def extend(self, until: float) -> None: ...
+
+
 Spawn = Callable[[RunnerSpec, Listener, Timeouts], Process]
+FencedSpawn = Callable[[RunnerSpec, Listener, Timeouts], FencedProcess]
 
 
 TAIL_LINES = 20
@@ -84,6 +93,15 @@ TAIL_LINES = 20
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 RUNNER_ENV = {"TOKENIZERS_PARALLELISM": "false"}
 DRAIN_S = 1.0  # after an exit, how long to read what the process wrote before it died
+
+
+@contextlib.contextmanager
+def _closing(fd: int | None) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def _tail(path: Path, lines: int = TAIL_LINES) -> str:
@@ -176,6 +194,23 @@ class Supervisor:
         self._drained = trio.Event()
         self.stop_delivered = False  # whether an exit can be the answer to our stop
         self._signals_sent: set[int] = set()
+        self.deadline: float | None = None  # (trio time) a fenced runner ends itself past it
+        self._deadline_w: int | None = None  # the deadline pipe's write end, while the process runs
+
+    # -- the dead man's switch -------------------------------------------------------------
+
+    def extend(self, until: float) -> None:
+        """Move the runner's deadline on to ``until`` (trio time); past it, the runner's watchdog process kills
+        it, whatever this daemon is doing (`exod.runner.watchdog`). Set before `run` for the first one."""
+        self.deadline = until
+        if self._deadline_w is not None:
+            self._send_deadline(self._deadline_w)
+
+    def _send_deadline(self, fd: int) -> None:
+        assert self.deadline is not None, "a fenced runner needs its first deadline before it runs"
+        monotonic = time.monotonic() + (self.deadline - trio.current_time())  # one clock for the whole host
+        with contextlib.suppress(OSError):  # a full pipe: the watchdog reads every line; none: the runner is gone
+            os.write(fd, b"%.6f\n" % monotonic)
 
     # -- commands ------------------------------------------------------------------
 
@@ -200,10 +235,12 @@ class Supervisor:
 
     # -- the process --------------------------------------------------------------------
 
-    def _argv(self, control_fd: int) -> list[str]:
+    def _argv(self, control_fd: int, deadline_fd: int | None) -> list[str]:
         s = self.spec
         argv = [sys.executable, "-m", "exod.runner", "--runner-id", s.runner_id, "--incarnation", str(s.incarnation)]
         argv += ["--rank", str(s.rank), "--world-size", str(s.world_size), "--control-fd", str(control_fd)]
+        if deadline_fd is not None:
+            argv += ["--deadline-fd", str(deadline_fd)]
         if s.hostfile is not None:
             argv += ["--hostfile", str(s.hostfile)]
         if s.fault is not None:
@@ -216,19 +253,26 @@ class Supervisor:
         """Spawn, serve until the process ends, report the exit. Cancelling it kills and reaps the process."""
         private_dir(self.spec.log_path.parent)  # a log holds the runner's output: 0700 dirs, a 0600 file
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        with parent, open(self.spec.log_path, "ab", opener=private_opener) as log:
+        deadline_r, deadline_w = os.pipe() if self.spec.fenced else (None, None)
+        with parent, open(self.spec.log_path, "ab", opener=private_opener) as log, _closing(deadline_w):
             try:
+                if deadline_w is not None:
+                    os.set_blocking(deadline_w, False)
+                    self._send_deadline(deadline_w)  # in the pipe before the runner starts: it holds from the start
                 process = await trio.lowlevel.open_process(
-                    self._argv(child.fileno()),
+                    self._argv(child.fileno(), deadline_r),
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    pass_fds=[child.fileno()],
+                    pass_fds=[child.fileno()] + ([] if deadline_r is None else [deadline_r]),
                     start_new_session=True,  # a Ctrl-C to the daemon is the daemon's to handle, not the runners'
                     env=RUNNER_ENV | dict(os.environ) | OFFLINE,
                 )
             finally:
                 child.close()
+                if deadline_r is not None:
+                    os.close(deadline_r)
+            self._deadline_w = deadline_w
             try:  # from here on, whatever happens, the process is killed if need be and reaped
                 self.pid = process.pid
                 self._stream = trio.SocketStream(trio.socket.from_stdlib_socket(parent))
@@ -244,6 +288,7 @@ class Supervisor:
                         await self._drained.wait()
                     nursery.cancel_scope.cancel()
             finally:
+                self._deadline_w = None  # closed with the `with`, once the process is reaped
                 with trio.CancelScope(shield=True):
                     await self._kill_and_reap(process)
                     if self._stream is not None:

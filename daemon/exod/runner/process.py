@@ -33,17 +33,15 @@ import os
 import queue
 import re
 import resource
-import select
-import signal
 import socket
 import sys
 import threading
-import time
 import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
 from exod.runner import protocol as p
+from exod.runner import watchdog
 from exod.runner.batch import Batch, BatchLimits, Lockstep, prompt_tokens
 from exod.runner.faults import Fault, FaultPhase, Injector
 from exod.runner.protocol import HOST_ERRNOS
@@ -128,78 +126,9 @@ class Channel:
         exit_now(0)
 
 
-PEEK_S = 0.05  # without POLLRDHUP: how often a channel with unread commands is looked at again
-HANGUP_GRACE_S = 1.0  # time the reader thread gets to end the process cleanly before the watchdog kills it
-_watchdog_pid: int | None = None
-
-
-def start_hangup_watchdog(control_fd: int) -> None:
-    """Fork a tiny process that SIGKILLs this one if the control channel hangs up and we do not exit.
-
-    Why: native MLX calls can block while holding the GIL — ``mx.distributed.init(backend="ring")``
-    of a lone rank 0 never returns and starves every Python thread, the reader included. Only
-    another process can end that. The watchdog polls for POLLRDHUP (peer closed; data alone
-    does not wake it) and for the hangup of a pipe that this process holds (it exits with us).
-    Fork before any thread exists.
-    """
-    global _watchdog_pid
-    parent = os.getpid()
-    alive_r, alive_w = os.pipe()
-    pid = os.fork()
-    if pid:
-        os.close(alive_r)
-        os.set_inheritable(alive_w, False)
-        _watchdog_pid = pid
-        return
-    try:  # the watchdog: no imports, no threads, no MLX
-        os.close(alive_w)
-        if hung_up(control_fd, alive_r):  # the channel hung up while the runner lives
-            time.sleep(HANGUP_GRACE_S)
-            if not select.select([alive_r], [], [], 0)[0]:
-                os.kill(parent, signal.SIGKILL)
-    finally:
-        os._exit(0)
-
-
-def hung_up(control_fd: int, alive_r: int, *, rdhup: bool = hasattr(select, "POLLRDHUP")) -> bool:
-    """Block until the control channel hangs up (True) or the runner exits, closing ``alive_r`` (False).
-
-    Neither may consume a byte of the channel, which the runner reads. Linux says "peer closed" alone
-    (POLLRDHUP). Elsewhere (macOS, MLX's main platform) POLLHUP says it when the peer is gone, and a
-    readable channel is peeked at: nothing to read means the peer closed; bytes mean commands the runner
-    has yet to read, so look again a little later."""
-    poller = select.poll()
-    poller.register(alive_r, select.POLLIN)
-    if rdhup:
-        poller.register(control_fd, select.POLLRDHUP)
-        return alive_r not in dict(poller.poll())
-    poller.register(control_fd, select.POLLIN | select.POLLHUP)
-    channel = socket.socket(fileno=os.dup(control_fd))
-    try:
-        while True:
-            events = dict(poller.poll())
-            if alive_r in events:
-                return False
-            if events.get(control_fd, 0) & (select.POLLHUP | select.POLLERR):
-                return True
-            try:
-                if channel.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
-                    return True
-            except BlockingIOError:
-                pass
-            except OSError:  # reset: hung up as well
-                return True
-            time.sleep(PEEK_S)
-    finally:
-        channel.close()
-
-
 def exit_now(code: int) -> NoReturn:
     """End the process without joining threads or running MLX teardown, which can block on a dead peer."""
-    if _watchdog_pid is not None:
-        with contextlib.suppress(OSError):
-            os.kill(_watchdog_pid, signal.SIGKILL)
-            os.waitpid(_watchdog_pid, 0)
+    watchdog.stop()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
@@ -471,6 +400,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--fault", type=Fault.parse, help="PHASE:KIND fault to inject (tests only; see exod.runner.faults)"
     )
     parser.add_argument("--script", help="text every generation emits instead of sampling (tests only)")
+    parser.add_argument(
+        "--deadline-fd",
+        type=int,
+        help="inherited read end of the deadline pipe (a cluster's fence; exod.runner.watchdog)",
+    )
     defaults = BatchLimits()
     parser.add_argument("--max-sequences", type=int, default=defaults.max_sequences, help="decoded at once")
     parser.add_argument("--kv-bytes", type=int, default=defaults.kv_bytes, help="KV cache reserved by them")
@@ -490,7 +424,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     if args.hostfile is not None:
         os.environ["MLX_HOSTFILE"] = str(args.hostfile)
     os.environ["MLX_RANK"] = str(args.rank)
-    start_hangup_watchdog(args.control_fd)
+    watchdog.start(args.control_fd, args.deadline_fd)  # before any thread, before MLX
     channel = Channel(args.control_fd, args.runner_id, args.incarnation)
 
     def fail(exc: BaseException) -> None:  # a fault on a thread that is not the main one
