@@ -11,21 +11,30 @@ import trio.testing
 
 from daemon_harness import config
 from exod.cluster.agent import Agent, Refused, SpawnRequest
-from exod.cluster.etcd import EtcdUnavailable
+from exod.cluster.election import election_key
+from exod.cluster.etcd import EtcdUnavailable, KeyValue
 from exod.cluster.nodes import FENCE_MARGIN, NodeRecord, runner_key
 from exod.host.supervisor import Listener, RunnerSpec, Timeouts
 from exod.state.sqlite import Store
 
 PREFIX = b"/exod/"
 TTL = 10
+TERM = 41  # the controller's term, in etcd and on its commands
 
 
 class FakeEtcd:
-    """The keys an agent writes, and an outage a test can switch on."""
+    """The keys an agent writes, the controller's term (the election key's create revision; None: no
+    controller), and an outage a test can switch on."""
 
     def __init__(self) -> None:
         self.keys: dict[bytes, int] = {}  # key → lease
+        self.term: int | None = TERM
         self.down = False
+
+    async def get(self, key: bytes) -> KeyValue | None:
+        self._answer()
+        assert key == election_key(PREFIX)
+        return None if self.term is None else KeyValue(key, b"node-1", self.term, self.term, 1, 3)
 
     async def put(self, key: bytes, value: bytes, *, lease: int = 0) -> int:
         self._answer()
@@ -67,6 +76,7 @@ class FakeProcess:
         self.spec = spec
         self.key_at_spawn = runner_key(PREFIX, "node-2", spec.runner_id, spec.incarnation) in etcd.keys
         self.killed = False
+        self.deadlines: list[float] = []  # every extension of its dead man's switch
         self._stop = trio.Event()
 
     async def run(self) -> None:
@@ -78,8 +88,15 @@ class FakeProcess:
 
     def post(self, command: object) -> None: ...
 
+    def extend(self, until: float) -> None:
+        self.deadlines.append(until)
+
     def stop(self) -> None:
         self._stop.set()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
 
 
 def request(incarnation: int = 1) -> SpawnRequest:
@@ -99,7 +116,7 @@ def with_agent(tmp_path, body) -> None:
         agent = Agent(config(tmp_path, tmp_path / "hf"), store, "127.0.0.2", spawn=spawn)
         async with trio.open_nursery() as nursery:
             await nursery.start(agent.run, presence)
-            stream = agent.reports()  # a controller connects
+            stream = await agent.connect(TERM)  # the controller connects
             await stream.__anext__()
             await body(agent, etcd, presence, processes)
             nursery.cancel_scope.cancel()
@@ -113,10 +130,10 @@ KEY = runner_key(PREFIX, "node-2", "i/1", 1)
 
 def test_a_runner_is_claimed_in_etcd_before_it_is_spawned_and_released_once_reaped(tmp_path):
     async def body(agent, etcd, presence, processes):
-        await agent.spawn(request())
+        await agent.spawn(TERM, request())
         await trio.testing.wait_all_tasks_blocked()
         assert processes[0].key_at_spawn and etcd.keys[KEY] == presence.lease  # on the node's lease
-        agent.stop("i/1", 1)
+        agent.stop(TERM, "i/1", 1)
         await trio.sleep(0.1)
         assert KEY not in etcd.keys
 
@@ -125,9 +142,9 @@ def test_a_runner_is_claimed_in_etcd_before_it_is_spawned_and_released_once_reap
 
 def test_a_key_that_could_not_be_released_is_released_when_etcd_answers_again(tmp_path):
     async def body(agent, etcd, presence, processes):
-        await agent.spawn(request())
+        await agent.spawn(TERM, request())
         etcd.down = True
-        agent.stop("i/1", 1)
+        agent.stop(TERM, "i/1", 1)
         await trio.sleep(5)
         assert KEY in etcd.keys  # the controller must go on waiting: it cannot know
         etcd.down = False
@@ -141,7 +158,7 @@ def test_nothing_is_spawned_while_etcd_cannot_take_the_claim(tmp_path):
     async def body(agent, etcd, presence, processes):
         etcd.down = True
         with pytest.raises(Refused) as refused:
-            await agent.spawn(request())
+            await agent.spawn(TERM, request())
         assert refused.value.status == 503 and "claim" in str(refused.value) and processes == []
 
     with_agent(tmp_path, body)
@@ -151,7 +168,7 @@ def test_nothing_is_spawned_while_the_lease_is_not_surely_alive(tmp_path):
     async def body(agent, etcd, presence, processes):
         await trio.sleep(TTL * (1 - FENCE_MARGIN))  # no renewal: the lease may expire at any moment now
         with pytest.raises(Refused) as refused:
-            await agent.spawn(request())
+            await agent.spawn(TERM, request())
         assert refused.value.status == 503 and "lease" in str(refused.value) and processes == []
 
     with_agent(tmp_path, body)
@@ -159,7 +176,7 @@ def test_nothing_is_spawned_while_the_lease_is_not_surely_alive(tmp_path):
 
 def test_the_runners_are_killed_before_the_lease_may_expire_not_after(tmp_path):
     async def body(agent, etcd, presence, processes):
-        await agent.spawn(request())
+        await agent.spawn(TERM, request())
         fence_at = presence.alive_until - FENCE_MARGIN * TTL
         await trio.sleep_until(fence_at - 0.01)
         assert not processes[0].killed  # renewed until then: nothing happens
@@ -172,10 +189,81 @@ def test_the_runners_are_killed_before_the_lease_may_expire_not_after(tmp_path):
 
 def test_a_renewal_moves_the_fence_on(tmp_path):
     async def body(agent, etcd, presence, processes):
-        await agent.spawn(request())
+        await agent.spawn(TERM, request())
         for _ in range(5):
             await trio.sleep(TTL / 3)
             presence.renewed()
         assert not processes[0].killed and KEY in etcd.keys  # still running, still claimed
+
+    with_agent(tmp_path, body)
+
+
+def test_an_older_term_never_takes_over_and_its_commands_are_refused_saying_why(tmp_path):
+    """The deposed controller reconnects after the new one did: refused, and the new one's runners run on."""
+
+    async def body(agent, etcd, presence, processes):
+        await agent.spawn(TERM, request())
+        with pytest.raises(Refused) as not_current:  # etcd holds TERM: a later term is not the cluster's yet
+            await agent.connect(TERM + 1)
+        etcd.term = TERM + 1  # elected: the new controller connects
+        await agent.connect(TERM + 1)
+        await trio.testing.wait_all_tasks_blocked()
+        stopped_by_new_term = processes[0].stopped
+        await agent.spawn(TERM + 1, request(incarnation=2))
+        refusals = []
+        for attempt in (
+            lambda: agent.connect(TERM),
+            lambda: agent.spawn(TERM, request(incarnation=3)),
+        ):
+            with pytest.raises(Refused) as refused:
+                await attempt()
+            refusals.append(refused.value)
+        with pytest.raises(Refused) as stop_refused:
+            agent.stop(TERM, "i/1", 2)
+        assert not_current.value.status == 409 and f"etcd has the controller of term {TERM}" in str(not_current.value)
+        assert stopped_by_new_term  # the old term's runner: its controller is no longer obeyed
+        assert [r.status for r in refusals] == [409, 409] and stop_refused.value.status == 409
+        assert all(f"term {TERM} is over" in str(r) for r in [*refusals, stop_refused.value])
+        assert len(processes) == 2 and not processes[1].stopped and not processes[1].killed  # the new one's runs
+
+    with_agent(tmp_path, body)
+
+
+def test_a_command_without_an_open_stream_of_its_term_is_refused(tmp_path):
+    async def body(agent, etcd, presence, processes):
+        with pytest.raises(Refused) as refused:
+            await agent.spawn(TERM + 1, request())
+        assert refused.value.status == 409 and "open GET /agent/reports" in str(refused.value) and processes == []
+
+    with_agent(tmp_path, body)
+
+
+def test_once_etcd_shows_the_term_over_its_runners_stop_without_waiting_for_its_silence(tmp_path):
+    async def body(agent, etcd, presence, processes):
+        await agent.spawn(TERM, request())
+        etcd.term = None  # its lease expired: no controller now
+        await trio.sleep(2)
+        assert processes[0].stopped
+
+    with_agent(tmp_path, body)
+
+
+def test_each_runners_deadline_is_the_nodes_authority_moved_on_only_while_the_lease_is_renewed(tmp_path):
+    """The dead man's switch (DESIGN §5): set before the runner runs, moved on each beat to the node's
+    authority, never past it; without renewals it stays where the lease may expire."""
+
+    async def body(agent, etcd, presence, processes):
+        await agent.spawn(TERM, request())
+        runner = processes[0]
+        first = runner.deadlines[0]
+        for _ in range(3):
+            await trio.sleep(TTL / 3)
+            presence.renewed()
+        await trio.sleep(1.5)
+        renewed_to = presence.authority_until
+        await trio.sleep(TTL * (1 - FENCE_MARGIN) - 2)  # no renewal since
+        assert first == pytest.approx(TTL * (1 - FENCE_MARGIN), abs=0.01)  # its spawn's authority
+        assert runner.deadlines[-1] == renewed_to and max(runner.deadlines) == renewed_to
+        assert runner.deadlines == sorted(runner.deadlines)  # moved on, never back
 
     with_agent(tmp_path, body)

@@ -51,7 +51,7 @@ class App:
         self.holding = 0
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["path"] == "/events":  # an event stream: never ends on its own
+        if scope["path"] in ("/events", "/agent/reports"):  # a stream: never ends on its own
             self.holding += 1
             await trio.sleep_forever()
         if scope["path"] == "/hold":
@@ -175,6 +175,23 @@ def test_an_event_stream_does_not_hold_the_drain():
             assert await drain.run(30.0, lambda why: None) == 0
             assert trio.current_time() == started
             nursery.cancel_scope.cancel()
+
+    drained(body)
+
+
+def test_the_controllers_commands_to_this_nodes_agent_neither_hold_the_drain_nor_are_refused_by_it():
+    """A cluster's node drains: its controller still reaches the agent here, to stop the runners it runs."""
+
+    async def body(drain, app, client):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.get, "/agent/reports")  # the controller's stream, open for good
+            await trio.testing.wait_all_tasks_blocked()
+            assert drain.in_flight == 0
+            started = trio.current_time()
+            assert await drain.run(30.0, lambda why: None) == 0 and trio.current_time() == started
+            stop = await client.delete("/agent/runners/i/0/1")  # draining: still reaches the agent
+            nursery.cancel_scope.cancel()
+        assert stop.status_code == 200 and stop.text == "done"
 
     drained(body)
 

@@ -1,9 +1,11 @@
-"""The runner processes of this host: one supervised process per runner the machines accepted.
+"""The controller's runner processes: one per runner the machines accepted.
 
 The controller decides (an accepted `fsm.CreateRunner`, `StopRunner`, a command to post); this room
-carries it out: the ring's hostfile, the spec, the supervisor in the controller's nursery, and, when a
-process is reaped, its generation's files (`exod.state.retention.Generations`). What a process reports goes
-to the listener (`exod.reports.Reports`), never back here.
+carries it out. On one host: the ring's hostfile, the spec, the supervisor in the controller's nursery. In
+a cluster: through each rank's node's agent, this node's own included (`exod.cluster.remote`), so that every
+runner is claimed and fenced the same way. When a process is reaped, its generation's files are forgotten
+(`exod.state.retention.Generations`). What a process reports goes to the listener (`exod.reports.Reports`),
+never back here.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-import attrs
 import trio
 
 import fsm
@@ -51,24 +52,22 @@ class Processes:
 
     def start(self, nursery: trio.Nursery, action: fsm.CreateRunner, nodes_by_rank: list[str]) -> None:
         """Spawn the runner ``action`` names, on its node; ``nodes_by_rank`` is where its generation's ranks
-        run. A spawn that fails is the runner's failure, reported as such."""
+        run. A spawn that fails is the runner's failure, reported as such.
+
+        In a cluster every rank is run by its node's agent, this node's own included: one path, so every
+        runner is claimed in etcd before it runs and fenced with its node's lease (DESIGN §5)."""
         gen = action.incarnation
-        local = self.fleet is None or action.node_id == self.fleet.local
-        if self.fleet is not None and set(nodes_by_rank) != {self.fleet.local}:  # a ring across nodes
+        if self.fleet is not None:
             across = self._ring(action.instance_id, gen, nodes_by_rank, self.fleet)
-            spec = self._spec(action, retention.hostfile_path(self.config.state_dir, action.instance_id, gen))
-            if local:
-                supervisor = self._spawn(spec, self._listener, self.config.timeouts)
-                process: Process = _LocalInRing(supervisor, across, self._published)
-            else:
-                try:
-                    link = self.fleet.link(action.node_id)
-                except AgentUnavailable as exc:
-                    self._listener.on_not_started(action.runner_id, gen, exc, host=True)
-                    return
-                remote = attrs.evolve(spec, hostfile=None)  # its agent writes it on its node
-                process = RemoteProcess(remote, link, across, action.instance_id, self._listener, self._published)
-            self._begin(nursery, action, process)
+            try:
+                link = self.fleet.link(action.node_id)
+            except AgentUnavailable as exc:
+                self._listener.on_not_started(action.runner_id, gen, exc, host=True)
+                return
+            spec = self._spec(action, None)  # its agent writes the hostfile on its node
+            self._begin(
+                nursery, action, RemoteProcess(spec, link, across, action.instance_id, self._listener, self._published)
+            )
             return
         try:  # the ring's ports and its hostfile: no fds or no disk is the host's failure, never the daemon's end
             hostfile = self._hostfile(action.instance_id, gen, action.world_size)
@@ -105,9 +104,6 @@ class Processes:
                 del self._rings[old]  # a generation is over once the next one starts
 
             async def reserve(node: str, count: int) -> list[str]:
-                if node == fleet.local:
-                    address = fleet.nodes[node].address if node in fleet.nodes else "127.0.0.1"
-                    return [f"{address}:{port}" for port in ring.free_ports(count, host=address)]
                 link = fleet.link(node)
                 return [f"{link.client.node.address}:{port}" for port in await link.client.ports(count)]
 
@@ -121,7 +117,7 @@ class Processes:
     def load(self, runner_id: str, incarnation: int, model_id: str, path: Path | None) -> None:
         """Load ``model_id``: from ``path`` on this node, or as the runner's own node has it in its cache."""
         process = self._running.get((runner_id, incarnation))
-        if isinstance(process, RemoteProcess):
+        if isinstance(process, RemoteProcess) and path is None:
             process.post(p.Load(""), model_id=model_id)
         elif process is not None:
             assert path is not None
@@ -169,28 +165,3 @@ class Processes:
             self._generations.ended(instance_id, spec.incarnation)
             self._reaped.set()
             self._reaped = trio.Event()
-
-
-class _LocalInRing:
-    """A runner on this node whose ring spans several: it starts once every rank's endpoint is known."""
-
-    def __init__(self, process: Process, ring: Ring, published: Published) -> None:
-        self._process, self._ring, self._published = process, ring, published
-        self.spec = process.spec
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid
-
-    async def run(self) -> None:
-        endpoints = await self._ring.endpoints()
-        assert self.spec.hostfile is not None
-        ring.write_hostfile(self.spec.hostfile, endpoints)
-        self._published(self.spec.runner_id, self.spec.incarnation, endpoints[self.spec.rank])
-        await self._process.run()
-
-    def post(self, command: p.Command) -> None:
-        self._process.post(command)
-
-    def stop(self) -> None:
-        self._process.stop()

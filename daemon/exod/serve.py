@@ -180,7 +180,10 @@ def _fleet(membership: Membership, config: ServeConfig) -> Fleet:
     async def runners() -> dict[str, set[tuple[str, int]]]:
         return await live_runners(membership.etcd, membership.prefix)
 
-    return Fleet(membership.node_id, records, runners, config.api_key)
+    def term() -> int | None:
+        return None if membership.term is None else membership.term.revision
+
+    return Fleet(membership.node_id, records, runners, config.api_key, term)
 
 
 def _agent(membership: Membership, config: ServeConfig, store: Store) -> Agent:

@@ -31,11 +31,14 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from exod.api.errors import ApiError
+from exod.cluster.agent import AGENT_PATHS
 
 RETRY_AFTER_S = 5  # a restart, the usual reason for a SIGTERM, has an instance Ready again in seconds
 ANSWER_GRACE_S = 5.0  # for the ended requests to write their error; only a client that does not read waits it out
 HEALTH = "/health"  # answered while draining: the daemon is alive
 UNCOUNTED = frozenset({"/events"})  # endless streams: counting them would make every drain wait out its timeout
+# The controller's commands to this node's agent are not client requests: while draining, they stop the runners
+CONTROL_PLANE = AGENT_PATHS
 
 
 def unavailable(message: str) -> ApiError:
@@ -97,7 +100,7 @@ class Gate:
         self.app, self.drain = app, drain
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"].startswith(CONTROL_PLANE):
             await self.app(scope, receive, send)
         elif self.drain.draining:
             await self._refuse(scope["path"])(scope, receive, send)

@@ -10,6 +10,12 @@ When that stream ends (the controller died, was deposed, or the network between 
 stops every runner it started for it; the next controller resumes their instances in a new generation.
 A second stream (a new controller) ends the first one's runners too.
 
+Commands carry the term (DESIGN §5): every request and stream of a controller names its term, the create
+revision of the election key it won. The agent opens a stream only for the term etcd holds now, never lets
+an older term replace a newer one, and refuses a command of any other term than its stream's, saying why;
+once etcd shows the key gone or newer, the stream's runners stop. So a deposed controller that still
+believes it leads can neither start runners nor stop the new controller's.
+
 Fencing (DESIGN §5): each runner is claimed in etcd (`exod.cluster.nodes.runner_key`, on the node's lease) before
 it is spawned, and released once it is reaped. A node that cannot renew its lease kills its runners before
 the lease may expire, so a key that vanished with the lease is a runner surely dead: the controller waits
@@ -24,19 +30,20 @@ import logging
 import math
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
 import trio
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter, Header, HTTPException
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from exod.cluster.election import TERM_HEADER, election_key
 from exod.cluster.etcd import EtcdError
 from exod.cluster.nodes import Presence, runner_key, runners_prefix
 from exod.host import ring
 from exod.host.models import ModelFiles
 from exod.host.orphans import start_ticks
-from exod.host.supervisor import Process, RunnerSpec, Spawn, Supervisor, Timeouts
+from exod.host.supervisor import FencedProcess, FencedSpawn, RunnerSpec, Supervisor, Timeouts
 from exod.runner import protocol as p
 from exod.runner.batch import BatchLimits
 from exod.state import retention
@@ -45,6 +52,7 @@ from exod.state.sqlite import ProcessRecord, Store
 
 log = logging.getLogger("exod.agent")
 
+AGENT_PATHS = "/agent/"  # where the controller reaches this node's agent
 BEAT_S = 1.0  # an idle report stream says it is alive this often (`exod.cluster.remote.SILENCE_S` is the limit)
 
 
@@ -100,13 +108,14 @@ class CommandRequest(BaseModel):
 class Agent:
     """The runners this node runs for the cluster's controller, and the stream of what they report."""
 
-    def __init__(self, config: AgentConfig, store: Store, advertise: str, *, spawn: Spawn = Supervisor) -> None:
+    def __init__(self, config: AgentConfig, store: Store, advertise: str, *, spawn: FencedSpawn = Supervisor) -> None:
         self.config, self.store, self.advertise, self._spawn = config, store, advertise, spawn
         self.models = ModelFiles(hf_home=config.hf_home, offline=config.offline, timeout=config.download_timeout)
-        self._running: dict[tuple[str, int], Process] = {}
+        self._running: dict[tuple[str, int], FencedProcess] = {}
         self._scopes: dict[tuple[str, int], trio.CancelScope] = {}  # cancelling one kills its runner at once
         self._stream: trio.MemorySendChannel[bytes] | None = None
         self._session = 0  # the stream's number: runners belong to the stream open when they were spawned
+        self._term = 0  # the newest controller's term this agent obeyed: no older one takes over again
         self._nursery: trio.Nursery | None = None
         self._generations = retention.Generations(config.state_dir, config.retention)  # their files, bounded
         self._presence: Presence | None = None  # in a cluster: the node's lease, which the runners' keys are on
@@ -128,21 +137,42 @@ class Agent:
             if presence is not None:
                 nursery.start_soon(self._fence, presence)
                 nursery.start_soon(self._release_keys_forever)
+                nursery.start_soon(self._follow_term, presence)
             task_status.started()
             await trio.sleep_forever()
 
     async def _fence(self, presence: Presence) -> None:
         """Kill the runners once the lease may have expired, by this node's monotonic clock: at its TTL less
-        the margin after the last renewal was asked for. Its own task: nothing else may delay it."""
+        the margin after the last renewal was asked for. Its own task: nothing else may delay it. Meanwhile
+        each runner's own deadline is moved on to the same instant every beat: should this daemon stall,
+        its runners end themselves there (`exod.runner.watchdog`)."""
         while True:
             now = trio.current_time()
             fence_at = presence.authority_until
             if now < fence_at:
+                for process in self._running.values():
+                    process.extend(fence_at)
                 await trio.sleep_until(min(fence_at, now + BEAT_S))  # a renewal moves it on meanwhile
                 continue
             if self._running:
                 self._end_session("this node's lease may have expired (etcd out of reach)", kill=True)
             await trio.sleep(BEAT_S / 10)
+
+    async def _follow_term(self, presence: Presence) -> None:
+        """End the stream once etcd shows its term over (the election key gone, or won again): that
+        controller's runners stop now, not when its silence is noticed. Read every beat, with a timeout: an
+        etcd out of reach says nothing here, and the clock fences meanwhile (`_fence`)."""
+        key = election_key(presence.prefix)
+        while True:
+            await trio.sleep(BEAT_S)
+            if self._stream is None:
+                continue
+            try:
+                holder = await presence.etcd.get(key)
+            except EtcdError:
+                continue
+            if self._stream is not None and (holder is None or holder.create_revision != self._term):
+                self._end_session(f"the term {self._term} of its controller is over in etcd")
 
     async def _release_keys_forever(self) -> None:
         while True:
@@ -155,7 +185,8 @@ class Agent:
         """Ports free now on this node's advertised address, for one generation's ring."""
         return ring.free_ports(count, host=self.advertise)
 
-    async def spawn(self, request: SpawnRequest) -> None:
+    async def spawn(self, term: int, request: SpawnRequest) -> None:
+        self._check_term(term)
         key = (request.runner_id, request.incarnation)
         session = self._session
         self._check_spawn(key)
@@ -180,13 +211,23 @@ class Agent:
             fault=request.fault,
             script=self.config.script,
             batch=self.config.batch,
+            fenced=self._presence is not None,
         )
         assert self._nursery is not None
         process = self._spawn(spec, _Forward(self, self._session), self.config.timeouts)
+        if self._presence is not None:  # its dead man's switch: it runs no longer than this node may
+            process.extend(self._presence.authority_until)
         self._running[key] = process
         self._scopes[key] = trio.CancelScope()
         self._generations.started(request.instance_id, request.incarnation)
         self._nursery.start_soon(self._supervise, process, request.instance_id)
+
+    def _check_term(self, term: int) -> None:
+        """A command is obeyed only from the controller whose stream is open here, by its term."""
+        if term < self._term:
+            raise Refused(409, f"term {term} is over: this node obeys the controller of term {self._term}")
+        if term > self._term or self._stream is None:
+            raise Refused(409, f"no stream of term {term} is open here: open GET /agent/reports with it first")
 
     def _check_spawn(self, key: tuple[str, int]) -> None:
         if self._stream is None or self._nursery is None:
@@ -224,7 +265,8 @@ class Agent:
                 return
             self._released.discard(key)
 
-    def post(self, runner_id: str, incarnation: int, request: CommandRequest) -> None:
+    def post(self, term: int, runner_id: str, incarnation: int, request: CommandRequest) -> None:
+        self._check_term(term)
         process = self._running.get((runner_id, incarnation))
         if process is None:
             raise Refused(404, f"no runner {runner_id}/{incarnation} on this node")
@@ -243,19 +285,43 @@ class Agent:
                 return
         process.post(command)
 
-    def stop(self, runner_id: str, incarnation: int) -> None:
+    def stop(self, term: int, runner_id: str, incarnation: int) -> None:
+        self._check_term(term)
         if (process := self._running.get((runner_id, incarnation))) is not None:
             process.stop()
 
     async def fetch(self, model_id: str) -> None:
         await self.models.fetch(model_id, progress=lambda done, total: None)
 
-    async def reports(self) -> AsyncIterator[bytes]:
-        """The stream of one controller: every report of the runners it started here, until it goes."""
-        self._end_session("a new controller connected")
+    async def connect(self, term: int) -> AsyncIterator[bytes]:
+        """The controller of ``term`` opens its stream: every report of the runners it starts here, until it
+        goes. Refused unless ``term`` is the cluster's term in etcd now and no newer one was obeyed here; a
+        stream of the same term (its controller reconnected) replaces the one open."""
+        if term < self._term:
+            raise Refused(409, f"term {term} is over: this node obeys the controller of term {self._term}")
+        await self._check_current(term)
+        if term < self._term:  # a newer controller connected while etcd answered
+            raise Refused(409, f"term {term} is over: this node obeys the controller of term {self._term}")
+        self._end_session("a new controller connected" if term > self._term else "its controller connected again")
+        self._term = term
         send, receive = trio.open_memory_channel[bytes](math.inf)
         self._session += 1
-        session, self._stream = self._session, send
+        self._stream = send
+        return self._reports(self._session, receive)
+
+    async def _check_current(self, term: int) -> None:
+        presence = self._presence
+        if presence is None:
+            return
+        try:
+            holder = await presence.etcd.get(election_key(presence.prefix))
+        except EtcdError as exc:
+            raise Refused(503, f"this node cannot check term {term} in etcd: {exc}") from exc
+        if holder is None or holder.create_revision != term:
+            now = "no controller" if holder is None else f"the controller of term {holder.create_revision}"
+            raise Refused(409, f"term {term} is not the cluster's term: etcd has {now}")
+
+    async def _reports(self, session: int, receive: trio.MemoryReceiveChannel[bytes]) -> AsyncIterator[bytes]:
         try:
             yield b'{"kind": "hello"}\n'
             async with receive:
@@ -290,7 +356,7 @@ class Agent:
         if session == self._session and self._stream is not None:
             self._stream.send_nowait((json.dumps(event) + "\n").encode())
 
-    async def _supervise(self, process: Process, instance_id: str) -> None:
+    async def _supervise(self, process: FencedProcess, instance_id: str) -> None:
         spec = process.spec
         key = (spec.runner_id, spec.incarnation)
         try:
@@ -342,9 +408,12 @@ def _failed(spec: RunnerSpec, exc: Exception) -> str:
     return report.to_json()
 
 
+Term = Annotated[int, Header(alias=TERM_HEADER, ge=1, description="the controller's term")]
+
+
 def router(agent: Agent) -> APIRouter:
     """The agent's endpoints: the controller's, behind the cluster's API key like every other."""
-    api = APIRouter(prefix="/agent", include_in_schema=False)
+    api = APIRouter(prefix=AGENT_PATHS.rstrip("/"), include_in_schema=False)
 
     @api.post("/ports")
     async def ports(count: int) -> dict[str, Any]:
@@ -353,18 +422,18 @@ def router(agent: Agent) -> APIRouter:
         return {"address": agent.advertise, "ports": agent.reserve_ports(count)}
 
     @api.post("/runners", status_code=202)
-    async def spawn(body: SpawnRequest) -> dict[str, Any]:
-        await agent.spawn(body)
+    async def spawn(body: SpawnRequest, term: Term) -> dict[str, Any]:
+        await agent.spawn(term, body)
         return {"runner_id": body.runner_id, "incarnation": body.incarnation}
 
     @api.post("/runners/{runner_id:path}/{incarnation}/commands", status_code=202)
-    async def post(runner_id: str, incarnation: int, body: CommandRequest) -> dict[str, Any]:
-        agent.post(runner_id, incarnation, body)
+    async def post(runner_id: str, incarnation: int, body: CommandRequest, term: Term) -> dict[str, Any]:
+        agent.post(term, runner_id, incarnation, body)
         return {}
 
     @api.delete("/runners/{runner_id:path}/{incarnation}", status_code=202)
-    async def stop(runner_id: str, incarnation: int) -> dict[str, Any]:
-        agent.stop(runner_id, incarnation)
+    async def stop(runner_id: str, incarnation: int, term: Term) -> dict[str, Any]:
+        agent.stop(term, runner_id, incarnation)
         return {}
 
     @api.post("/models/{model_id:path}")
@@ -376,7 +445,7 @@ def router(agent: Agent) -> APIRouter:
         return {"model_id": model_id}
 
     @api.get("/reports")
-    async def reports() -> StreamingResponse:
-        return StreamingResponse(agent.reports(), media_type="application/x-ndjson")
+    async def reports(term: Term) -> StreamingResponse:
+        return StreamingResponse(await agent.connect(term), media_type="application/x-ndjson")
 
     return api

@@ -23,6 +23,8 @@ from exod.cluster.etcd import Compare, Delete, Etcd, EtcdUnavailable, Put, versi
 
 log = logging.getLogger("exod.election")
 
+TERM_HEADER = "X-Exod-Term"  # a controller's request to an agent names its term: `Term.revision`
+
 
 class Deposed(Exception):
     """This node is no longer the controller: etcd refused its write."""

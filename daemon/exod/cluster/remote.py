@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import trio
 
+from exod.cluster.election import TERM_HEADER
 from exod.cluster.etcd import EtcdError
 from exod.cluster.nodes import NodeRecord
 from exod.host.supervisor import Listener, RunnerSpec
@@ -42,11 +43,12 @@ class AgentUnavailable(Exception):
 
 
 class AgentClient:
-    """One node's agent API (`exod.cluster.agent`), with the cluster's API key."""
+    """One node's agent API (`exod.cluster.agent`), with the cluster's API key, each request naming the
+    controller's term (`exod.cluster.election.TERM_HEADER`): the agent obeys no other."""
 
-    def __init__(self, node: NodeRecord, api_key: str | None, client: httpx.AsyncClient) -> None:
+    def __init__(self, node: NodeRecord, api_key: str | None, client: httpx.AsyncClient, term: int) -> None:
         self.node, self._client = node, client
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers = {TERM_HEADER: str(term)} | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
 
     async def ports(self, count: int) -> list[int]:
         return (await self._call("POST", "/agent/ports", params={"count": count}))["ports"]
@@ -264,8 +266,10 @@ class Fleet:
         records: Callable[[], Awaitable[list[NodeRecord]]],
         runners: Callable[[], Awaitable[dict[str, set[tuple[str, int]]]]],
         api_key: str | None,
+        term: Callable[[], int | None],
     ) -> None:
         self.local, self._records, self._runners, self._api_key = local, records, runners, api_key
+        self._term = term  # this node's term as the controller now; None: it is not, and commands nothing
         self.nodes: dict[str, NodeRecord] = {}
         self._links: dict[str, NodeLink] = {}
         self._unconfirmed: set[RemoteProcess] = set()
@@ -344,6 +348,9 @@ class Fleet:
             record = self.nodes.get(node_id)
             if record is None or not record.api_url or self._nursery is None:
                 raise AgentUnavailable(f"node {node_id} is not a live node of the cluster")
-            link = self._links[node_id] = NodeLink(AgentClient(record, self._api_key, self._client), self._unconfirmed)
+            if (term := self._term()) is None:
+                raise AgentUnavailable(f"node {self.local} is not the controller: it commands no agent")
+            client = AgentClient(record, self._api_key, self._client, term)
+            link = self._links[node_id] = NodeLink(client, self._unconfirmed)
             self._nursery.start_soon(link.run)
         return link
