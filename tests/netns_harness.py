@@ -37,6 +37,14 @@ class Namespace:
     def heal(self) -> None:
         _ip("netns", "exec", self.name, "ip", "link", "set", self._link, "up")
 
+    def cut_from(self, address: str) -> None:
+        """Nothing from inside reaches ``address`` any more (a blackhole route); the rest of the link stays.
+        (Traffic control, which would drop packets in silence, finds no queueing disciplines on the CI machines.)"""
+        _ip("netns", "exec", self.name, "ip", "route", "add", "blackhole", f"{address}/32")
+
+    def heal_from(self, address: str) -> None:
+        _ip("netns", "exec", self.name, "ip", "route", "del", "blackhole", f"{address}/32")
+
     def pids(self) -> list[int]:
         out = subprocess.run(["ip", "netns", "pids", self.name], capture_output=True, text=True, check=False)
         return [int(pid) for pid in out.stdout.split()]

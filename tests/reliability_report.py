@@ -52,6 +52,12 @@ CLUSTER: dict[str, str] = {
     "partition of the controller holding every rank": "no peer's loss ends its runner and no watch tells it: "
     "the controller steps down by its own clock before its lease can expire and kills its runner; the next "
     "generation runs on a node left: never two alive",
+    "controller cut from etcd alone": "the controller loses etcd but still reaches the other nodes: by its own "
+    "clock it steps down before its lease can expire, kills its runner and answers nothing as the controller; "
+    "its old term is refused by every agent; the new controller resumes: never two alive, nothing charged",
+    "paused agent daemon": "an agent's daemon SIGSTOPped past its lease, its runner not: the runner's deadline "
+    "is no longer moved on and its watchdog process ends it before the lease can expire; the next generation "
+    "starts once the runner's key is gone: never two alive, nothing charged",
     "etcd member loss": "a 3-member etcd loses the member every node talks to first: nothing is disrupted",
     "etcd outage shorter than the lease": "degraded, the instance serves throughout, no new generation",
     "etcd outage longer than the lease": "every node fences itself (its runners stop before a lease could "

@@ -22,7 +22,7 @@ from daemon_harness import exod, runner_pids
 from exod.cluster.devcluster import LocalEtcd
 from exod.cluster.etcd_state import EtcdState
 from exod.cluster.membership import DEFAULT_PREFIX
-from exod.cluster.nodes import node_key
+from exod.cluster.nodes import FENCE_MARGIN, node_key
 from exod.host.tiny_model import make_tiny_model
 from exod.status import status_of
 from fsm.cluster import Cluster, LogEntry
@@ -113,10 +113,12 @@ def test_three_nodes_list_each_other_elect_one_controller_and_another_when_it_di
             assert [n["address"] for n in view["nodes"]] == ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
             assert view["controller"] == controller  # one controller, as every node sees it
             assert [n["node_id"] for n in view["nodes"] if n["controller"]] == [controller]
+            assert 0 < view["fence_in"] <= TTL * (1 - FENCE_MARGIN)  # its runners' deadline: its lease, less the margin
         assert {n["api_url"] for n in views[0]["nodes"]} == {url for _, url in daemons}
 
         status = exod("status", "--url", daemons[1][1], env=dict(os.environ)).stdout
         assert "3 node(s), this one node-2" in status and f"node {controller}" in status
+        assert "this node's runners end in " in status
 
         victim = int(controller.removeprefix("node-")) - 1
         daemons[victim][0].send_signal(signal.SIGKILL)  # no goodbye: its lease must run out
@@ -771,3 +773,125 @@ def test_every_dialect_answers_from_a_node_that_is_not_the_controller(tmp_path, 
     assert 1 <= message.usage.output_tokens <= 3 and message.stop_reason in ("max_tokens", "end_turn")
     assert final.stop_reason in ("max_tokens", "end_turn") and said == "".join(b.text for b in final.content)
     assert found.id == model
+
+
+def test_an_agents_daemon_paused_past_its_lease_has_its_runner_end_itself_so_no_two_generations_overlap(
+    tmp_path, etcd, hf_home
+):
+    """The dead man's switch (DESIGN §5): node-3's daemon is SIGSTOPped, not its runner. The runner's deadline
+    is no longer moved on, so its watchdog process ends it before node-3's lease may expire, and so before
+    the controller, which waits for its key to go, starts the next generation elsewhere. Polled from outside
+    every 50 ms: never two generations alive. Continued, node-3 rejoins and nothing is charged."""
+    env = {**os.environ, "HF_HOME": str(hf_home)}
+    daemons = []
+    try:
+        daemons.append(start(tmp_path, etcd, 1, env, PARTITION_TTL))
+        until(lambda: nodes(daemons[0][1]), lambda v: v["controller"] == "node-1", 30)
+        daemons += [start(tmp_path, etcd, n, env, PARTITION_TTL) for n in (2, 3)]
+        url = daemons[0][1]
+        until(lambda: nodes(url), lambda v: len(v["nodes"]) == 3, 30)
+        body = {"model": "exod/tiny-qwen2", "ranks": 2, "nodes": ["node-1", "node-3"]}
+        iid = httpx.post(f"{url}/instances", json=body, timeout=30).json()["instance_id"]
+        before = until(lambda: instance_at(url, iid), lambda i: i["state"] == "ready", 60)
+        rank_1 = [r for r in before["runners"] if r["rank"] == 1]
+        assert [r["node"] for r in rank_1] == ["node-3"]
+        on_node_3 = {pid for pid in runners_of(iid) if "--rank\x001\x00" in Path(f"/proc/{pid}/cmdline").read_text()}
+        assert len(on_node_3) == 1
+
+        paused = daemons[2][0]
+        paused.send_signal(signal.SIGSTOP)
+        paused_at, generations_seen, runner_gone_after = time.monotonic(), [], None
+        try:
+            while time.monotonic() - paused_at < 2 * PARTITION_TTL:  # well past its lease
+                alive = runners_of(iid)
+                generations_seen.append(sorted(set(alive.values())))
+                if runner_gone_after is None and not on_node_3 & set(alive):
+                    runner_gone_after = time.monotonic() - paused_at
+                time.sleep(0.05)
+        finally:
+            paused.send_signal(signal.SIGCONT)
+        after = until(
+            lambda: instance_at(url, iid),
+            lambda i: i.get("state") == "ready" and i["generation"] > before["generation"],
+            6 * PARTITION_TTL,
+        )
+        until(lambda: nodes(url), lambda v: "node-3" in [n["node_id"] for n in v["nodes"]], 30)
+    finally:
+        stop_all(daemons)
+    assert runner_gone_after is not None and runner_gone_after < PARTITION_TTL  # before its lease could expire
+    assert all(len(generations) <= 1 for generations in generations_seen)  # never two generations at once
+    assert after["attempts"] == before["attempts"]  # a paused host is not the model's failure
+    cluster_fault(
+        "paused agent daemon",
+        f"node-3's daemon SIGSTOPped {2 * PARTITION_TTL} s: its runner ended itself {runner_gone_after:.1f} s in "
+        f"(its deadline), before its lease could expire; generation {after['generation']} Ready, attempts "
+        f"{after['attempts']}, never two generations alive (lease TTL {PARTITION_TTL} s)",
+    )
+
+
+def test_a_controller_cut_from_etcd_alone_steps_down_and_commands_nothing_more(tmp_path, namespace, hf_home):
+    """node-1, the controller, in a network namespace, loses etcd (a blackhole route) but still reaches node-2.
+    By its own clock it steps down before its lease may expire: its runner is killed, and it answers no chat
+    as the controller; node-2 is elected, resumes the instance alone, and the old controller's term cannot
+    touch it. Polled from outside: never two generations alive, nothing charged. Healed, nothing moves."""
+    env = {**os.environ, "HF_HOME": str(hf_home), "EXOD_API_KEY": "partition-test"}  # a key: not loopback
+    auth = {"Authorization": "Bearer partition-test"}
+    etcd_address, outer = namespace.outside
+    etcd = LocalEtcd(tmp_path / "etcd", host=etcd_address)
+    etcd.start()
+    daemons = []
+    try:
+        daemons.append(start(tmp_path, etcd.url, 1, env, PARTITION_TTL, address=namespace.inside, wrap=namespace.run))
+        until(lambda: nodes(daemons[0][1], auth), lambda v: v["controller"] == "node-1", 30)
+        daemons.append(start(tmp_path, etcd.url, 2, env, PARTITION_TTL, address=outer))
+        url_1, url_2 = daemons[0][1], daemons[1][1]
+        until(lambda: nodes(url_2, auth), lambda v: len(v["nodes"]) == 2, 30)
+        body = {"model": "exod/tiny-qwen2", "ranks": 2, "nodes": ["node-1", "node-2"]}
+        iid = httpx.post(f"{url_2}/instances", json=body, headers=auth, timeout=30).json()["instance_id"]
+        before = until(lambda: instance_at(url_2, iid, auth), lambda i: i["state"] == "ready", 60)
+        inside = set(namespace.pids()) & set(runners_of(iid))
+        assert len(inside) == 1
+
+        namespace.cut_from(etcd_address)
+        cut_at, generations_seen, fenced_after = time.monotonic(), [], None
+        chat = {"model": "exod/tiny-qwen2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        while True:
+            alive = runners_of(iid)
+            generations_seen.append(sorted(set(alive.values())))
+            now = time.monotonic() - cut_at
+            if fenced_after is None and not inside & set(alive):
+                fenced_after = now
+                with httpx.Client(transport=httpx.HTTPTransport(local_address=outer)) as client:  # not from etcd's
+                    as_controller = client.post(f"{url_1}/v1/chat/completions", json=chat, headers=auth, timeout=30)
+            after = instance_at(url_2, iid, auth)
+            if after.get("state") == "ready" and after["generation"] > before["generation"]:
+                break
+            assert now < 6 * PARTITION_TTL, f"not recovered: {after}"
+            time.sleep(0.05)
+        controller = nodes(url_2, auth)["controller"]
+        time.sleep(PARTITION_TTL)  # the old controller, cut from etcd, has had a whole lease to act: nothing moves
+        for _ in range(int(1 / 0.05)):
+            generations_seen.append(sorted(set(runners_of(iid).values())))
+            time.sleep(0.05)
+        unmoved = instance_at(url_2, iid, auth)
+
+        namespace.heal_from(etcd_address)
+        until(lambda: nodes(url_2, auth), lambda v: "node-1" in [n["node_id"] for n in v["nodes"]], 30)
+        time.sleep(TTL)
+        settled = instance_at(url_2, iid, auth)
+    finally:
+        stop_all(daemons)
+        etcd.stop()
+    assert fenced_after is not None and fenced_after < PARTITION_TTL  # before its lease could expire
+    assert as_controller.status_code == 503  # no answer as a controller it no longer is
+    assert all(len(generations) <= 1 for generations in generations_seen)  # never two generations at once
+    assert controller == "node-2" and {r["node"] for r in after["runners"]} == {"node-2"}
+    assert after["attempts"] == before["attempts"]  # the network's failure, not the model's
+    assert (unmoved["state"], unmoved["generation"]) == ("ready", after["generation"])
+    assert (settled["state"], settled["generation"]) == ("ready", after["generation"])
+    cluster_fault(
+        "controller cut from etcd alone",
+        f"node-1's runner killed {fenced_after:.1f} s after the cut, chat to it 503; node-2 elected, generation "
+        f"{after['generation']} Ready on node-2, still so a lease later and after the heal; attempts "
+        f"{after['attempts']}, never two generations alive (lease TTL {PARTITION_TTL} s)",
+    )

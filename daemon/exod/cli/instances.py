@@ -70,6 +70,8 @@ def status(url, state_dir, as_json: bool) -> None:
             role = "controller" if node["controller"] else "agent"
             where = f"{node['address']}  {node['api_url']}"
             click.echo(f"  node {node['node_id']}  {where}  {role}  lease age {node['lease_age']} s")
+        if "fence_in" in cluster_doc:
+            click.echo(f"  this node's runners end in {cluster_doc['fence_in']:.1f} s unless its lease is renewed")
     if doc.get("degraded"):
         click.echo(f"DEGRADED: {doc['degraded']} (serving goes on; placements wait)")
     if not doc["instances"]:

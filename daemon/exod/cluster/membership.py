@@ -143,6 +143,8 @@ class Membership:
             "node_id": self.node_id,
             "controller": controller,
             "election_key": election_key(self.prefix).decode(),
+            # this node's runners end in so many seconds unless its lease is renewed (their deadline)
+            "fence_in": round(max(0.0, self.presence.authority_until - trio.current_time()), 3),
             "nodes": [
                 {
                     **attrs.asdict(n.record),
