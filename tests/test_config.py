@@ -78,6 +78,39 @@ def test_serve_place_option_takes_repo_ids_and_local_directories(tmp_path):
             _parse_place(bad)
 
 
+def served(monkeypatch, *args: str):
+    """The configuration `exod serve ARGS` would run with (the daemon itself is not started)."""
+    from click.testing import CliRunner
+
+    import exod.serve
+    from exod.cli import main
+
+    seen = []
+
+    async def serve(cfg) -> None:
+        seen.append(cfg)
+
+    monkeypatch.setattr(exod.serve, "serve", serve)
+    result = CliRunner().invoke(main, ["serve", *args])
+    assert result.exit_code == 0, result.output
+    return seen[0]
+
+
+def test_a_cluster_node_places_nothing_at_start_unless_asked(tmp_path, monkeypatch):
+    """The embedded configuration places the tiny model on one host; a node of a cluster only what it is told."""
+    state = ["--state-dir", str(tmp_path / "state")]
+    alone = served(monkeypatch, *state)
+    node = ["--cluster", "http://127.0.0.1:2379", "--node-id", "a", "--advertise", "127.0.0.1", *state]
+    in_cluster = served(monkeypatch, *node)
+    asked = served(monkeypatch, *node, "--place", "exod/tiny-qwen2:2")
+    own = write(tmp_path, '[[place]]\nmodel = "org/model"\nranks = 1\n')
+    configured = served(monkeypatch, *node, "--config", str(own))
+    assert [(p.model, p.ranks) for p in alone.placements] == [("exod/tiny-qwen2", 2)]
+    assert in_cluster.placements == () and in_cluster.cluster.node_id == "a"
+    assert [(p.model, p.ranks) for p in asked.placements] == [("exod/tiny-qwen2", 2)]
+    assert [(p.model, p.ranks) for p in configured.placements] == [("org/model", 1)]
+
+
 def test_a_fault_without_generation_applies_to_every_generation(tmp_path):
     """As the README says: leaving out `generation` (or `rank`) means every one."""
     from exod.runner.faults import Fault, FaultSpec

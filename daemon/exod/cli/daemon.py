@@ -77,7 +77,10 @@ def serve(
         added = tuple(_parse_place(text) for text in extra)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--place") from exc
-    cfg = attrs.evolve(cfg, placements=(() if no_place else cfg.placements) + added, api_key=api_key, insecure=insecure)
+    # the embedded configuration's [[place]] is one host's demo: a cluster places only what it is asked to
+    embedded_in_cluster = config_path is None and cluster_url is not None
+    kept = () if no_place or embedded_in_cluster else cfg.placements
+    cfg = attrs.evolve(cfg, placements=kept + added, api_key=api_key, insecure=insecure)
     if cluster_url or cfg.cluster:
         import socket
 
