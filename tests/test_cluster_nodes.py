@@ -209,6 +209,7 @@ def test_a_new_controller_resumes_from_the_state_the_dead_one_wrote(tmp_path, et
 
         killed.send_signal(signal.SIGKILL)  # its runner follows it (the runner's hang-up watchdog)
         killed.wait()
+        orphaned_doc = httpx.get(f"{url_b}/instances", timeout=10).json()  # its key outlives it by up to a lease
         until(lambda: nodes(url_b), lambda v: v["controller"] == f"node-{2 - a}", 6 * TTL)
         resumed = until(lambda: instance_at(url_b, iid), lambda i: i["state"] == "ready", 60)
         snapshot_after, log_after = stored(etcd)
@@ -216,6 +217,9 @@ def test_a_new_controller_resumes_from_the_state_the_dead_one_wrote(tmp_path, et
         stop_all(daemons)
 
     written = next(i for i in status_of(Cluster.from_dict(snapshot))["instances"] if i["instance_id"] == iid)
+    orphaned = next(i for i in orphaned_doc["instances"] if i["instance_id"] == iid)
+    assert (orphaned["state"], orphaned["last_known_state"]) == ("unknown", "ready")  # not Ready: nobody vouches
+    assert {r["state"] for r in orphaned["runners"]} == {"unknown"} and "does not answer" in orphaned_doc["as_of"]
     assert {k: seen_by_b[k] for k in KEPT} == {k: written[k] for k in KEPT}  # a follower shows what etcd holds
     assert {k: resumed[k] for k in KEPT} == {k: written[k] for k in KEPT}  # and the new controller read it
     assert resumed["generation"] == written["generation"] + 1  # resumed in a new generation, no retry charged

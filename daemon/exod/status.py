@@ -13,6 +13,7 @@ from fsm.download import DownloadState
 from fsm.instance import InstanceState
 
 NODE = "local"  # every rank of an instance runs on this machine, over loopback
+UNKNOWN = "unknown"  # a state no live controller vouches for (`unvouched`)
 
 
 def status_of(cluster: Cluster) -> dict[str, Any]:
@@ -67,3 +68,18 @@ def status_of(cluster: Cluster) -> dict[str, Any]:
             }
         )
     return {"instances": instances}
+
+
+def unvouched(doc: dict[str, Any], why: str) -> dict[str, Any]:
+    """The status as the last controller wrote it, said by a node when no controller answers: every state
+    that may have changed since (its runners may be gone with it) is `UNKNOWN`, the one written kept as
+    ``last_known_state``, and ``as_of`` says why. A deletion is final, so it stays as it is."""
+
+    def forget(entry: dict[str, Any]) -> dict[str, Any]:
+        return {**entry, "state": UNKNOWN, "last_known_state": entry["state"]}
+
+    instances = [
+        inst if inst["delete_reason"] is not None else {**forget(inst), "runners": [forget(r) for r in inst["runners"]]}
+        for inst in doc["instances"]
+    ]
+    return {**doc, "instances": instances, "as_of": why}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -15,7 +16,7 @@ from exod.cluster.membership import Membership
 from exod.controller import RETRY_AFTER, Controller, PlacementRefused, StoreUnavailable
 from exod.host.models import InvalidModelId
 from exod.requests import InstanceNotFound
-from exod.status import NODE, status_of
+from exod.status import NODE, status_of, unvouched
 
 
 class RetryOverrides(BaseModel):
@@ -64,18 +65,39 @@ _REFUSAL_STATUS = {
 }
 
 
+CONTROLLER_CHECK_S = 2.0  # how long a node waits for the controller's /health before it vouches for nothing
+
+
+async def _answers(url: str) -> bool:
+    """Whether the daemon at ``url`` answers its /health (open without the key) in time."""
+    try:
+        async with httpx.AsyncClient(timeout=CONTROLLER_CHECK_S) as client:
+            return (await client.get(f"{url}/health")).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def router(controller: Controller, membership: Membership | None) -> APIRouter:
     api = APIRouter()
 
     async def current() -> dict[str, Any]:
-        """The instances: the controller's own, or on another node of a cluster what etcd holds of them."""
+        """The instances: the controller's own, or on another node of a cluster what etcd holds of them, as
+        its controller last wrote it; while that controller does not answer, what may have changed since is
+        said to be unknown (a dead controller's instances are not Ready, whatever it wrote last)."""
         if membership is None or membership.term is not None:
             return controller.status()
         try:
             cluster = await stored_cluster(membership.etcd, membership.prefix)
+            node_id, url = await membership.controller()
         except EtcdUnavailable as exc:
             raise ApiError(503, str(exc), headers={"Retry-After": "1"}) from exc
-        return {**status_of(cluster), "degraded": None}
+        doc = {**status_of(cluster), "degraded": None}
+        if url is None or not await _answers(url):
+            doc = unvouched(
+                doc,
+                f"the last state written by the controller ({node_id or 'none elected'}), which does not answer now",
+            )
+        return doc
 
     async def find(instance_id: str) -> dict[str, Any]:
         for inst in (await current())["instances"]:
