@@ -36,7 +36,7 @@ class StandIn(Supervisor):
         super().__init__(spec, self, timeouts)
         self.script = script
 
-    def _argv(self, control_fd: int) -> list[str]:
+    def _argv(self, control_fd: int, deadline_fd: int | None) -> list[str]:
         return [sys.executable, "-c", self.script, str(control_fd)]
 
     # the Listener, recording
