@@ -10,7 +10,7 @@ from exod.cli.daemon import cluster_demo, serve
 from exod.cli.documents import diagram, machines, specs
 from exod.cli.instances import delete, logs, place, status
 from exod.cli.models import model
-from exod.cli.verify import check, replay
+from exod.cli.verify import check, check_fencing, replay
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -30,5 +30,6 @@ main.add_command(chat)
 main.add_command(diagram)
 main.add_command(specs)
 main.add_command(check)
+main.add_command(check_fencing)
 main.add_command(cluster_demo)
 main.add_command(replay)
