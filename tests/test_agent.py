@@ -60,13 +60,16 @@ class FakePresence:
         self.etcd, self.prefix, self.ttl, self.lease = etcd, PREFIX, TTL, 7
         self.record = NodeRecord("node-2", "127.0.0.2", "http://127.0.0.2:1", 1 << 30, 1 << 30)
         self.alive_until = trio.current_time() + TTL
+        self.renewed = trio.Event()  # set (and replaced) at each renewal, as `Presence.renewed`
 
     @property
     def authority_until(self) -> float:
         return self.alive_until - FENCE_MARGIN * self.ttl
 
-    def renewed(self) -> None:
+    def renew(self) -> None:
         self.alive_until = trio.current_time() + TTL
+        self.renewed.set()
+        self.renewed = trio.Event()
 
 
 class FakeProcess:
@@ -192,7 +195,7 @@ def test_a_renewal_moves_the_fence_on(tmp_path):
         await agent.spawn(TERM, request())
         for _ in range(5):
             await trio.sleep(TTL / 3)
-            presence.renewed()
+            presence.renew()
         assert not processes[0].killed and KEY in etcd.keys  # still running, still claimed
 
     with_agent(tmp_path, body)
@@ -258,12 +261,25 @@ def test_each_runners_deadline_is_the_nodes_authority_moved_on_only_while_the_le
         first = runner.deadlines[0]
         for _ in range(3):
             await trio.sleep(TTL / 3)
-            presence.renewed()
+            presence.renew()
         await trio.sleep(1.5)
         renewed_to = presence.authority_until
         await trio.sleep(TTL * (1 - FENCE_MARGIN) - 2)  # no renewal since
         assert first == pytest.approx(TTL * (1 - FENCE_MARGIN), abs=0.01)  # its spawn's authority
         assert runner.deadlines[-1] == renewed_to and max(runner.deadlines) == renewed_to
         assert runner.deadlines == sorted(runner.deadlines)  # moved on, never back
+
+    with_agent(tmp_path, body)
+
+
+def test_a_renewal_extends_the_runners_deadlines_at_once_not_at_the_next_beat(tmp_path):
+    """A renewal that comes late, just before the authority would end, must reach the runners before then."""
+
+    async def body(agent, etcd, presence, processes):
+        await agent.spawn(TERM, request())
+        await trio.sleep(TTL * (1 - FENCE_MARGIN) - 0.05)  # renewals failed until just before the end
+        presence.renew()
+        await trio.sleep(0.01)
+        assert processes[0].deadlines[-1] == presence.authority_until and not processes[0].killed
 
     with_agent(tmp_path, body)

@@ -295,9 +295,13 @@ def test_in_a_cluster_a_follower_shows_every_node_and_places_across_them(browser
         browser.find_element(By.ID, "place-ranks").clear()
         browser.find_element(By.ID, "place-ranks").send_keys("3")
         click(lambda: browser.find_element(By.CSS_SELECTOR, "#place-form button"))
-        instance = until(lambda: card(browser, MODEL, state="ready"), timeout=120, what="Ready on three nodes")
-        rows = instance.find_elements(By.CSS_SELECTOR, "tr[data-runner]")
-        assert sorted(row.find_elements(By.TAG_NAME, "td")[1].text for row in rows) == ["node-1", "node-2", "node-3"]
+        until(lambda: card(browser, MODEL, state="ready"), timeout=120, what="Ready on three nodes")
+
+        def runner_nodes() -> list[str]:  # read again if the card is redrawn meanwhile
+            rows = card(browser, MODEL).find_elements(By.CSS_SELECTOR, "tr[data-runner]")
+            return sorted(row.find_elements(By.TAG_NAME, "td")[1].text for row in rows)
+
+        assert until(runner_nodes, what="the ranks' nodes") == ["node-1", "node-2", "node-3"]
         screenshot(browser, "dashboard-cluster")
         assert console_errors(browser) == []
     finally:

@@ -152,7 +152,9 @@ class Agent:
             if now < fence_at:
                 for process in self._running.values():
                     process.extend(fence_at)
-                await trio.sleep_until(min(fence_at, now + BEAT_S))  # a renewal moves it on meanwhile
+                renewed = presence.renewed
+                with trio.move_on_at(min(fence_at, now + BEAT_S)):  # a renewal moves it on: extended at once
+                    await renewed.wait()
                 continue
             if self._running:
                 self._end_session("this node's lease may have expired (etcd out of reach)", kill=True)
