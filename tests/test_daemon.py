@@ -104,7 +104,7 @@ def test_sigkill_while_ready_recovers_with_backoff_after_reaping_the_generation(
     async def body(controller):
         iid = await controller.place("exod/tiny-qwen2", 2)
         await wait_for(controller, is_ready(iid))
-        victim = controller.runner_pid(f"{iid}/1", 1)
+        victim = controller.processes.pid(f"{iid}/1", 1)
         os.kill(victim, signal.SIGKILL)
         status = await wait_for(controller, lambda s: instance(s, iid)["generation"] == 2 and is_ready(iid)(s))
         assert await chat(controller, iid)  # serves again

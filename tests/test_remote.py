@@ -5,13 +5,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import trio
 import trio.testing
 
+from exod.cluster.election import Deposed
 from exod.cluster.nodes import NodeRecord
 from exod.cluster.remote import Fleet, RemoteProcess, Ring
 from exod.host.supervisor import RunnerSpec
 from exod.runner import protocol as p
+from exod.state.journal import WRITE_RETRY, Journal
+from exod.state.sqlite import Store
+from exod.state.store import StateUnavailable
 
 SPEC = RunnerSpec("i/1", 1, rank=1, world_size=2, hostfile=None, log_path=Path("/dev/null"))
 
@@ -98,5 +103,86 @@ def test_a_runner_lost_with_its_node_fails_at_once_and_exits_only_once_its_key_i
             await trio.sleep(2)
             assert heard.exits == [-9]
             nursery.cancel_scope.cancel()
+
+    run(main)
+
+
+class Etcd:
+    """The controller's `exod.state.store.StateStore` in etcd, as a test makes it answer: out of reach for a
+    while, then writing, or refusing every write of a deposed term."""
+
+    where = "etcd (fake)"
+
+    def __init__(self, refusals: int = 0, deposed: bool = False) -> None:
+        self.refusals, self.deposed = refusals, deposed
+        self.written: list[float] = []  # trio time of each write it took
+
+    async def save(self, snapshot, entries, now) -> int:
+        if self.deposed:
+            raise Deposed("node node-1 is no longer the controller: etcd refused its write")
+        if self.refusals:
+            self.refusals -= 1
+            raise StateUnavailable("cannot write the state to etcd (fake): timed out")
+        self.written.append(trio.current_time())
+        return 1
+
+
+class Agent:
+    """A node's agent as `RemoteProcess` drives it: it writes down when a spawn reached it."""
+
+    def __init__(self) -> None:
+        self.node = NodeRecord("node-2", "127.0.0.2", "", 1 << 30, 1 << 30)
+        self.spawned: list[float] = []
+
+    async def spawn(self, body) -> None:
+        self.spawned.append(trio.current_time())
+
+    async def stop(self, runner_id, incarnation) -> None: ...
+
+
+class Link:
+    def __init__(self) -> None:
+        self.client, self.running, self.unconfirmed, self.lost = Agent(), {}, set(), None
+        self.connected = trio.Event()
+        self.connected.set()
+
+
+def journal_on(state: Etcd, tmp_path: Path) -> Journal:
+    journal = Journal(state, Store.open(tmp_path / "state.db"))  # type: ignore[arg-type]
+    journal.save(dict, [], 0.0)  # the controller's write that started generation 1
+    return journal
+
+
+def test_a_rank_is_spawned_only_once_etcd_holds_the_write_that_started_its_generation(tmp_path):
+    state, link = Etcd(refusals=3), Link()
+    journal = journal_on(state, tmp_path)
+    spec = RunnerSpec("i/0", 1, rank=0, world_size=1, hostfile=None, log_path=Path("/dev/null"))
+
+    async def main():
+        process = RemoteProcess(
+            spec, link, Ring(["node-2"], None), "i", Heard(), lambda *a: None, recorded=journal.recorded
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(process.run)
+            await trio.sleep(2.5 * WRITE_RETRY)
+            assert link.client.spawned == [] and state.written == []  # etcd out of reach: no generation, no spawn
+            await trio.sleep(2 * WRITE_RETRY)
+            assert len(state.written) == 1 and link.client.spawned == state.written  # at once, and only then
+            nursery.cancel_scope.cancel()
+
+    run(main)
+
+
+def test_a_deposed_controller_spawns_nothing_and_its_term_ends(tmp_path):
+    state, link = Etcd(deposed=True), Link()
+    journal = journal_on(state, tmp_path)
+
+    async def main():
+        process = RemoteProcess(
+            SPEC, link, Ring(["node-1", "node-2"], None), "i", Heard(), lambda *a: None, recorded=journal.recorded
+        )
+        with pytest.raises(Deposed):
+            await process.run()
+        assert link.client.spawned == [] and link.running == {}
 
     run(main)

@@ -94,7 +94,8 @@ class Controller:
         self._reports = Reports(self)
         self.fleet = fleet  # in a cluster: the other nodes, their agents running the ranks placed there
         self.node_id = NODE if fleet is None else fleet.local
-        self.processes = Processes(config, spawn, self._reports, fleet, self._published)  # on their nodes
+        recorded = lambda: self.journal.recorded()  # noqa: E731 — this term's: `take_over` replaces the journal
+        self.processes = Processes(config, spawn, self._reports, fleet, self._published, recorded)  # on their nodes
         self.requests = self._new_book()
         self._downloads = Downloads(self.models, fleet, lambda: self.cluster, self.now, self._changed)
         self._placer = Placer(lambda: self.cluster, self.models, config, fleet)
@@ -245,10 +246,6 @@ class Controller:
         if placement is None:
             raise InstanceNotFound(f"no instance {instance_id!r}")
         return placement.machine
-
-    def runner_pid(self, runner_id: str, incarnation: int) -> int | None:
-        """The pid of a live runner process (None if it is not running)."""
-        return self.processes.pid(runner_id, incarnation)
 
     async def transitions(self, after: int = 0, limit: int | None = None) -> list[tuple[int, LogEntry]]:
         """The durable transition log after sequence number ``after``; `log_written` is set when it grows."""

@@ -3,20 +3,23 @@
 The controller decides (an accepted `fsm.CreateRunner`, `StopRunner`, a command to post); this room
 carries it out. On one host: the ring's hostfile, the spec, the supervisor in the controller's nursery. In
 a cluster: through each rank's node's agent, this node's own included (`exod.cluster.remote`), so that every
-runner is claimed and fenced the same way. When a process is reaped, its generation's files are forgotten
-(`exod.state.retention.Generations`). What a process reports goes to the listener (`exod.reports.Reports`),
-never back here.
+runner is claimed and fenced the same way, and no rank is spawned before etcd holds the controller's write
+of its generation, guarded by the controller's term (``recorded``): a generation's number is allocated in
+etcd, so two controllers can never run the same one (DESIGN §5). When a process is reaped, its generation's
+files are forgotten (`exod.state.retention.Generations`). What a process reports goes to the listener
+(`exod.reports.Reports`), never back here.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
 
 import fsm
+from exod.cluster.election import Deposed
 from exod.cluster.remote import AgentUnavailable, Fleet, RemoteProcess, Ring
 from exod.config import DaemonConfig
 from exod.host import ring
@@ -29,6 +32,7 @@ log = logging.getLogger("exod.processes")
 
 
 Published = Callable[[str, int, str], None]  # (runner id, incarnation, its ring's HOST:PORT)
+Recorded = Callable[[], Awaitable[None]]  # returns once the state store holds every change made so far
 
 
 class Processes:
@@ -39,8 +43,10 @@ class Processes:
         listener: Reports,
         fleet: Fleet | None = None,
         published: Published = lambda runner_id, incarnation, endpoint: None,
+        recorded: Recorded | None = None,
     ) -> None:
         self.config, self._spawn, self._listener, self.fleet = config, spawn, listener, fleet
+        self._recorded = recorded  # in a cluster: the generation is etcd's, under this term, before a rank runs
         self._published = published  # a rank's endpoint is known: the planner may connect the ring
         self._running: dict[tuple[str, int], Process] = {}
         self._rings: dict[tuple[str, int], Ring] = {}  # (instance, generation): the ring of ranks on several nodes
@@ -66,7 +72,11 @@ class Processes:
                 return
             spec = self._spec(action, None)  # its agent writes the hostfile on its node
             self._begin(
-                nursery, action, RemoteProcess(spec, link, across, action.instance_id, self._listener, self._published)
+                nursery,
+                action,
+                RemoteProcess(
+                    spec, link, across, action.instance_id, self._listener, self._published, recorded=self._recorded
+                ),
             )
             return
         try:  # the ring's ports and its hostfile: no fds or no disk is the host's failure, never the daemon's end
@@ -153,6 +163,8 @@ class Processes:
         spec = process.spec
         try:
             await process.run()
+        except Deposed:  # this term is over: nothing of it may act, and the machines' next owner says what ran
+            raise
         except Exception as exc:  # the runner's failure, never the daemon's: spawn errors, I/O errors
             log.exception("supervisor of %s/%d failed", spec.runner_id, spec.incarnation)
             if process.pid is None:

@@ -106,9 +106,12 @@ class RemoteProcess:
         instance_id: str,
         listener: Listener,
         published: Callable[[str, int, str], None],
+        *,
+        recorded: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.spec, self.link, self.ring, self.instance_id, self.listener = spec, link, ring, instance_id, listener
         self._published = published
+        self._recorded = recorded  # returns once etcd holds the write that started this generation
         self.pid: int | None = None  # on its node; never reaped from here
         self._commands, self._outbox = trio.open_memory_channel[tuple[p.Command, str | None]](math.inf)
         self._stop = trio.Event()
@@ -122,6 +125,8 @@ class RemoteProcess:
 
     async def run(self) -> None:
         s = self.spec
+        if self._recorded is not None:  # a deposed controller's write is refused (`Deposed`): it spawns nothing
+            await self._recorded()
         try:
             await self.link.connected.wait()
             if self.link.lost is not None:

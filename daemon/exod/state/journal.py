@@ -73,6 +73,12 @@ class Journal:
                 return False
         return True
 
+    async def recorded(self) -> None:
+        """Wait until every save asked for so far is written, however long the store refuses it. In a cluster a
+        refused write raises `exod.cluster.election.Deposed`: what waits here must not act for a term that is over."""
+        while not await self.durable():
+            await trio.sleep(WRITE_RETRY)
+
     def record_process(self, record: ProcessRecord) -> None:
         self._write_local(partial(self.local.record_process, record))
 
