@@ -67,7 +67,7 @@ async def measure_exod(controller: TimedController, repeat: int) -> list[dict]:
         doc = await controller.until(lambda: _ready(controller.instance_doc(iid)))
         runner = doc["runners"][0]
         runner_id, incarnation = key = (runner["runner_id"], runner["incarnation"])
-        pid = controller.runner_pid(*key)
+        pid = controller.processes.pid(*key)
         if pid is None:
             raise RuntimeError(f"{runner_id}/{incarnation} is Ready but the controller names no pid for it")
         await trio.sleep(0.05)  # let the ready runner and the controller settle (idle, waiting)

@@ -106,7 +106,7 @@ def test_fault(tmp_path, hf_home, phase: FaultPhase, kind: FaultKind):
         if phase is FaultPhase.STOPPING:  # make rank 1 stop: its sibling dies
             import signal
 
-            os.kill(controller.runner_pid(f"{iid}/0", 1), signal.SIGKILL)
+            os.kill(controller.processes.pid(f"{iid}/0", 1), signal.SIGKILL)
         if recovers:
             await wait_for(
                 controller, lambda s: instance(s, iid)["state"] == "ready" and instance(s, iid)["generation"] >= 2, 40
