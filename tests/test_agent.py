@@ -5,6 +5,8 @@ lease may expire."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import trio
 import trio.testing
@@ -30,6 +32,7 @@ class FakeEtcd:
         self.keys: dict[bytes, int] = {}  # key → lease
         self.term: int | None = TERM
         self.down = False
+        self.slow: trio.Event | None = None  # set: a put waits for it (a claim in flight)
 
     async def get(self, key: bytes) -> KeyValue | None:
         self._answer()
@@ -38,6 +41,8 @@ class FakeEtcd:
 
     async def put(self, key: bytes, value: bytes, *, lease: int = 0) -> int:
         self._answer()
+        if self.slow is not None:
+            await self.slow.wait()
         self.keys[key] = lease
         return 1
 
@@ -102,8 +107,11 @@ class FakeProcess:
         return self._stop.is_set()
 
 
-def request(incarnation: int = 1) -> SpawnRequest:
-    return SpawnRequest(instance_id="i", runner_id="i/1", incarnation=incarnation, rank=1, world_size=1, ring=[])
+def request(incarnation: int = 1, stream: int = 1) -> SpawnRequest:
+    """A spawn as the controller sends it, on the first report stream opened (``with_agent``'s)."""
+    return SpawnRequest(
+        instance_id="i", runner_id="i/1", incarnation=incarnation, rank=1, world_size=1, ring=[], stream=stream
+    )
 
 
 def with_agent(tmp_path, body) -> None:
@@ -139,6 +147,61 @@ def test_a_runner_is_claimed_in_etcd_before_it_is_spawned_and_released_once_reap
         agent.stop(TERM, "i/1", 1)
         await trio.sleep(0.1)
         assert KEY not in etcd.keys
+
+    with_agent(tmp_path, body)
+
+
+def test_a_stop_that_overtakes_its_spawn_cancels_it(tmp_path):
+    """fsm.fencing's TOMBSTONE: the stop came first, so the spawn that follows it is refused, not run for ever
+    with no one to stop it and its key holding back the next generation."""
+
+    async def body(agent, etcd, presence, processes):
+        agent.stop(TERM, "i/1", 1)
+        with pytest.raises(Refused, match="stopped before its spawn arrived") as refused:
+            await agent.spawn(TERM, request())
+        assert refused.value.status == 409 and processes == [] and KEY not in etcd.keys
+        await agent.spawn(TERM, request(incarnation=2))  # the next one is not stopped
+        assert [p.spec.incarnation for p in processes] == [2]
+
+    with_agent(tmp_path, body)
+
+
+def test_a_stop_that_comes_while_the_spawn_claims_its_key_cancels_it_and_releases_the_key(tmp_path):
+    async def body(agent, etcd, presence, processes):
+        etcd.slow = trio.Event()
+        async with trio.open_nursery() as nursery:
+            refusals = []
+
+            async def spawn() -> None:
+                try:
+                    await agent.spawn(TERM, request())
+                except Refused as exc:
+                    refusals.append(exc)
+
+            nursery.start_soon(spawn)
+            await trio.testing.wait_all_tasks_blocked()  # the claim is on its way to etcd
+            agent.stop(TERM, "i/1", 1)
+            etcd.slow.set()
+        assert len(refusals) == 1 and processes == []
+        await trio.sleep(2)
+        assert KEY not in etcd.keys  # claimed, then released: it held nothing back
+
+    with_agent(tmp_path, body)
+
+
+def test_a_spawn_delayed_past_the_end_of_its_stream_is_refused_even_when_the_same_term_connects_again(tmp_path):
+    """The controller stepped down by its clock and took its term back (fsm.fencing's RESUME), or merely
+    reconnected: a spawn it sent on its first stream, arriving now, would run a runner it no longer knows of."""
+
+    async def body(agent, etcd, presence, processes):
+        stream = await agent.connect(TERM)  # the same term, a new stream
+        hello = json.loads(await stream.__anext__())
+        with pytest.raises(Refused, match="report stream 1 is over") as refused:
+            await agent.spawn(TERM, request(stream=1))
+        assert hello == {"kind": "hello", "stream": 2} and refused.value.status == 409
+        assert processes == [] and KEY not in etcd.keys
+        await agent.spawn(TERM, request(stream=2))  # what it sends now
+        assert len(processes) == 1
 
     with_agent(tmp_path, body)
 
@@ -212,7 +275,7 @@ def test_an_older_term_never_takes_over_and_its_commands_are_refused_saying_why(
         await agent.connect(TERM + 1)
         await trio.testing.wait_all_tasks_blocked()
         stopped_by_new_term = processes[0].stopped
-        await agent.spawn(TERM + 1, request(incarnation=2))
+        await agent.spawn(TERM + 1, request(incarnation=2, stream=2))
         refusals = []
         for attempt in (
             lambda: agent.connect(TERM),

@@ -162,3 +162,36 @@ def test_a_controller_cut_off_in_silence_steps_down_by_its_own_clock_before_its_
     stepped_down_after, still_held = trio.run(main)
     assert still_held is not None and still_held.value == b"node-a"
     assert stepped_down_after <= TTL * (1 - FENCE_MARGIN) + 0.5  # the renewal was asked for before renewed_at
+
+
+def test_a_controller_that_stepped_down_by_its_clock_takes_its_term_back_once_etcd_answers_in_time(etcd):
+    """fsm.fencing's RESUME: the silence ended before the lease did, so the election key is still this node's.
+    It campaigns again only once a renewal gave it authority back, and finds that same term: without this, the
+    key would live on with no controller behind it for as long as the node renews its lease."""
+
+    async def main():
+        client, observer = Silenced(etcd, timeout=1.0), Etcd(etcd)
+        config = ClusterConfig(etcd, "node-a", "127.0.0.1", lease_ttl=TTL, prefix=PREFIX.decode())
+        membership = Membership(client, config, record("node-a", "127.0.0.1"))
+        await membership.presence.join()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(membership.run)
+            with trio.fail_after(TTL):
+                term = await membership.elected()
+                await membership.presence.renewed.wait()
+            client.silent = True  # the next renewal goes unanswered; the watch hears nothing more
+            await trio.sleep_until(membership.presence.authority_until - 0.1)
+            client.silent = False  # etcd answers again just before the clock ends the term, the renewal after it
+            with trio.fail_after(2 * TTL):
+                await membership.deposed(term)
+            with trio.fail_after(2 * TTL):
+                again = await membership.elected()
+            authority_left = membership.presence.authority_until - trio.current_time()
+            nursery.cancel_scope.cancel()
+        await observer.revoke(membership.presence.lease)
+        await observer.aclose()
+        return term, again, authority_left
+
+    term, again, authority_left = trio.run(main)
+    assert again.revision == term.revision and again is not term  # the same key, as it was won
+    assert authority_left > 0  # it campaigned with authority, not to step down at once

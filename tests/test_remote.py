@@ -83,6 +83,38 @@ def test_a_new_term_starts_nothing_while_a_runner_an_earlier_term_left_may_still
     run(main)
 
 
+def test_a_rank_waits_for_every_key_of_an_earlier_generation_of_its_instance_and_no_other():
+    """Whatever left it (a runner its controller no longer knows of, a key not released yet), an earlier
+    generation's key means it may run: the next generation's rank is not spawned beside it."""
+    keys = Keys({"node-2": {("i/0", 1), ("other/0", 1), ("i/1", 3)}, "node-3": {("i/1", 1)}})
+    fleet, link = fleet_of(keys), Link()
+    spec = RunnerSpec("i/0", 2, rank=0, world_size=1, hostfile=None, log_path=Path("/dev/null"))
+
+    async def main():
+        process = RemoteProcess(
+            spec,
+            link,
+            Ring(["node-2"], None),
+            "i",
+            Heard(),
+            lambda *a: None,
+            cleared=lambda: fleet.earlier_gone("i", 2),
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(process.run)
+            await trio.sleep(60)
+            assert link.client.spawned == []  # i/0/1 on node-2 and i/1/1 on node-3 may still run
+            keys.alive["node-2"].discard(("i/0", 1))
+            await trio.sleep(60)
+            assert link.client.spawned == []
+            keys.alive["node-3"] = set()  # another instance's runner and a later generation's hold nothing back
+            await trio.sleep(1)
+            assert len(link.client.spawned) == 1
+            nursery.cancel_scope.cancel()
+
+    run(main)
+
+
 def test_a_runner_lost_with_its_node_fails_at_once_and_exits_only_once_its_key_is_gone():
     keys = Keys({"node-2": set()})
     fleet = fleet_of(keys, api_url="http://127.0.0.1:9")  # nothing answers there: the node is cut off
@@ -143,6 +175,7 @@ class Agent:
 class Link:
     def __init__(self) -> None:
         self.client, self.running, self.unconfirmed, self.lost = Agent(), {}, set(), None
+        self.stream = 1  # the agent's number for the report stream
         self.connected = trio.Event()
         self.connected.set()
 
@@ -160,7 +193,7 @@ def test_a_rank_is_spawned_only_once_etcd_holds_the_write_that_started_its_gener
 
     async def main():
         process = RemoteProcess(
-            spec, link, Ring(["node-2"], None), "i", Heard(), lambda *a: None, recorded=journal.recorded
+            spec, link, Ring(["node-2"], None), "i", Heard(), lambda *a: None, cleared=journal.recorded
         )
         async with trio.open_nursery() as nursery:
             nursery.start_soon(process.run)
@@ -179,7 +212,7 @@ def test_a_deposed_controller_spawns_nothing_and_its_term_ends(tmp_path):
 
     async def main():
         process = RemoteProcess(
-            SPEC, link, Ring(["node-1", "node-2"], None), "i", Heard(), lambda *a: None, recorded=journal.recorded
+            SPEC, link, Ring(["node-1", "node-2"], None), "i", Heard(), lambda *a: None, cleared=journal.recorded
         )
         with pytest.raises(Deposed):
             await process.run()

@@ -5,9 +5,10 @@ carries it out. On one host: the ring's hostfile, the spec, the supervisor in th
 a cluster: through each rank's node's agent, this node's own included (`exod.cluster.remote`), so that every
 runner is claimed and fenced the same way, and no rank is spawned before etcd holds the controller's write
 of its generation, guarded by the controller's term (``recorded``): a generation's number is allocated in
-etcd, so two controllers can never run the same one (DESIGN §5). When a process is reaped, its generation's
-files are forgotten (`exod.state.retention.Generations`). What a process reports goes to the listener
-(`exod.reports.Reports`), never back here.
+etcd, so two controllers can never run the same one (DESIGN §5); nor while a runner key of an earlier
+generation of its instance is left in etcd (`exod.cluster.remote.Fleet.earlier_gone`). When a process is
+reaped, its generation's files are forgotten (`exod.state.retention.Generations`). What a process reports
+goes to the listener (`exod.reports.Reports`), never back here.
 """
 
 from __future__ import annotations
@@ -70,14 +71,19 @@ class Processes:
             except AgentUnavailable as exc:
                 self._listener.on_not_started(action.runner_id, gen, exc, host=True)
                 return
-            spec = self._spec(action, None)  # its agent writes the hostfile on its node
-            self._begin(
-                nursery,
-                action,
-                RemoteProcess(
-                    spec, link, across, action.instance_id, self._listener, self._published, recorded=self._recorded
-                ),
-            )
+            spec, fleet, recorded = (
+                self._spec(action, None),
+                self.fleet,
+                self._recorded,
+            )  # its agent writes the hostfile
+
+            async def cleared() -> None:  # etcd holds its generation, and no runner of an earlier one
+                if recorded is not None:
+                    await recorded()
+                await fleet.earlier_gone(action.instance_id, gen)
+
+            process = RemoteProcess(spec, link, across, action.instance_id, self._listener, self._published, cleared)
+            self._begin(nursery, action, process)
             return
         try:  # the ring's ports and its hostfile: no fds or no disk is the host's failure, never the daemon's end
             hostfile = self._hostfile(action.instance_id, gen, action.world_size)

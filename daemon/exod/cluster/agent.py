@@ -96,6 +96,7 @@ class SpawnRequest(BaseModel):
     world_size: int = Field(..., ge=1, le=64)
     ring: list[str] = Field(..., description="HOST:PORT of every rank, rank 0 first")
     fault: str | None = None
+    stream: int = Field(..., ge=1, description="the report stream it belongs to: the number its hello said")
 
 
 class CommandRequest(BaseModel):
@@ -120,6 +121,11 @@ class Agent:
         self._generations = retention.Generations(config.state_dir, config.retention)  # their files, bounded
         self._presence: Presence | None = None  # in a cluster: the node's lease, which the runners' keys are on
         self._released: set[bytes] = set()  # keys of reaped runners, deleted from etcd as soon as it answers
+        # Runners stopped before their spawn arrived (two requests, two connections: a stop can overtake the
+        # spawn it follows). Their spawn is refused when it comes, or else it would run with no one to stop
+        # it and its key would keep the next generation from starting. Cleared with the stream.
+        self._stopped: set[tuple[str, int]] = set()
+        self._reaped = trio.Event()  # set when a key is to go: it is released at once
 
     async def run(
         self, presence: Presence | None = None, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -177,8 +183,12 @@ class Agent:
                 self._end_session(f"the term {self._term} of its controller is over in etcd")
 
     async def _release_keys_forever(self) -> None:
+        """At once when a runner is reaped (the controller's next generation waits for its key), and every beat
+        while etcd does not answer."""
         while True:
-            await trio.sleep(BEAT_S)
+            with trio.move_on_after(BEAT_S):
+                await self._reaped.wait()
+            self._reaped = trio.Event()
             await self._release_keys()
 
     # -- what the controller asks -------------------------------------------------------------------
@@ -190,13 +200,15 @@ class Agent:
     async def spawn(self, term: int, request: SpawnRequest) -> None:
         self._check_term(term)
         key = (request.runner_id, request.incarnation)
-        session = self._session
-        self._check_spawn(key)
+        self._check_spawn(key, request.stream)
         await self._claim(key)  # in etcd first: no process runs that the controller could not know of
-        if self._session != session:  # a new controller connected meanwhile: this one's runners are over
-            self._released.add(self._key_of(key))
-            raise Refused(409, "the controller that asked for this runner is no longer connected")
-        self._check_spawn(key)
+        try:
+            self._check_spawn(key, request.stream)  # again: its stream may have ended, or a stop come, meanwhile
+        except Refused:
+            if self._presence is not None:
+                self._released.add(self._key_of(key))
+                self._reaped.set()
+            raise
         hostfile = None
         if request.world_size > 1:
             path = retention.hostfile_path(self.config.state_dir, request.instance_id, request.incarnation)
@@ -231,11 +243,17 @@ class Agent:
         if term > self._term or self._stream is None:
             raise Refused(409, f"no stream of term {term} is open here: open GET /agent/reports with it first")
 
-    def _check_spawn(self, key: tuple[str, int]) -> None:
+    def _check_spawn(self, key: tuple[str, int], stream: int) -> None:
+        """A spawn belongs to the stream it names, open now: one that was delayed past its stream's end (its
+        controller stepped down, even to take the same term back) would run a runner no controller knows."""
         if self._stream is None or self._nursery is None:
             raise Refused(409, "no controller is connected to this agent: open GET /agent/reports first")
+        if stream != self._session:
+            raise Refused(409, f"report stream {stream} is over (stream {self._session} is open): not started")
         if key in self._running:
             raise Refused(409, f"runner {key[0]}/{key[1]} already runs here")
+        if key in self._stopped:
+            raise Refused(409, f"runner {key[0]}/{key[1]} was stopped before its spawn arrived: it is not started")
 
     def _key_of(self, key: tuple[str, int]) -> bytes:
         assert self._presence is not None
@@ -291,6 +309,8 @@ class Agent:
         self._check_term(term)
         if (process := self._running.get((runner_id, incarnation))) is not None:
             process.stop()
+        else:  # not spawned yet, or reaped already: either way it is not to run (a tombstone)
+            self._stopped.add((runner_id, incarnation))
 
     async def fetch(self, model_id: str) -> None:
         await self.models.fetch(model_id, progress=lambda done, total: None)
@@ -325,7 +345,7 @@ class Agent:
 
     async def _reports(self, session: int, receive: trio.MemoryReceiveChannel[bytes]) -> AsyncIterator[bytes]:
         try:
-            yield b'{"kind": "hello"}\n'
+            yield (json.dumps({"kind": "hello", "stream": session}) + "\n").encode()  # named by its spawns
             async with receive:
                 while True:
                     with trio.move_on_after(BEAT_S) as quiet:
@@ -346,6 +366,7 @@ class Agent:
         if self._stream is not None:
             self._stream.close()
             self._stream = None
+        self._stopped.clear()  # a spawn of that stream is refused anyway: it is no longer open
         if self._running:
             log.warning("%s %d runner(s): %s", "killing" if kill else "stopping", len(self._running), why)
         for key, process in list(self._running.items()):
@@ -375,6 +396,7 @@ class Agent:
             self.store.forget_process(*key)  # killed by fencing, it never said its exit
             if self._presence is not None:
                 self._released.add(self._key_of(key))
+                self._reaped.set()
         await self._release_keys()
 
 

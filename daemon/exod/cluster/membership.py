@@ -2,7 +2,8 @@
 
 `Membership.run` (in the daemon's nursery) joins with the node's lease (`exod.cluster.nodes.Presence`) and
 campaigns on that same lease (`exod.cluster.election`), for as long as the daemon runs: elected, it holds the
-controller's `Term` until the key goes (its lease expired), then campaigns again. What it is now —
+controller's `Term` until the key goes (its lease expired) or its authority ends by its clock, then campaigns
+again once it has authority back; a key still its own is its term again (`fsm.fencing`'s RESUME). What it is now —
 controller or not, and the term to guard its writes with — is read from `term`.
 """
 
@@ -81,6 +82,7 @@ class Membership:
             task_status.started()
             while True:
                 try:
+                    await self.presence.authority_held()
                     lease, ttl = self.presence.lease, self.config.lease_ttl
                     term = await wait_for_term(self.etcd, self.prefix, self.node_id, lease, recheck=ttl)
                     self.term = term

@@ -140,6 +140,12 @@ class Presence:
             with trio.move_on_after(left):
                 await renewed.wait()
 
+    async def authority_held(self) -> None:
+        """Return once this node has authority (at once while it has). A node without it may not campaign: it
+        would be elected only to step down at once (`fsm.fencing`: a campaign needs authority)."""
+        while trio.current_time() >= self.authority_until:
+            await self.renewed.wait()
+
     async def join(self) -> None:
         """Grant a lease and write the record on it (raises if etcd cannot be reached)."""
         asked = trio.current_time()

@@ -36,6 +36,7 @@ log = logging.getLogger("exod.remote")
 
 REFRESH_S = 1.0  # how often the controller reads the node records
 SILENCE_S = 5.0  # a report stream silent this long (an agent beats every second) is a node lost
+EARLIER_POLL_S = 0.1  # how often a new generation's rank reads whether an earlier one's keys are gone
 
 
 class AgentUnavailable(Exception):
@@ -107,11 +108,11 @@ class RemoteProcess:
         listener: Listener,
         published: Callable[[str, int, str], None],
         *,
-        recorded: Callable[[], Awaitable[None]] | None = None,
+        cleared: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.spec, self.link, self.ring, self.instance_id, self.listener = spec, link, ring, instance_id, listener
         self._published = published
-        self._recorded = recorded  # returns once etcd holds the write that started this generation
+        self._cleared = cleared  # returns once it may run: see `Fleet.cleared`
         self.pid: int | None = None  # on its node; never reaped from here
         self._commands, self._outbox = trio.open_memory_channel[tuple[p.Command, str | None]](math.inf)
         self._stop = trio.Event()
@@ -125,8 +126,8 @@ class RemoteProcess:
 
     async def run(self) -> None:
         s = self.spec
-        if self._recorded is not None:  # a deposed controller's write is refused (`Deposed`): it spawns nothing
-            await self._recorded()
+        if self._cleared is not None:  # a deposed controller's write is refused (`Deposed`): it spawns nothing
+            await self._cleared()
         try:
             await self.link.connected.wait()
             if self.link.lost is not None:
@@ -136,7 +137,13 @@ class RemoteProcess:
                 self._published(s.runner_id, s.incarnation, ring[s.rank])
             self.link.running[(s.runner_id, s.incarnation)] = self
             body = {"instance_id": self.instance_id, "runner_id": s.runner_id, "incarnation": s.incarnation}
-            body |= {"rank": s.rank, "world_size": s.world_size, "ring": ring, "fault": s.fault}
+            body |= {
+                "rank": s.rank,
+                "world_size": s.world_size,
+                "ring": ring,
+                "fault": s.fault,
+                "stream": self.link.stream,
+            }
             await self.link.client.spawn(body)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._send_commands)
@@ -212,6 +219,7 @@ class NodeLink:
         self.running: dict[tuple[str, int], RemoteProcess] = {}
         self.unconfirmed = unconfirmed  # the fleet's: runners lost with their node, maybe alive until fenced
         self.connected = trio.Event()
+        self.stream = 0  # the agent's number for our report stream, which each spawn names (its hello says)
         self.lost: str | None = None
         self._scope = trio.CancelScope()
 
@@ -228,6 +236,7 @@ class NodeLink:
             try:
                 async for event in self.client.reports():
                     if event["kind"] == "hello":
+                        self.stream = event["stream"]
                         self.connected.set()
                     elif event["kind"] == "beat":
                         continue
@@ -339,6 +348,28 @@ class Fleet:
                 log.info("waiting for the runners of the previous controller to stop on %s", ", ".join(sorted(said)))
             await trio.sleep(REFRESH_S)
             await self.refresh()
+
+    async def earlier_gone(self, instance_id: str, generation: int) -> None:
+        """Return once etcd holds no runner key of an earlier generation of ``instance_id``: whatever left it
+        there (a runner its controller no longer knows of, an agent that has not released it yet), a rank of
+        ``generation`` never runs beside it (DESIGN §5; `fsm.fencing`'s controller waits for no key left)."""
+        said = None
+        while True:
+            try:
+                left = sorted(
+                    f"{runner_id}/{incarnation} on {node}"
+                    for node, keys in (await self._runners()).items()
+                    for runner_id, incarnation in keys
+                    if runner_id.rsplit("/", 1)[0] == instance_id and incarnation < generation
+                )
+            except EtcdError as exc:  # the membership fences this term if it lasts
+                left = [f"(etcd: {exc})"]
+            if not left:
+                return
+            if left != said:
+                said = left
+                log.info("generation %d of %s waits for %s to end", generation, instance_id, ", ".join(left))
+            await trio.sleep(EARLIER_POLL_S)
 
     def rooms(self) -> tuple[dict[str, int], dict[str, tuple[str, ...]]]:
         """For admission: the memory of each live node (its ``memory_total``: admission subtracts what is
