@@ -21,7 +21,7 @@ actor able to fail (DESIGN §5):
   up to ``max_faults`` times; heals come free. Time passes one tick at a time, for every clock at once
   (no skew: the premise of leases).
 
-Four mechanisms keep two generations from running at once; each can be switched off, which plants the bug
+Five mechanisms keep two generations from running at once; each can be switched off, which plants the bug
 it prevents (`Mechanism`):
 
 1. ``ONE_PATH`` — the controller's own ranks are spawned by its node's agent, claimed in etcd first; off,
@@ -33,9 +33,30 @@ it prevents (`Mechanism`):
    takes the agent over.
 4. ``DEADLINE`` — every runner holds a deadline its agent extends only while the node's authority lasts,
    and ends itself past it; off, a paused daemon's runners run on.
+5. ``STREAM`` — a spawn names the report stream it was sent on, and an agent refuses one whose stream is
+   over; off, a spawn sent before its controller stepped down and took its term back (``RESUME``) starts
+   a runner beside the next generation, one that controller no longer knows of. (A spawn of a deposed
+   term names a stream that is over too: with ``STREAM`` on, the model finds ``TERM`` redundant for
+   spawns; ``TERM`` still keeps a deposed controller from taking an agent's stream over.)
+
+Two more keep the cluster live (off, it can be stuck, never Ready again):
+
+6. ``TOMBSTONE`` — a stop that reaches an agent before the spawn it follows (two requests, two
+   connections) is remembered, and the spawn refused; off, the runner starts after its stop, its key
+   stays, and no next generation can start (a controller starts one only once no key of an earlier
+   generation is left).
+7. ``RESUME`` — a controller that stepped down by its clock, and finds on its next campaign that the
+   election key is still its own (its lease outlived its authority), takes that term back; off, the key
+   lives on with no controller behind it for as long as the node renews its lease.
 
 The invariant: the runner processes alive (not yet exited: killed, stopped, or past their deadline) are
 all of one generation. It explores breadth-first, so a violation comes with a shortest trace.
+
+Liveness: after every heal that leaves no fault in force (and from the start), the instance can be Ready
+again — a controller of the term etcd holds runs a generation whose every rank is alive — within
+``2 * ttl`` ticks, with no more faults and no failure but one detected (a generation missing a rank is
+abandoned). Time and generations are extended past the horizon for that search alone; a state from
+which no such path exists is reported with the trace that reached it.
 """
 
 from __future__ import annotations
@@ -53,6 +74,9 @@ class Mechanism(enum.Enum):
     CLOCK = "a term ends by the clock"
     TERM = "commands carry the term"
     DEADLINE = "a dead man's switch in every runner"
+    STREAM = "a spawn names its report stream"
+    TOMBSTONE = "a stop that overtakes its spawn cancels it"
+    RESUME = "a controller that stepped down by its clock takes its live term back"
 
 
 class Fault(enum.Enum):
@@ -97,6 +121,7 @@ class _Msg(NamedTuple):
     spawn: bool  # else stop
     gen: int
     term: int
+    stream: int  # the sender's report stream in that term
 
 
 class _State(NamedTuple):
@@ -112,21 +137,27 @@ class _State(NamedTuple):
     cut: frozenset[tuple[int, int]]  # node pairs that cannot reach each other
     believes: tuple[int, ...]  # the term each node believes it holds as the controller (0: none)
     running: tuple[int, ...]  # the generation each controller runs (0: none)
-    session: tuple[tuple[int, int] | None, ...]  # each agent's controller: (node, term)
+    stream: tuple[int, ...]  # each controller's report stream in its term: one more each time it takes it back
+    session: tuple[tuple[int, int, int] | None, ...]  # each agent's controller's stream: (node, term, stream)
     obeyed: tuple[int, ...]  # the newest term each agent obeyed
     procs: tuple[frozenset[_Proc], ...]
     msgs: frozenset[_Msg]
     faults: int
 
 
+SAFETY = "two generations alive at once"
+LIVENESS = "never Ready again after the heal"
+
+
 @attrs.frozen
 class FencingViolation:
     message: str
     trace: tuple[str, ...]
+    invariant: str = SAFETY
 
     def report(self) -> str:
         steps = "\n".join(f"  {i + 1:3}. {event}" for i, event in enumerate(self.trace))
-        return f"two generations alive at once: {self.message}\nshortest trace ({len(self.trace)} events):\n{steps}"
+        return f"{self.invariant}: {self.message}\nshortest trace ({len(self.trace)} events):\n{steps}"
 
 
 @attrs.frozen
@@ -147,15 +178,33 @@ class FencingResult:
             scope = "bounded (state limit reached)"
         rate = f", {self.seconds:.1f} s ({self.states / self.seconds:,.0f} states/s)" if self.seconds else ""
         head = f"{self.states} states, {self.transitions} transitions, {scope}{rate}"
-        return head + ("\nnever two generations alive" if self.ok else "\n" + self.violation.report())  # type: ignore[union-attr]
+        if not self.ok:
+            return f"{head}\n{self.violation.report()}"  # type: ignore[union-attr]
+        live = "; Ready again after every heal" if self.exhaustive else ""
+        return f"{head}\nnever two generations alive{live}"
 
 
 def check_fencing(config: FencingConfig | None = None, *, timer: Callable[[], float] | None = None) -> FencingResult:
-    """Explore every state of the control plane up to the horizon; the first violation, with a shortest trace."""
-    model = _Model(config or FencingConfig())
+    """Explore every state of the control plane up to the horizon; the first violation, with a shortest trace.
+    Once every state is known safe, check that each heal (in the order found: the shortest first) can lead to
+    Ready again."""
+    config = config or FencingConfig()
+    model, recovery = _Model(config), _Model(config, recovering=True)
     started = timer() if timer else 0.0
+
+    def result(exhaustive: bool, violation: FencingViolation | None = None) -> FencingResult:
+        return FencingResult(len(parents), transitions, exhaustive, (timer() - started) if timer else 0.0, violation)
+
+    def trace(at: _State) -> tuple[str, ...]:
+        events = []
+        while (step := parents[at]) is not None:
+            at, event = step
+            events.append(event)
+        return tuple(reversed(events))
+
     start = model.initial()
     parents: dict[_State, tuple[_State, str] | None] = {start: None}
+    healed = [start]  # states with no fault in force, each just after a heal
     queue = deque([start])
     transitions = 0
     while queue:
@@ -166,25 +215,34 @@ def check_fencing(config: FencingConfig | None = None, *, timer: Callable[[], fl
                 continue
             parents[after] = (state, event)
             if (message := model.violated(after)) is not None:
-                trace = []
-                at: _State | None = after
-                while (step := parents[at]) is not None:  # type: ignore[index]
-                    at, name = step
-                    trace.append(name)
-                seconds = (timer() - started) if timer else 0.0
-                violation = FencingViolation(message, tuple(reversed(trace)))
-                return FencingResult(len(parents), transitions, False, seconds, violation)
-            if len(parents) >= model.config.max_states:
-                return FencingResult(len(parents), transitions, False, (timer() - started) if timer else 0.0)
+                return result(False, FencingViolation(message, trace(after)))
+            if len(parents) >= config.max_states:
+                return result(False)
+            if _faultless(after) and not _faultless(state):
+                healed.append(after)
             queue.append(after)
-    return FencingResult(len(parents), transitions, True, (timer() - started) if timer else 0.0)
+    recovers: dict[_State, bool] = {}
+    for state in healed:
+        if not recovery.recovers(state, recovers):
+            message = f"no path to Ready within {recovery.horizon - config.horizon} ticks past the horizon"
+            return result(True, FencingViolation(message, trace(state), LIVENESS))
+    return result(True)
+
+
+def _faultless(s: _State) -> bool:
+    return not (s.paused or s.off_etcd or s.cut)
 
 
 class _Model:
-    def __init__(self, config: FencingConfig) -> None:
+    def __init__(self, config: FencingConfig, *, recovering: bool = False) -> None:
+        """``recovering``: the model after a heal, for liveness — no adversary, a generation abandoned only once
+        it misses a rank, and time and generations extended past the bounds of the exploration."""
         self.config = config
         self.nodes = range(config.nodes)
         self.on = config.mechanisms
+        self.recovering = recovering
+        self.horizon = config.horizon + (2 * config.ttl if recovering else 0)
+        self.generations = config.generations + (2 if recovering else 0)
 
     def initial(self) -> _State:
         n, ttl = self.config.nodes, self.config.ttl
@@ -201,6 +259,7 @@ class _Model:
             cut=frozenset(),
             believes=(0,) * n,
             running=(0,) * n,
+            stream=(0,) * n,
             session=(None,) * n,
             obeyed=(0,) * n,
             procs=(frozenset(),) * n,
@@ -215,6 +274,52 @@ class _Model:
             return ", ".join(f"generation {gen} on n{node}" for node, gen in sorted(alive))
         return None
 
+    def ready(self, s: _State) -> bool:
+        """A controller of the term etcd holds runs a generation with every rank alive."""
+        n = s.holder
+        if n == NONE or s.believes[n] != s.term or not s.running[n]:
+            return False
+        alive = sum(any(p.gen == s.running[n] for p in procs) for procs in s.procs)
+        return alive == self.config.ranks
+
+    def recovers(self, root: _State, known: dict[_State, bool]) -> bool:
+        """Whether some path from ``root`` reaches `ready`; ``known`` remembers every state settled, across
+        calls. Depth-first and iterative: a state is settled once its successors are."""
+        on_path: set[_State] = set()
+        stack: list[tuple[_State, Iterator[tuple[str, _State]], _State | None]] = []
+
+        def enter(s: _State) -> None:
+            if s in known:
+                return
+            if self.ready(s):
+                known[s] = True
+                return
+            on_path.add(s)
+            stack.append((s, self.successors(s), None))
+
+        enter(root)
+        while stack:
+            s, moves, child = stack.pop()
+            if child is not None and known[child]:
+                known[s] = True
+                on_path.discard(s)
+                continue
+            for _, after in moves:
+                if after in on_path:  # a cycle leads nowhere new
+                    continue
+                if after not in known:
+                    stack.append((s, moves, after))
+                    enter(after)
+                    break
+                if known[after]:
+                    known[s] = True
+                    on_path.discard(s)
+                    break
+            else:
+                known[s] = False
+                on_path.discard(s)
+        return known[root]
+
     # -- the events ------------------------------------------------------------------------------------
 
     def successors(self, s: _State) -> Iterator[tuple[str, _State]]:
@@ -225,7 +330,7 @@ class _Model:
             for event, after, due in self._node(s, n):
                 urgent = urgent or due
                 yield event, after
-        if s.t < self.config.horizon and not urgent:  # a running daemon does what is due before time passes
+        if s.t < self.horizon and not urgent:  # a running daemon does what is due before time passes
             yield "tick", self._tick(s)
         for m in s.msgs:
             if m.dst not in s.paused and self._reach(s, m.src, m.dst):
@@ -233,7 +338,8 @@ class _Model:
                     f"deliver {'spawn' if m.spawn else 'stop'} g{m.gen} (term {m.term}) n{m.src}→n{m.dst}",
                     (self._deliver(s, m)),
                 )
-        yield from self._adversary(s)
+        if not self.recovering:
+            yield from self._adversary(s)
 
     def _reach(self, s: _State, a: int, b: int) -> bool:
         return a == b or (min(a, b), max(a, b)) not in s.cut
@@ -242,17 +348,21 @@ class _Model:
         """What a running daemon can do now, each with whether it is due (it happens before time passes):
         renewals are part of time passing (`_tick`); starting and abandoning a generation, never due."""
         etcd = n not in s.off_etcd
-        if etcd and s.holder == NONE and s.lease[n] > 0:
+        campaigns = etcd and s.lease[n] > 0 and (Mechanism.CLOCK not in self.on or s.authority[n] > 0)
+        if campaigns and s.holder == NONE:
             term = s.term + 1
             yield (
                 f"n{n} elected (term {term})",
-                s._replace(holder=n, term=term, believes=_set(s.believes, n, term)),
+                s._replace(holder=n, term=term, believes=_set(s.believes, n, term), stream=_set(s.stream, n, 0)),
                 True,
             )
+        elif campaigns and s.holder == n and not s.believes[n] and Mechanism.RESUME in self.on:  # the key lived on
+            resumed = s._replace(believes=_set(s.believes, n, s.term), stream=_set(s.stream, n, s.stream[n] + 1))
+            yield f"n{n} finds its term {s.term} alive", resumed, True
         if s.believes[n] and self._term_over(s, n):
             yield f"n{n} steps down", self._step_down(s, n), True
         if s.believes[n] and (Mechanism.CLOCK not in self.on or s.authority[n] > 0):  # it acts as the controller
-            if s.running[n]:
+            if s.running[n] and (not self.recovering or self._broken(s, n)):
                 yield f"n{n} abandons g{s.running[n]} (a rank failed)", self._abandon(s, n), False
             elif etcd and self._may_start(s, n) and (placed := self._placement(s)):
                 where = ",".join(f"n{m}" for m in placed)
@@ -268,11 +378,19 @@ class _Model:
             yield f"n{n} releases {len(released)} key(s)", s._replace(keys=s.keys - released), True
 
     def _may_start(self, s: _State, n: int) -> bool:
-        """Its guarded write would pass, no runner key of an earlier generation is left in etcd, and none of its
-        own spawns is still on its way (it awaits each: a generation is over once each of its ranks is)."""
-        own_spawns = any(m.src == n and m.spawn for m in s.msgs)
+        """Its guarded write would pass, no runner key of an earlier generation is left in etcd, and none of the
+        spawns it sent on its stream is still on its way (it awaits each: a generation is over once each of its
+        ranks is). What it sent before it stepped down, it forgot."""
+        own_spawns = any(m.src == n and m.spawn and (m.term, m.stream) == (s.believes[n], s.stream[n]) for m in s.msgs)
         holds = s.holder == n and s.term == s.believes[n]
-        return holds and not s.keys and not own_spawns and s.allocated < self.config.generations
+        return holds and not s.keys and not own_spawns and s.allocated < self.generations
+
+    def _broken(self, s: _State, n: int) -> bool:
+        """Its generation misses a rank that no spawn of its own is still bringing: a failure it detects."""
+        gen = s.running[n]
+        alive = sum(any(p.gen == gen for p in procs) for procs in s.procs)
+        coming = any(m.src == n and m.spawn and m.gen == gen for m in s.msgs)
+        return alive < self.config.ranks and not coming
 
     def _term_over(self, s: _State, n: int) -> bool:
         """What ends a controller's term: its clock, or (always) etcd read saying the key is not its own."""
@@ -280,11 +398,11 @@ class _Model:
         by_etcd = n not in s.off_etcd and (s.holder != n or s.term != s.believes[n])
         return by_clock or by_etcd
 
-    def _session_over(self, s: _State, n: int, session: tuple[int, int]) -> bool:
+    def _session_over(self, s: _State, n: int, session: tuple[int, int, int]) -> bool:
         """An agent ends a stream whose controller is gone or out of reach (the stream breaks or goes silent),
         or, with TERM, whose term etcd no longer holds."""
-        src, term = session
-        gone = s.believes[src] != term or not self._reach(s, src, n) or src in s.paused
+        src, term, stream = session
+        gone = s.believes[src] != term or s.stream[src] != stream or not self._reach(s, src, n) or src in s.paused
         over = Mechanism.TERM in self.on and n not in s.off_etcd and s.term != term
         return gone or over
 
@@ -299,12 +417,12 @@ class _Model:
             if m == n and Mechanism.ONE_PATH not in self.on:
                 procs = _set(procs, n, procs[n] | {_Proc(gen, NONE, True)})
             else:
-                msgs.add(_Msg(n, m, True, gen, term))
+                msgs.add(_Msg(n, m, True, gen, term, s.stream[n]))
         return s._replace(allocated=gen, running=_set(s.running, n, gen), msgs=frozenset(msgs), procs=procs)
 
     def _abandon(self, s: _State, n: int) -> _State:
         gen, term = s.running[n], s.believes[n]
-        stops = {_Msg(n, m, False, gen, term) for m in self.nodes}
+        stops = {_Msg(n, m, False, gen, term, s.stream[n]) for m in self.nodes}
         procs = _set(s.procs, n, frozenset(p for p in s.procs[n] if not (p.direct and p.gen == gen)))
         return s._replace(running=_set(s.running, n, 0), msgs=s.msgs | stops, procs=procs)
 
@@ -321,15 +439,24 @@ class _Model:
     def _deliver(self, s: _State, m: _Msg) -> _State:
         s = s._replace(msgs=s.msgs - {m})
         d = m.dst
-        if not m.spawn:
-            return s._replace(procs=_set(s.procs, d, frozenset(p for p in s.procs[d] if p.gen != m.gen)))
+        if not m.spawn:  # and a spawn of that runner still on its way is refused when it comes (a tombstone)
+            tombstone = Mechanism.TOMBSTONE in self.on
+            overtaken = frozenset(o for o in s.msgs if tombstone and o.spawn and o.dst == d and o.gen == m.gen)
+            procs = _set(s.procs, d, frozenset(p for p in s.procs[d] if p.gen != m.gen))
+            return s._replace(procs=procs, msgs=s.msgs - overtaken)
         refused = d in s.off_etcd or s.term != m.term or s.holder != m.src or m.term < s.obeyed[d]
         if Mechanism.TERM in self.on and refused:  # the agent checks the term against etcd and what it obeyed
             return s
-        if s.session[d] != (m.src, m.term):  # a new controller's stream: the previous one's runners stop
+        named, open_ = (m.src, m.term, m.stream), s.session[d]
+        if Mechanism.STREAM in self.on:
+            if open_ != named and (s.believes[m.src], s.stream[m.src]) != (m.term, m.stream):
+                return s  # it names a stream that is over: refused
+        elif open_ is not None and open_[:2] == named[:2]:
+            named = open_  # any stream of its controller's term will do: it joins the one open
+        if open_ != named:  # a new controller's stream: the previous one's runners stop
             kept = frozenset(p for p in s.procs[d] if p.direct)
             s = s._replace(
-                session=_set(s.session, d, (m.src, m.term)),
+                session=_set(s.session, d, named),
                 obeyed=_set(s.obeyed, d, max(s.obeyed[d], m.term)),
                 procs=_set(s.procs, d, kept),
             )

@@ -1,12 +1,13 @@
 """The control plane's model (`fsm.fencing`): with the four fencing mechanisms, no state the adversary can
 reach has two generations of runner processes alive; each mechanism switched off, and each of the three ways
-the cluster broke by hand (issue #24), is found, with a shortest trace that shows the failure."""
+the cluster broke by hand (issue #24), is found, with a shortest trace that shows the failure. After every
+heal the instance can be Ready again; each of the two mechanisms that keep it so, switched off, is found."""
 
 from __future__ import annotations
 
 import pytest
 
-from fsm.fencing import FAULTS, MECHANISMS, Fault, FencingConfig, Mechanism, check_fencing
+from fsm.fencing import FAULTS, LIVENESS, MECHANISMS, SAFETY, Fault, FencingConfig, Mechanism, check_fencing
 
 SMALL = {"nodes": 2, "ranks": 1, "max_faults": 1, "generations": 3, "horizon": 10}
 
@@ -19,6 +20,7 @@ def test_the_default_configuration_is_explored_exhaustively_and_never_runs_two_g
     result = check_fencing()
     assert result.ok and result.exhaustive, result.report()
     assert result.states > 100_000  # it explored something of size (3 nodes, every fault once, two generations)
+    assert "Ready again after every heal" in result.report()
 
 
 def test_two_nodes_with_three_generations_and_every_fault_are_safe_too():
@@ -30,19 +32,37 @@ def test_two_nodes_with_three_generations_and_every_fault_are_safe_too():
     ("off", "faults", "shows"),
     [
         ({Mechanism.ONE_PATH}, FAULTS, "paused"),  # its own ranks had no key: the next controller cannot see them
-        ({Mechanism.TERM}, FAULTS, "deliver spawn g1 (term 1)"),  # a deposed term's command, obeyed late
+        # a deposed term's command, obeyed late (the stream it names, over by then, refuses it too: both off)
+        ({Mechanism.TERM, Mechanism.STREAM}, FAULTS, "deliver spawn g1 (term 1)"),
         ({Mechanism.DEADLINE}, FAULTS, "paused"),  # a paused daemon's runner runs on
         ({Mechanism.ONE_PATH, Mechanism.CLOCK}, {Fault.CUT}, "cut off"),  # the row of the controller cut off
-        ({Mechanism.CLOCK, Mechanism.TERM}, {Fault.CUT_ETCD}, "cut from etcd"),  # the controller cut from etcd alone
+        ({Mechanism.CLOCK, Mechanism.TERM, Mechanism.STREAM}, {Fault.CUT_ETCD}, "cut from etcd"),  # from etcd alone
+        ({Mechanism.STREAM}, {Fault.CUT}, "finds its term 1 alive"),  # a spawn from before it took its term back
     ],
-    ids=["one path", "term", "deadline", "controller cut off", "controller cut from etcd"],
+    ids=["one path", "term", "deadline", "controller cut off", "controller cut from etcd", "stream"],
 )
 def test_each_planted_bug_is_found_with_a_shortest_trace_that_shows_it(off, faults, shows):
     result = check_fencing(FencingConfig(**SMALL, faults=frozenset(faults), mechanisms=without(*off)))
-    assert not result.ok, result.report()
+    assert not result.ok and result.violation.invariant == SAFETY, result.report()
     trace = result.violation.trace
     assert any(shows in event for event in trace), result.report()
     assert len(trace) <= 13 and "two generations alive at once" in result.report()
+
+
+@pytest.mark.parametrize(
+    ("off", "shows"),
+    [
+        (Mechanism.TOMBSTONE, "deliver stop g1"),  # the stop came first; the spawn after it would run for ever
+        (Mechanism.RESUME, "n0's daemon paused"),  # stepped down by its clock, its key alive: nobody may campaign
+    ],
+    ids=["tombstone", "resume"],
+)
+def test_each_mechanism_of_liveness_switched_off_leaves_a_heal_from_which_ready_never_comes(off, shows):
+    paused = frozenset({Fault.PAUSE})  # the heal that shows it; any would do
+    result = check_fencing(FencingConfig(**SMALL, faults=paused, mechanisms=without(off)))
+    assert result.exhaustive and not result.ok and result.violation.invariant == LIVENESS, result.report()
+    assert any(shows in event for event in result.violation.trace), result.report()
+    assert "never Ready again after the heal" in result.report()
 
 
 def test_an_agents_paused_daemon_breaks_it_without_the_deadline_on_three_nodes_too():
