@@ -1,107 +1,20 @@
-"""A host of its own for a test: a network namespace joined to this one by a veth pair, whose link the test
-can cut and heal (a partition, DESIGN §5). Made by the fixture and removed after the test, with every
-process still inside it. Needs root and iproute2 (CI runs as root); elsewhere the test skips, saying why.
-
-Addresses are in 10.231.N.0/24, on the pair only: ``.1`` and ``.3`` on this side, ``.2`` inside.
-"""
+"""A host of its own for a test (`exod.cluster.netns`): a network namespace joined to this one by a veth pair,
+whose link the test can cut and heal. Made by the fixture and removed after the test, with every process
+still inside it. Needs root and iproute2 (CI runs as root); elsewhere the test skips, saying why."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import secrets
-import shutil
-import signal
-import subprocess
 from collections.abc import Iterator
 
-import attrs
 import pytest
 
-
-@attrs.frozen
-class Namespace:
-    name: str
-    inside: str  # the namespace's address
-    outside: tuple[str, str]  # two addresses of this side of the pair (two nodes, or etcd and a node)
-    _link: str  # the namespace's end of the pair
-
-    def run(self, argv: list[str]) -> list[str]:
-        """``argv`` as it runs inside the namespace."""
-        return ["ip", "netns", "exec", self.name, *argv]
-
-    def cut(self) -> None:
-        """Nothing crosses the pair any more, either way (packets dropped: no reset, as when a cable goes)."""
-        _ip("netns", "exec", self.name, "ip", "link", "set", self._link, "down")
-
-    def heal(self) -> None:
-        _ip("netns", "exec", self.name, "ip", "link", "set", self._link, "up")
-
-    def cut_from(self, address: str) -> None:
-        """Nothing from inside reaches ``address`` any more (a blackhole route); the rest of the link stays.
-        (Traffic control, which would drop packets in silence, finds no queueing disciplines on the CI machines.)"""
-        _ip("netns", "exec", self.name, "ip", "route", "add", "blackhole", f"{address}/32")
-
-    def heal_from(self, address: str) -> None:
-        _ip("netns", "exec", self.name, "ip", "route", "del", "blackhole", f"{address}/32")
-
-    def pids(self) -> list[int]:
-        out = subprocess.run(["ip", "netns", "pids", self.name], capture_output=True, text=True, check=False)
-        return [int(pid) for pid in out.stdout.split()]
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-
-def _unusable() -> str | None:
-    """Why no namespace can be made here, or None."""
-    if shutil.which("ip") is None:
-        return "iproute2's ip is not installed"
-    if os.geteuid() != 0:
-        return "making a network namespace needs root (CI runs as root)"
-    tag = secrets.token_hex(3)
-    probe, outer, inner = f"exod-probe-{tag}", f"exq{tag}", f"exr{tag}"
-    steps = [
-        ["ip", "netns", "add", probe],
-        ["ip", "link", "add", outer, "type", "veth", "peer", "name", inner],
-        ["ip", "link", "set", inner, "netns", probe],
-        ["ip", "netns", "exec", probe, "ip", "link", "set", "lo", "up"],
-    ]
-    try:
-        for step in steps:  # all the fixture does, once: a sandbox may allow namespaces but not veth pairs
-            done = subprocess.run(step, capture_output=True, text=True, check=False)
-            if done.returncode != 0:
-                return f"{' '.join(step[:3])} failed: {done.stderr.strip()}"
-        return None
-    finally:
-        subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
-        subprocess.run(["ip", "link", "del", outer], capture_output=True, check=False)
+from exod.cluster import netns
+from exod.cluster.netns import Namespace
 
 
 @pytest.fixture
 def namespace() -> Iterator[Namespace]:
-    if (why := _unusable()) is not None:
-        pytest.skip(why)
-    tag = secrets.token_hex(3)
-    taken = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, check=True).stdout
-    net = next(f"10.231.{n}" for n in range(1, 255) if f" 10.231.{n}." not in taken)
-    name, outer, inner = f"exod-{tag}", f"exo{tag}", f"exi{tag}"
-    _ip("netns", "add", name)
-    try:
-        _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
-        _ip("link", "set", inner, "netns", name)
-        _ip("addr", "add", f"{net}.1/24", "dev", outer)
-        _ip("addr", "add", f"{net}.3/24", "dev", outer)
-        _ip("link", "set", outer, "up")
-        _ip("netns", "exec", name, "ip", "addr", "add", f"{net}.2/24", "dev", inner)
-        _ip("netns", "exec", name, "ip", "link", "set", inner, "up")
-        _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
-        namespace = Namespace(name, f"{net}.2", (f"{net}.1", f"{net}.3"), inner)
-        yield namespace
-    finally:
-        for pid in Namespace(name, "", ("", ""), inner).pids():  # what the test left inside goes with it
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
-        subprocess.run(["ip", "link", "del", outer], capture_output=True, check=False)  # gone with it, usually
+    if (why := netns.unusable()) is not None:
+        pytest.skip(f"{why} (CI runs as root)")
+    with netns.namespace() as made:
+        yield made

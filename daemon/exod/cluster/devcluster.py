@@ -110,7 +110,7 @@ def local_cluster(
     try:
         etcd.start()
         announce(f"etcd at {etcd.url}")
-        urls = [_start_node(root, etcd.url, n, hf_home, daemons, lease_ttl) for n in range(1, nodes + 1)]
+        urls = [start_node(root, etcd.url, n, hf_home, daemons, lease_ttl) for n in range(1, nodes + 1)]
         _wait(lambda: len(_get(urls[0], "/nodes")["nodes"]) == nodes, "every node to join", 60)
         yield urls
     finally:
@@ -189,20 +189,32 @@ def run(nodes: int = 3, layers: int = 8, ranks: int = 3, announce: Callable[[str
             announce("stopped: every node, its runners and etcd")
 
 
-def _start_node(
-    root: Path, etcd: str, n: int, hf_home: Path, daemons: list[subprocess.Popen[bytes]], lease_ttl: int | None
+def start_node(
+    root: Path,
+    etcd: str,
+    n: int,
+    hf_home: Path,
+    daemons: list[subprocess.Popen[bytes]],
+    lease_ttl: int | None,
+    *,
+    address: str | None = None,
+    wrap: Callable[[list[str]], list[str]] = list,
+    api_key: str | None = None,
 ) -> str:
+    """Start node ``node-n`` (advertising 127.0.0.n, or ``address``; its command line run by ``wrap``, inside a
+    network namespace say) and append its process to ``daemons``; its API URL once it serves. A non-loopback
+    address needs ``api_key``."""
     home = root / f"node-{n}"
     home.mkdir()
-    address = f"127.0.0.{n}"
+    address = address or f"127.0.0.{n}"
     config = f'[daemon]\nport = 0\noffline = true\n\n[cluster]\nurl = "{etcd}"\nnode_id = "node-{n}"\n'
     config += f'advertise = "{address}"\n' + (f"lease_ttl = {lease_ttl}\n" if lease_ttl else "")
     (home / "exod.toml").write_text(config)
     args = [sys.executable, "-m", "exod", "serve", "--config", str(home / "exod.toml")]
     args += ["--state-dir", str(home / "state"), "--host", address]
-    env = {**os.environ, "HF_HOME": str(hf_home)}
+    env = {**os.environ, "HF_HOME": str(hf_home)} | ({"EXOD_API_KEY": api_key} if api_key else {})
     with (home / "serve.log").open("wb") as log:
-        daemons.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env))
+        daemons.append(subprocess.Popen(wrap(args), stdout=log, stderr=subprocess.STDOUT, env=env))
     _wait(lambda: (home / "state" / "daemon.json").exists(), f"node-{n} to serve", 60, daemons[-1], home)
     return json.loads((home / "state" / "daemon.json").read_text())["url"]
 
