@@ -82,7 +82,8 @@ class Processes:
                     await recorded()
                 await fleet.earlier_gone(action.instance_id, gen)
 
-            process = RemoteProcess(spec, link, across, action.instance_id, self._listener, self._published, cleared)
+            iid, listener = action.instance_id, self._listener
+            process = RemoteProcess(spec, link, across, iid, listener, self._published, cleared=cleared)
             self._begin(nursery, action, process)
             return
         try:  # the ring's ports and its hostfile: no fds or no disk is the host's failure, never the daemon's end
