@@ -47,7 +47,7 @@ from _common import machine_info, parse_args, table, verdict, write_result  # ty
 
 import fsm
 from exod.cluster import netns
-from exod.cluster.devcluster import LocalEtcd, start_node
+from exod.cluster.devcluster import LocalEtcd, start_node, stop_nodes
 from exod.host.tiny_model import make_tiny_model
 
 MODEL = "exod/tiny-qwen2"
@@ -149,16 +149,7 @@ def cluster(
         _wait(lambda: len(get(urls[0], "/nodes")["nodes"]) == scenario.nodes, "every node to join")
         yield urls, daemons
     finally:
-        for daemon in daemons:
-            with contextlib.suppress(ProcessLookupError):
-                daemon.send_signal(signal.SIGCONT)  # a paused one must hear the SIGTERM
-                daemon.send_signal(signal.SIGTERM)
-        for daemon in daemons:
-            try:
-                daemon.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
+        stop_nodes(daemons)
         etcd.stop()
 
 

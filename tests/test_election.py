@@ -3,11 +3,14 @@ time, another one elected once its lease expires, and a deposed controller's wri
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import attrs
 import trio
 from etcd_harness import run_with_client as run
 
-from exod.cluster.election import Deposed, campaign, election_key, guarded_write, leader, wait_for_term
+from exod.cluster.election import Deposed, Term, campaign, election_key, guarded_write, leader, wait_for_term
 from exod.cluster.etcd import Etcd, EtcdUnavailable, Put
 from exod.cluster.membership import ClusterConfig, Membership
 from exod.cluster.nodes import FENCE_MARGIN, NodeRecord, Presence, list_nodes
@@ -135,28 +138,36 @@ class Silenced(Etcd):
             yield event
 
 
+@contextlib.asynccontextmanager
+async def elected_on_a_silenceable_client(etcd: str) -> AsyncIterator[tuple[Silenced, Etcd, Membership, Term]]:
+    """node-a, the controller, its lease just renewed, on a client the test can silence; an observer that
+    still reaches etcd. The lease is revoked on the way out."""
+    client, observer = Silenced(etcd, timeout=1.0), Etcd(etcd)
+    config = ClusterConfig(etcd, "node-a", "127.0.0.1", lease_ttl=TTL, prefix=PREFIX.decode())
+    membership = Membership(client, config, record("node-a", "127.0.0.1"))
+    await membership.presence.join()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(membership.run)
+        with trio.fail_after(TTL):
+            term = await membership.elected()
+            await membership.presence.renewed.wait()
+        yield client, observer, membership, term
+        nursery.cancel_scope.cancel()
+    await observer.revoke(membership.presence.lease)
+    await observer.aclose()
+
+
 def test_a_controller_cut_off_in_silence_steps_down_by_its_own_clock_before_its_lease_expires(etcd):
     """The term ends by the clock (DESIGN §5): no answer and no watch event ever come, and still the controller
     steps down before its lease may expire, so before another node can be elected."""
 
     async def main():
-        client, observer = Silenced(etcd, timeout=1.0), Etcd(etcd)
-        config = ClusterConfig(etcd, "node-a", "127.0.0.1", lease_ttl=TTL, prefix=PREFIX.decode())
-        membership = Membership(client, config, record("node-a", "127.0.0.1"))
-        await membership.presence.join()
-        async with trio.open_nursery() as nursery:
-            await nursery.start(membership.run)
-            with trio.fail_after(TTL):
-                term = await membership.elected()
-                await membership.presence.renewed.wait()
+        async with elected_on_a_silenceable_client(etcd) as (client, observer, membership, term):
             renewed_at, client.silent = trio.current_time(), True
             with trio.fail_after(2 * TTL):  # before the fix: never (the watch waited on, silent forever)
                 await membership.deposed(term)
             stepped_down_after = trio.current_time() - renewed_at
             still_held = await observer.get(election_key(PREFIX))  # the lease has not expired yet
-            nursery.cancel_scope.cancel()
-        await observer.revoke(membership.presence.lease)
-        await observer.aclose()
         return stepped_down_after, still_held
 
     stepped_down_after, still_held = trio.run(main)
@@ -170,15 +181,7 @@ def test_a_controller_that_stepped_down_by_its_clock_takes_its_term_back_once_et
     key would live on with no controller behind it for as long as the node renews its lease."""
 
     async def main():
-        client, observer = Silenced(etcd, timeout=1.0), Etcd(etcd)
-        config = ClusterConfig(etcd, "node-a", "127.0.0.1", lease_ttl=TTL, prefix=PREFIX.decode())
-        membership = Membership(client, config, record("node-a", "127.0.0.1"))
-        await membership.presence.join()
-        async with trio.open_nursery() as nursery:
-            await nursery.start(membership.run)
-            with trio.fail_after(TTL):
-                term = await membership.elected()
-                await membership.presence.renewed.wait()
+        async with elected_on_a_silenceable_client(etcd) as (client, _observer, membership, term):
             client.silent = True  # the next renewal goes unanswered; the watch hears nothing more
             await trio.sleep_until(membership.presence.authority_until - 0.1)
             client.silent = False  # etcd answers again just before the clock ends the term, the renewal after it
@@ -187,9 +190,6 @@ def test_a_controller_that_stepped_down_by_its_clock_takes_its_term_back_once_et
             with trio.fail_after(2 * TTL):
                 again = await membership.elected()
             authority_left = membership.presence.authority_until - trio.current_time()
-            nursery.cancel_scope.cancel()
-        await observer.revoke(membership.presence.lease)
-        await observer.aclose()
         return term, again, authority_left
 
     term, again, authority_left = trio.run(main)

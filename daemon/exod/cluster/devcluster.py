@@ -114,16 +114,23 @@ def local_cluster(
         _wait(lambda: len(_get(urls[0], "/nodes")["nodes"]) == nodes, "every node to join", 60)
         yield urls
     finally:
-        for daemon in daemons:
-            if daemon.poll() is None:
-                daemon.send_signal(signal.SIGTERM)
-        for daemon in daemons:
-            try:
-                daemon.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
+        stop_nodes(daemons)
         etcd.stop()
+
+
+def stop_nodes(daemons: list[subprocess.Popen[bytes]]) -> None:
+    """Stop every node the graceful way (each drains and reaps its runners), a paused one included; one that
+    has not ended after a minute is killed."""
+    for daemon in daemons:
+        if daemon.poll() is None:
+            daemon.send_signal(signal.SIGCONT)
+            daemon.send_signal(signal.SIGTERM)
+    for daemon in daemons:
+        try:
+            daemon.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
 
 
 def place(url: str, model_id: str, ranks: int, timeout: float = 180.0, nodes: list[str] | None = None) -> dict:
