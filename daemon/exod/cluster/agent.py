@@ -125,7 +125,6 @@ class Agent:
         # spawn it follows). Their spawn is refused when it comes, or else it would run with no one to stop
         # it and its key would keep the next generation from starting. Cleared with the stream.
         self._stopped: set[tuple[str, int]] = set()
-        self._reaped = trio.Event()  # set when a key is to go: it is released at once
 
     async def run(
         self, presence: Presence | None = None, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -183,12 +182,8 @@ class Agent:
                 self._end_session(f"the term {self._term} of its controller is over in etcd")
 
     async def _release_keys_forever(self) -> None:
-        """At once when a runner is reaped (the controller's next generation waits for its key), and every beat
-        while etcd does not answer."""
         while True:
-            with trio.move_on_after(BEAT_S):
-                await self._reaped.wait()
-            self._reaped = trio.Event()
+            await trio.sleep(BEAT_S)
             await self._release_keys()
 
     # -- what the controller asks -------------------------------------------------------------------
@@ -205,9 +200,9 @@ class Agent:
         try:
             self._check_spawn(key, request.stream)  # again: its stream may have ended, or a stop come, meanwhile
         except Refused:
-            if self._presence is not None:
+            if self._presence is not None:  # claimed for nothing: released at once (a next generation waits for it)
                 self._released.add(self._key_of(key))
-                self._reaped.set()
+                await self._release_keys()
             raise
         hostfile = None
         if request.world_size > 1:
@@ -396,7 +391,6 @@ class Agent:
             self.store.forget_process(*key)  # killed by fencing, it never said its exit
             if self._presence is not None:
                 self._released.add(self._key_of(key))
-                self._reaped.set()
         await self._release_keys()
 
 
