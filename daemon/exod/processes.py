@@ -71,11 +71,8 @@ class Processes:
             except AgentUnavailable as exc:
                 self._listener.on_not_started(action.runner_id, gen, exc, host=True)
                 return
-            spec, fleet, recorded = (
-                self._spec(action, None),
-                self.fleet,
-                self._recorded,
-            )  # its agent writes the hostfile
+            spec = self._spec(action, None)  # its agent writes the hostfile on its node
+            fleet, recorded = self.fleet, self._recorded
 
             async def cleared() -> None:  # etcd holds its generation, and no runner of an earlier one
                 if recorded is not None:

@@ -112,7 +112,7 @@ class RemoteProcess:
     ) -> None:
         self.spec, self.link, self.ring, self.instance_id, self.listener = spec, link, ring, instance_id, listener
         self._published = published
-        self._cleared = cleared  # returns once it may run: see `Fleet.cleared`
+        self._cleared = cleared  # returns once it may run: its generation is etcd's, no earlier one is left
         self.pid: int | None = None  # on its node; never reaped from here
         self._commands, self._outbox = trio.open_memory_channel[tuple[p.Command, str | None]](math.inf)
         self._stop = trio.Event()
@@ -137,13 +137,8 @@ class RemoteProcess:
                 self._published(s.runner_id, s.incarnation, ring[s.rank])
             self.link.running[(s.runner_id, s.incarnation)] = self
             body = {"instance_id": self.instance_id, "runner_id": s.runner_id, "incarnation": s.incarnation}
-            body |= {
-                "rank": s.rank,
-                "world_size": s.world_size,
-                "ring": ring,
-                "fault": s.fault,
-                "stream": self.link.stream,
-            }
+            body |= {"rank": s.rank, "world_size": s.world_size, "ring": ring, "fault": s.fault}
+            body["stream"] = self.link.stream  # the agent refuses a spawn whose stream is over
             await self.link.client.spawn(body)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._send_commands)
