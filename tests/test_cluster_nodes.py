@@ -19,7 +19,7 @@ from etcd_harness import run_with_client
 from reliability_report import cluster_fault
 
 from daemon_harness import exod, runner_pids
-from exod.cluster.devcluster import LocalEtcd
+from exod.cluster.devcluster import LocalEtcd, cluster_token_file
 from exod.cluster.etcd_state import EtcdState
 from exod.cluster.membership import DEFAULT_PREFIX
 from exod.cluster.nodes import FENCE_MARGIN, node_key
@@ -41,6 +41,7 @@ url = "{etcd}"
 node_id = "{node}"
 advertise = "{address}"
 lease_ttl = {ttl}
+token_file = "{token}"
 """
 
 
@@ -59,7 +60,8 @@ def start(
     home = tmp_path / f"node-{n}"
     home.mkdir()
     address = address or f"127.0.0.{n}"
-    (home / "exod.toml").write_text(CONFIG.format(etcd=etcd, node=f"node-{n}", address=address, ttl=ttl))
+    token = cluster_token_file(tmp_path)  # every node of the test's cluster holds it
+    (home / "exod.toml").write_text(CONFIG.format(etcd=etcd, node=f"node-{n}", address=address, ttl=ttl, token=token))
     args = ["serve", "--config", str(home / "exod.toml"), "--state-dir", str(home / "state"), "--host", address]
     log = (home / "serve.log").open("wb")
     argv = wrap([sys.executable, "-m", "exod", *args])
@@ -527,6 +529,48 @@ def test_with_an_api_key_every_hop_is_authenticated_and_errors_keep_their_shape(
     assert answered.status_code == 200 and answered.json()["choices"][0]["finish_reason"] in ("length", "stop")
     assert unknown.status_code == 404 and set(unknown.json()["error"]) == {"message", "type", "param", "code"}
     assert looped.status_code == 503 and looped.json()["error"]["code"] == "controller_unavailable"
+
+
+def test_the_agents_obey_only_the_cluster_token_neither_a_stranger_nor_a_client_with_the_api_key(
+    tmp_path, etcd, hf_home
+):
+    """Issue #25's first rows, tried on both nodes, without any credential and with the client's API key: stop
+    a runner, open the report stream (which would take the agent over from its controller), spawn a runner.
+    Each is 401; the instance stays Ready in its generation, no retry charged, its runner processes the same;
+    and the agents' endpoints are not in the client API's document."""
+    env = {**os.environ, "HF_HOME": str(hf_home), "EXOD_API_KEY": "s3cret"}
+    key = {"Authorization": "Bearer s3cret"}
+    daemons = [start(tmp_path, etcd, n, env) for n in (1, 2)]
+    try:
+        until(lambda: nodes(daemons[0][1], key), lambda v: len(v.get("nodes", ())) == 2 and v["controller"], 30)
+        url = daemons[1][1]
+        body = {"model": "exod/tiny-qwen2", "ranks": 2}
+        iid = httpx.post(f"{url}/instances", json=body, headers=key, timeout=30).json()["instance_id"]
+        before = until(lambda: instance_at(url, iid, key), lambda i: i["state"] == "ready", 60)
+        processes = runners_of(iid)
+        runner = before["runners"][1]
+        spawn = {"instance_id": iid, "runner_id": runner["runner_id"], "incarnation": 99, "rank": 1}
+        spawn |= {"world_size": 2, "ring": [], "stream": 1}
+        answers = []
+        for headers in ({}, key):
+            for _, node in daemons:
+                stop = f"{node}/agent/runners/{runner['runner_id']}/{runner['incarnation']}"
+                answers.append(httpx.delete(stop, headers=headers, timeout=10))
+                answers.append(httpx.post(f"{node}/agent/runners", json=spawn, headers=headers, timeout=10))
+                with httpx.stream("GET", f"{node}/agent/reports", headers=headers, timeout=10) as stream:
+                    stream.read()
+                    answers.append(stream)
+        time.sleep(4)  # what a stream held open by a stranger would have done by now: it took the agent over
+        after = instance_at(url, iid, key)
+        still = runners_of(iid)
+        document = httpx.get(f"{url}/openapi.json", headers=key, timeout=10).json()
+    finally:
+        stop_all(daemons)
+    assert [a.status_code for a in answers] == [401] * 12
+    assert all(a.json()["error"]["code"] == "invalid_cluster_token" for a in answers)
+    assert (after["state"], after["generation"], after["attempts"]) == ("ready", before["generation"], 0)
+    assert still == processes and len(processes) == 2
+    assert not [path for path in document["paths"] if path.startswith("/agent")]
 
 
 def test_a_node_that_dies_takes_its_rank_with_it_and_the_next_generation_runs_on_the_live_ones(tmp_path, etcd, hf_home):

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 import fsm
 from exod.cluster.membership import DEFAULT_PREFIX, ClusterConfig
 from exod.cluster.nodes import DEFAULT_TTL
+from exod.cluster.token import read_token
 from exod.host.models import validate_model_id
 from exod.host.supervisor import Timeouts
 from exod.runner.batch import BatchLimits
@@ -101,11 +102,17 @@ class ServeConfig:
     drain_timeout: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
 
     def check_exposure(self) -> None:
-        """Binding beyond loopback needs a bearer token, or an explicit --insecure."""
+        """Binding beyond loopback needs a bearer token, or an explicit --insecure; a cluster node always needs
+        the cluster's token, loopback included: without it any local user could drive its agent."""
         if not is_loopback(self.host) and not self.api_key and not self.insecure:
             raise ConfigError(
                 f"binding {self.host} exposes the API beyond this machine: pass --api-key KEY "
                 "(or set EXOD_API_KEY), or --insecure if that is really intended"
+            )
+        if self.cluster is not None and not self.cluster.token:
+            raise ConfigError(
+                "a cluster node needs the cluster's token, the secret its nodes share: pass --cluster-token-file "
+                "FILE (or [cluster] token_file), the same file on every node; `exod cluster-token FILE` makes one"
             )
 
 
@@ -168,6 +175,7 @@ class _Cluster(BaseModel):
     advertise: str
     lease_ttl: int = Field(DEFAULT_TTL, ge=2)
     prefix: str = DEFAULT_PREFIX
+    token_file: str | None = None  # the cluster's credential (`exod cluster-token FILE` makes one)
 
 
 class _Fault(BaseModel):  # fault injection, for tests: never set by default
@@ -325,8 +333,10 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
 def _cluster(section: _Cluster | None, where: str) -> ClusterConfig | None:
     if section is None:
         return None
+    fields = section.model_dump(exclude={"token_file"})
     try:
-        return ClusterConfig(**section.model_dump())
+        token = "" if section.token_file is None else read_token(Path(section.token_file).expanduser())
+        return ClusterConfig(**fields, token=token)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: [cluster]: {exc}") from exc
 

@@ -183,7 +183,7 @@ def _fleet(membership: Membership, config: ServeConfig) -> Fleet:
     def term() -> int | None:
         return None if membership.term is None else membership.term.revision
 
-    return Fleet(membership.node_id, records, runners, config.api_key, term)
+    return Fleet(membership.node_id, records, runners, membership.config.token, term)
 
 
 def _agent(membership: Membership, config: ServeConfig, store: Store) -> Agent:

@@ -31,6 +31,13 @@ from exod.cli._common import STATE_DIR
 @click.option("--node-id", default=None, help="This node's name in the cluster (default: the host name).")
 @click.option("--advertise", default=None, help="The address the other nodes reach this one at (default: --host).")
 @click.option(
+    "--cluster-token-file",
+    envvar="EXOD_CLUSTER_TOKEN_FILE",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="The cluster's secret, the same file on every node (`exod cluster-token FILE` makes one).",
+)
+@click.option(
     "--place",
     "extra",
     multiple=True,
@@ -50,6 +57,7 @@ def serve(
     cluster_url,
     node_id,
     advertise,
+    cluster_token_file,
     extra,
 ) -> None:
     """Run the daemon: restore state, reap orphans, place, serve the API until SIGINT/SIGTERM."""
@@ -85,8 +93,13 @@ def serve(
         import socket
 
         from exod.cluster.membership import ClusterConfig
+        from exod.cluster.token import ClusterTokenError, read_token
 
         base = cfg.cluster or ClusterConfig(cluster_url, node_id or socket.gethostname(), advertise or cfg.host)
+        try:
+            token = read_token(cluster_token_file) if cluster_token_file else base.token
+        except ClusterTokenError as exc:
+            raise click.BadParameter(str(exc), param_hint="--cluster-token-file") from exc
         cfg = attrs.evolve(
             cfg,
             cluster=attrs.evolve(
@@ -94,6 +107,7 @@ def serve(
                 url=cluster_url or base.url,
                 node_id=node_id or base.node_id,
                 advertise=advertise or base.advertise,
+                token=token,
             ),
         )
     try:
@@ -133,3 +147,17 @@ def cluster_demo(nodes: int, layers: int, ranks: int) -> None:
         run(nodes=nodes, layers=layers, ranks=ranks, announce=click.echo)
     except DevClusterError as exc:
         raise click.ClickException(str(exc)) from exc
+
+
+@click.command("cluster-token")
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+def cluster_token(path: Path) -> None:
+    """Write a new cluster token to PATH (readable by you alone): give every node of the cluster a copy, as
+    --cluster-token-file. Nodes authenticate to each other with it; clients never hold it."""
+    from exod.cluster.token import ClusterTokenError, write_token
+
+    try:
+        write_token(path)
+    except (ClusterTokenError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"wrote a new cluster token to {path}: copy it to every node (mode 600), pass --cluster-token-file")

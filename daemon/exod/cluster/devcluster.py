@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 import fsm
+from exod.cluster.token import write_token
 from exod.host.ring import free_ports
 
 MODEL = "exod/tiny-qwen2"
@@ -210,11 +211,12 @@ def start_node(
 ) -> str:
     """Start node ``node-n`` (advertising 127.0.0.n, or ``address``; its command line run by ``wrap``, inside a
     network namespace say) and append its process to ``daemons``; its API URL once it serves. A non-loopback
-    address needs ``api_key``."""
+    address needs ``api_key``. Every node under ``root`` shares its cluster token (`cluster_token_file`)."""
     home = root / f"node-{n}"
     home.mkdir()
     address = address or f"127.0.0.{n}"
     config = f'[daemon]\nport = 0\noffline = true\n\n[cluster]\nurl = "{etcd}"\nnode_id = "node-{n}"\n'
+    config += f'token_file = "{cluster_token_file(root)}"\n'
     config += f'advertise = "{address}"\n' + (f"lease_ttl = {lease_ttl}\n" if lease_ttl else "")
     (home / "exod.toml").write_text(config)
     args = [sys.executable, "-m", "exod", "serve", "--config", str(home / "exod.toml")]
@@ -224,6 +226,14 @@ def start_node(
         daemons.append(subprocess.Popen(wrap(args), stdout=log, stderr=subprocess.STDOUT, env=env))
     _wait(lambda: (home / "state" / "daemon.json").exists(), f"node-{n} to serve", 60, daemons[-1], home)
     return json.loads((home / "state" / "daemon.json").read_text())["url"]
+
+
+def cluster_token_file(root: Path) -> Path:
+    """The cluster token of the nodes under ``root``, made on first use."""
+    path = root / "cluster.token"
+    if not path.exists():
+        write_token(path)
+    return path
 
 
 def _get(url: str, path: str) -> dict:

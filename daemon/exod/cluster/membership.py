@@ -34,6 +34,7 @@ class ClusterConfig:
     advertise: str
     lease_ttl: int = attrs.field(default=DEFAULT_TTL, validator=attrs.validators.ge(2))
     prefix: str = DEFAULT_PREFIX
+    token: str = attrs.field(default="", repr=False)  # the cluster's credential (`exod.cluster.token`)
 
 
 class Membership:
