@@ -573,6 +573,45 @@ def test_the_agents_obey_only_the_cluster_token_neither_a_stranger_nor_a_client_
     assert not [path for path in document["paths"] if path.startswith("/agent")]
 
 
+def test_forged_and_malformed_node_records_in_etcd_break_nothing_and_win_no_placement(tmp_path, etcd, hf_home):
+    """Issue #25's rows on etcd's records, on real daemons: records written by hand (not JSON, extra keys, a
+    list, nonsense or unbounded numbers, a claim of 10 PB) made /nodes, placement and follower chat answer 500,
+    or drew rank 0 — and with it the client's key — to a forged node. Now each is skipped and counted."""
+    from test_election import FORGED
+
+    env = {**os.environ, "HF_HOME": str(hf_home)}
+    daemons = [start(tmp_path, etcd, n, env) for n in (1, 2)]
+
+    async def forge(client):
+        lease = await client.grant(60)
+        for n, raw in enumerate(FORGED.values()):
+            await client.put(node_key(DEFAULT_PREFIX.encode(), f"forged-{n}"), raw, lease=lease)
+        return lease
+
+    try:
+        view = until(lambda: nodes(daemons[0][1]), lambda v: len(v["nodes"]) == 2 and v["controller"], 30)
+        lease = run_with_client(etcd, forge)
+        follower = next(n["api_url"] for n in view["nodes"] if not n["controller"])
+        listed = [httpx.get(f"{url}/nodes", timeout=10) for _, url in daemons]
+        placed = httpx.post(f"{follower}/instances", json={"model": "exod/tiny-qwen2", "ranks": 1}, timeout=30)
+        iid = placed.json()["instance_id"]
+        ready = until(lambda: instance_at(follower, iid), lambda i: i["state"] == "ready", 60)
+        chat = {"model": "exod/tiny-qwen2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        answered = httpx.post(f"{follower}/v1/chat/completions", json=chat, timeout=60)
+        metrics = httpx.get(f"{follower}/metrics", timeout=10).text
+        run_with_client(etcd, lambda client: client.revoke(lease))
+    finally:
+        stop_all(daemons)
+    assert [r.status_code for r in listed] == [200, 200]
+    assert all(sorted(n["node_id"] for n in r.json()["nodes"]) == ["node-1", "node-2"] for r in listed)
+    assert placed.status_code == 201 and ready["runners"][0]["node"] in ("node-1", "node-2")
+    assert answered.status_code == 200
+    skipped = next(
+        line for line in metrics.splitlines() if line.startswith('exod_etcd_values_skipped_total{kind="node"}')
+    )
+    assert float(skipped.split()[-1]) >= len(FORGED)
+
+
 def test_a_node_that_dies_takes_its_rank_with_it_and_the_next_generation_runs_on_the_live_ones(tmp_path, etcd, hf_home):
     """Its report stream breaks: the rank is lost as the host's failure (no retry charged); once its lease
     expired the instance is placed again on the nodes that are left, and serves."""

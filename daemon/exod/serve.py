@@ -45,6 +45,7 @@ from exod.cluster.nodes import NodeRecord, list_nodes, live_runners
 from exod.cluster.remote import Fleet
 from exod.config import ServeConfig, free_memory
 from exod.controller import Controller, StoreUnavailable
+from exod.host.models import ModelFiles
 from exod.host.orphans import reap_orphans
 from exod.state.sqlite import Store
 from exod.state.statedir import AlreadyRunning as AlreadyRunning  # re-exported: callers catch it from here too
@@ -78,8 +79,10 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
             # in a cluster, a follower until elected: nothing to write (`_lead` gives it etcd's state, guarded)
             state = SqliteState(store) if membership is None else _cluster_state(membership, config, None)
             fleet = None if membership is None else _fleet(membership, config)
-            agent = None if membership is None else _agent(membership, config, store)
-            controller = Controller(config.daemon, store, state=state, fleet=fleet)
+            c = config.daemon
+            models = ModelFiles(hf_home=c.hf_home, offline=c.offline, timeout=c.download_timeout)  # the node's
+            agent = None if membership is None else _agent(membership, config, store, models)
+            controller = Controller(config.daemon, store, state=state, fleet=fleet, models=models)
             wanted = [(p.model or controller.register_local_model(p.path), p.ranks) for p in config.placements]
             if membership is None:
                 await _restore(controller, state)
@@ -175,10 +178,10 @@ async def _place_configured(controller: Controller, wanted: list[tuple[str, int]
 
 def _fleet(membership: Membership, config: ServeConfig) -> Fleet:
     async def records() -> list[NodeRecord]:
-        return [node.record for node in await list_nodes(membership.etcd, membership.prefix)]
+        return [node.record for node in await list_nodes(membership.etcd, membership.prefix, membership.malformed)]
 
     async def runners() -> dict[str, set[tuple[str, int]]]:
-        return await live_runners(membership.etcd, membership.prefix)
+        return await live_runners(membership.etcd, membership.prefix, membership.malformed)
 
     def term() -> int | None:
         return None if membership.term is None else membership.term.revision
@@ -186,14 +189,14 @@ def _fleet(membership: Membership, config: ServeConfig) -> Fleet:
     return Fleet(membership.node_id, records, runners, membership.config.token, term)
 
 
-def _agent(membership: Membership, config: ServeConfig, store: Store) -> Agent:
+def _agent(membership: Membership, config: ServeConfig, store: Store, models: ModelFiles) -> Agent:
     """This node's agent; the runners a killed daemon's agent left are reaped first."""
     reaped = reap_orphans(store.processes())
     for record in store.processes():
         store.forget_process(record.runner_id, record.incarnation)
     if reaped:
         log.warning("reaped %d runner(s) left by a previous daemon", len(reaped))
-    return Agent(config.daemon, store, membership.presence.record.address)
+    return Agent(config.daemon, store, membership.presence.record.address, models=models)
 
 
 def _cluster_state(membership: Membership, config: ServeConfig, term: Term | None) -> EtcdState:

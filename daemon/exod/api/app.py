@@ -98,7 +98,7 @@ def create_app(
         if not cluster_token:
             raise ValueError("a cluster node's agent needs the cluster's token (`exod cluster-token`)")
         app.include_router(agent_router(agent), dependencies=node_authentication(cluster_token))
-    metrics = Metrics(controller)
+    metrics = Metrics(controller, None if membership is None else membership.malformed)
     for dialect in (chat, completions, messages, responses_api):
         app.include_router(dialect.router(controller, metrics, max_tokens_ceiling), dependencies=authenticated)
     app.include_router(health.router(controller, metrics, membership, authenticated))  # /health: without the key

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
 
 class Metrics:
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: Controller, malformed: Tally[str] | None = None) -> None:
+        """``malformed``: in a cluster, the values read from etcd that were skipped as not exod's, by kind."""
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "exod_requests", "Chat completion requests by outcome", ["model", "outcome"], registry=self.registry
@@ -57,6 +58,8 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_StateCollector(controller))
+        if malformed is not None:
+            self.registry.register(_MalformedCollector(malformed))
 
     def finished(self, model: str, done: g.Done) -> None:
         """One generation ended: how it was batched, what the prompt cache gave it."""
@@ -65,6 +68,19 @@ class Metrics:
             self.cache_hits.labels(model).inc()
             self.cache_tokens.labels(model).inc(done.cached_tokens)
         self.cache_bytes.labels(model).set(done.prompt_cache_bytes)
+
+
+class _MalformedCollector(Collector):
+    def __init__(self, malformed: Tally[str]) -> None:
+        self.malformed = malformed
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        skipped = CounterMetricFamily(
+            "exod_etcd_values_skipped", "Values read from etcd and skipped as not exod's, by kind", labels=["kind"]
+        )
+        for kind in ("node", "runner"):
+            skipped.add_metric([kind], self.malformed.get(kind, 0))
+        yield skipped
 
 
 class _StateCollector(Collector):

@@ -131,9 +131,20 @@ class CommandRequest(BaseModel):
 class Agent:
     """The runners this node runs for the cluster's controller, and the stream of what they report."""
 
-    def __init__(self, config: AgentConfig, store: Store, advertise: str, *, spawn: FencedSpawn = Supervisor) -> None:
+    def __init__(
+        self,
+        config: AgentConfig,
+        store: Store,
+        advertise: str,
+        *,
+        spawn: FencedSpawn = Supervisor,
+        models: ModelFiles | None = None,
+    ) -> None:
+        """``models``: this node's model files, the controller's on this node too (local directories it named)."""
         self.config, self.store, self.advertise, self._spawn = config, store, advertise, spawn
-        self.models = ModelFiles(hf_home=config.hf_home, offline=config.offline, timeout=config.download_timeout)
+        self.models = models or ModelFiles(
+            hf_home=config.hf_home, offline=config.offline, timeout=config.download_timeout
+        )
         self._running: dict[tuple[str, int], FencedProcess] = {}
         self._scopes: dict[tuple[str, int], trio.CancelScope] = {}  # cancelling one kills its runner at once
         self._stream: trio.MemorySendChannel[bytes] | None = None

@@ -10,6 +10,7 @@ controller or not, and the term to guard its writes with — is read from `term`
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +51,7 @@ class Membership:
         self.presence = Presence(etcd, self.prefix, record, ttl=config.lease_ttl, refresh=refresh)
         self._term: Term | None = None
         self._term_changed = trio.Event()
+        self.malformed: Counter[str] = Counter()  # values in etcd skipped as not exod's, by kind (`/metrics`)
 
     @property
     def term(self) -> Term | None:
@@ -134,13 +136,13 @@ class Membership:
     async def controller(self) -> tuple[str | None, str | None]:
         """The controller's node id and API URL, as etcd has them (None where there is none yet)."""
         node_id = await leader(self.etcd, self.prefix)
-        urls = {n.record.node_id: n.record.api_url for n in await list_nodes(self.etcd, self.prefix)}
+        urls = {n.record.node_id: n.record.api_url for n in await list_nodes(self.etcd, self.prefix, self.malformed)}
         return node_id, urls.get(node_id) if node_id is not None else None
 
     async def nodes(self) -> dict[str, Any]:
         """Every live node, which one is the controller, and this node's id: the cluster as etcd has it."""
         controller = await leader(self.etcd, self.prefix)
-        members = await list_nodes(self.etcd, self.prefix)
+        members = await list_nodes(self.etcd, self.prefix, self.malformed)
         return {
             "cluster": self.config.url,
             "node_id": self.node_id,
