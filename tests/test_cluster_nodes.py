@@ -315,6 +315,31 @@ def test_through_a_short_etcd_outage_the_controller_keeps_serving_its_instances(
     )
 
 
+def test_through_a_short_etcd_outage_a_follower_forwards_to_the_controller_it_last_saw(tmp_path, etcd_server, hf_home):
+    """Issue #25: every chat sent to a follower was 503 while etcd was away for 3 s (it looks the controller up
+    in etcd for each request). It forwards to the controller it last saw, for as long as that one's term can
+    be alive (its lease's TTL since), as the controller itself keeps serving meanwhile."""
+    ttl = 10
+    env = {**os.environ, "HF_HOME": str(hf_home)}
+    daemons = [start(tmp_path, etcd_server.url, n, env, ttl=ttl) for n in (1, 2)]
+    try:
+        view = until(lambda: nodes(daemons[0][1]), lambda v: len(v["nodes"]) == 2 and v["controller"], 30)
+        follower = next(n["api_url"] for n in view["nodes"] if not n["controller"])
+        placed = httpx.post(f"{follower}/instances", json={"model": "exod/tiny-qwen2", "ranks": 1}, timeout=30)
+        until(lambda: instance_at(follower, placed.json()["instance_id"]), lambda i: i["state"] == "ready", 60)
+        chat = {"model": "exod/tiny-qwen2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        httpx.post(f"{follower}/v1/chat/completions", json=chat, timeout=30)  # the follower has seen its controller
+        etcd_server.stop()
+        stopped_at = time.monotonic()
+        during = httpx.post(f"{follower}/v1/chat/completions", json=chat, timeout=30)
+        answered_within = time.monotonic() - stopped_at
+        etcd_server.start()
+    finally:
+        stop_all(daemons)
+    assert during.status_code == 200, during.text
+    assert answered_within < ttl  # within the window the controller's term can be alive
+
+
 def test_a_controller_cut_off_from_etcd_past_its_lease_stops_its_runners_then_resumes(tmp_path, etcd_server, hf_home):
     """Fencing: past its lease (less a margin) another node may be elected, so its runners must be gone;
     back in touch, it is elected again and resumes the instance from etcd in a new generation."""
