@@ -17,8 +17,10 @@ import httpx
 import pytest
 from etcd_harness import run_with_client
 from reliability_report import cluster_fault
+from test_degraded import fill
+from test_degraded import small_disk as small_disk  # a fixture: a 4 MiB tmpfs
 
-from daemon_harness import exod, runner_pids
+from daemon_harness import exod, runner_pid, runner_pids
 from exod.cluster.devcluster import LocalEtcd, cluster_token_file
 from exod.cluster.etcd_state import EtcdState
 from exod.cluster.membership import DEFAULT_PREFIX
@@ -54,24 +56,27 @@ def start(
     *,
     address: str | None = None,
     wrap: Callable[[list[str]], list[str]] = list,
+    state: Path | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """Node ``node-n``'s daemon, advertising 127.0.0.n (or ``address``), its command line run by ``wrap``
-    (inside a network namespace, say); its process and API URL once it serves."""
+    (inside a network namespace, say), its state in ``state`` (default: under its home); its process and API
+    URL once it serves."""
     home = tmp_path / f"node-{n}"
     home.mkdir()
     address = address or f"127.0.0.{n}"
     token = cluster_token_file(tmp_path)  # every node of the test's cluster holds it
     (home / "exod.toml").write_text(CONFIG.format(etcd=etcd, node=f"node-{n}", address=address, ttl=ttl, token=token))
-    args = ["serve", "--config", str(home / "exod.toml"), "--state-dir", str(home / "state"), "--host", address]
+    state = state or home / "state"
+    args = ["serve", "--config", str(home / "exod.toml"), "--state-dir", str(state), "--host", address]
     log = (home / "serve.log").open("wb")
     argv = wrap([sys.executable, "-m", "exod", *args])
     daemon = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 60
-    while not (home / "state" / "daemon.json").exists():
+    while not (state / "daemon.json").exists():
         assert daemon.poll() is None, (home / "serve.log").read_text()
         assert time.monotonic() < deadline, (home / "serve.log").read_text()
         time.sleep(0.05)
-    return daemon, json.loads((home / "state" / "daemon.json").read_text())["url"]
+    return daemon, json.loads((state / "daemon.json").read_text())["url"]
 
 
 def stop_all(daemons: list[tuple[subprocess.Popen[bytes], str]]) -> list[int]:
@@ -635,6 +640,43 @@ def test_forged_and_malformed_node_records_in_etcd_break_nothing_and_win_no_plac
         line for line in metrics.splitlines() if line.startswith('exod_etcd_values_skipped_total{kind="node"}')
     )
     assert float(skipped.split()[-1]) >= len(FORGED)
+
+
+def test_a_node_whose_disk_is_full_degrades_and_supervises_on_never_ends(tmp_path, etcd, hf_home, small_disk):
+    """Issue #25: a node's state dir full, one of its runners killed: its daemon exited (the disk's error out of
+    the agent's supervisor). It says it is degraded (its /health, its record in /nodes) and goes on; the kill
+    is charged once, as the runner's own failure, while the node's refusals to start a runner on a full disk
+    are the host's (uncharged). With space back, the node is whole and the instance Ready again."""
+    env = {**os.environ, "HF_HOME": str(hf_home)}
+    daemons = [start(tmp_path, etcd, 1, env)]
+    until(lambda: nodes(daemons[0][1]), lambda v: v["controller"] == "node-1", 30)
+    daemons.append(start(tmp_path, etcd, 2, env, state=small_disk / "state"))
+    url, full = daemons[0][1], daemons[1][1]
+    filler = small_disk / "filler"
+    try:
+        until(lambda: nodes(url), lambda v: len(v["nodes"]) == 2, 30)
+        body = {"model": "exod/tiny-qwen2", "ranks": 2, "nodes": ["node-1", "node-2"]}
+        iid = httpx.post(f"{url}/instances", json=body, timeout=30).json()["instance_id"]
+        before = until(lambda: instance_at(url, iid), lambda i: i["state"] == "ready", 60)
+        fill(filler)
+        os.kill(runner_pid(1), signal.SIGKILL)  # node-2's rank: its agent must write that it is gone
+        health = until(lambda: httpx.get(f"{full}/health", timeout=10).json(), lambda h: h["status"] != "ok", 30)
+        listed = until(
+            lambda: nodes(url), lambda v: any(n["degraded"] for n in v["nodes"] if n["node_id"] == "node-2"), 30
+        )
+        alive = daemons[1][0].poll() is None
+        filler.unlink()
+        whole = until(lambda: httpx.get(f"{full}/health", timeout=10).json(), lambda h: h["status"] == "ok", 30)
+        after = until(
+            lambda: instance_at(url, iid),
+            lambda i: i["state"] == "ready" and i["generation"] > before["generation"],
+            120,
+        )
+    finally:
+        stop_all(daemons)
+    assert alive and "disk is full" in health["reason"]
+    assert "disk is full" in next(n["degraded"] for n in listed["nodes"] if n["node_id"] == "node-2")
+    assert whole["status"] == "ok" and after["attempts"] == before["attempts"] + 1
 
 
 def test_a_node_that_dies_takes_its_rank_with_it_and_the_next_generation_runs_on_the_live_ones(tmp_path, etcd, hf_home):

@@ -75,13 +75,13 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
         sockets = bind(config)  # first: a port in use is one line, with nothing started and no state written
         store = Store.open(config.daemon.db_path, retention=config.daemon.retention)
         try:
-            membership = await _join(config)
+            c = config.daemon
+            models = ModelFiles(hf_home=c.hf_home, offline=c.offline, timeout=c.download_timeout)  # the node's
+            agent = None if config.cluster is None else _agent(config, store, models)
+            membership = await _join(config, agent)
             # in a cluster, a follower until elected: nothing to write (`_lead` gives it etcd's state, guarded)
             state = SqliteState(store) if membership is None else _cluster_state(membership, config, None)
             fleet = None if membership is None else _fleet(membership, config)
-            c = config.daemon
-            models = ModelFiles(hf_home=c.hf_home, offline=c.offline, timeout=c.download_timeout)  # the node's
-            agent = None if membership is None else _agent(membership, config, store, models)
             controller = Controller(config.daemon, store, state=state, fleet=fleet, models=models)
             wanted = [(p.model or controller.register_local_model(p.path), p.ranks) for p in config.placements]
             if membership is None:
@@ -189,14 +189,15 @@ def _fleet(membership: Membership, config: ServeConfig) -> Fleet:
     return Fleet(membership.node_id, records, runners, membership.config.token, term)
 
 
-def _agent(membership: Membership, config: ServeConfig, store: Store, models: ModelFiles) -> Agent:
+def _agent(config: ServeConfig, store: Store, models: ModelFiles) -> Agent:
     """This node's agent; the runners a killed daemon's agent left are reaped first."""
     reaped = reap_orphans(store.processes())
     for record in store.processes():
         store.forget_process(record.runner_id, record.incarnation)
     if reaped:
         log.warning("reaped %d runner(s) left by a previous daemon", len(reaped))
-    return Agent(config.daemon, store, membership.presence.record.address, models=models)
+    assert config.cluster is not None
+    return Agent(config.daemon, store, config.cluster.advertise, models=models)
 
 
 def _cluster_state(membership: Membership, config: ServeConfig, term: Term | None) -> EtcdState:
@@ -232,7 +233,7 @@ async def _lead(controller: Controller, membership: Membership, config: ServeCon
         await membership.deposed(term)
 
 
-async def _join(config: ServeConfig) -> Membership | None:
+async def _join(config: ServeConfig, agent: Agent | None) -> Membership | None:
     """With ``--cluster``: this node's record in etcd, under its lease (`ClusterUnavailable` if etcd is not there)."""
     if config.cluster is None:
         return None
@@ -241,9 +242,11 @@ async def _join(config: ServeConfig) -> Membership | None:
     c, total = config.cluster, config.daemon.memory_bytes
 
     def refresh(record: NodeRecord) -> NodeRecord:
-        """What changes about a node while it runs: the memory it has free, the models in its cache."""
+        """What changes about a node while it runs: the memory it has free, the models in its cache, why it
+        is degraded (its disk refuses the record of its runners)."""
         models = tuple(sorted({m.repo_id for m in list_cached_models(config.daemon.hf_home)}))
-        return attrs.evolve(record, memory_free=min(free_memory(), total), models=models)
+        degraded = "" if agent is None or agent.book.error is None else agent.book.error
+        return attrs.evolve(record, memory_free=min(free_memory(), total), models=models, degraded=degraded)
 
     blank = NodeRecord(c.node_id, c.advertise, api_url="", memory_total=total, memory_free=0, version=fsm.__version__)
     membership = Membership(Etcd(c.url), c, refresh(blank), refresh)

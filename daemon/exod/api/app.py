@@ -101,7 +101,7 @@ def create_app(
     metrics = Metrics(controller, None if membership is None else membership.malformed)
     for dialect in (chat, completions, messages, responses_api):
         app.include_router(dialect.router(controller, metrics, max_tokens_ceiling), dependencies=authenticated)
-    app.include_router(health.router(controller, metrics, membership, authenticated))  # /health: without the key
+    app.include_router(health.router(controller, metrics, membership, authenticated, agent))  # /health: no key
     app.include_router(instances.router(controller, membership), dependencies=authenticated)
     app.include_router(diagrams.router(controller), dependencies=authenticated)
     app.include_router(events.router(controller), dependencies=authenticated)

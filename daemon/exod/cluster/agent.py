@@ -48,6 +48,7 @@ from exod.runner import protocol as p
 from exod.runner.batch import BatchLimits
 from exod.runner.faults import FaultSpec
 from exod.state import retention
+from exod.state.process_book import ProcessBook
 from exod.state.retention import Retention
 from exod.state.sqlite import ProcessRecord, Store
 
@@ -142,6 +143,7 @@ class Agent:
     ) -> None:
         """``models``: this node's model files, the controller's on this node too (local directories it named)."""
         self.config, self.store, self.advertise, self._spawn = config, store, advertise, spawn
+        self.book = ProcessBook(store)  # its runners' pids; a full disk degrades the node, never ends it
         self.models = models or ModelFiles(
             hf_home=config.hf_home, offline=config.offline, timeout=config.download_timeout
         )
@@ -215,9 +217,11 @@ class Agent:
                 self._end_session(f"the term {self._term} of its controller is over in etcd")
 
     async def _release_keys_forever(self) -> None:
+        """Every beat: the keys of reaped runners etcd did not take yet, the records the disk did not."""
         while True:
             await trio.sleep(BEAT_S)
             await self._release_keys()
+            self.book.retry()
 
     # -- what the controller asks -------------------------------------------------------------------
 
@@ -236,7 +240,10 @@ class Agent:
         await self._claim(key)  # in etcd first: no process runs that the controller could not know of
         try:
             self._check_spawn(key, request.stream)  # again: its stream may have ended, or a stop come, meanwhile
-            self._start(key, request)
+            try:
+                self._start(key, request)
+            except OSError as exc:  # a full disk, say: the host's failure, said as such
+                raise Refused(503, f"this node cannot prepare the runner's files: {exc}") from exc
         except BaseException:
             if self._presence is not None:  # claimed for nothing
                 self._released.add(self._key_of(key))
@@ -452,7 +459,7 @@ class Agent:
             self._running.pop(key, None)
             self._scopes.pop(key, None)
             self._generations.ended(instance_id, spec.incarnation)
-            self.store.forget_process(*key)  # killed by fencing, it never said its exit
+            self.book.forget(*key)  # killed by fencing, it never said its exit
             if self._presence is not None:
                 self._released.add(self._key_of(key))
         await self._release_keys()
@@ -466,7 +473,7 @@ class _Forward:
         self.agent, self.session = agent, session
 
     def on_spawned(self, spec: RunnerSpec, pid: int) -> None:
-        self.agent.store.record_process(ProcessRecord(spec.runner_id, spec.incarnation, pid, start_ticks(pid) or 0))
+        self.agent.book.record(ProcessRecord(spec.runner_id, spec.incarnation, pid, start_ticks(pid) or 0))
         self.agent._send(self.session, {"kind": "spawned", **_key(spec), "pid": pid})
 
     def on_report(self, spec: RunnerSpec, report: p.Report) -> None:
@@ -476,7 +483,7 @@ class _Forward:
         self.agent._send(self.session, {"kind": "stall", **_key(spec), "phase": phase, "seconds": seconds})
 
     def on_exit(self, spec: RunnerSpec, exit_code: int, stderr_tail: str, stop_delivered: bool) -> None:
-        self.agent.store.forget_process(spec.runner_id, spec.incarnation)
+        self.agent.book.forget(spec.runner_id, spec.incarnation)
         event = {"kind": "exit", **_key(spec), "exit_code": exit_code, "tail": stderr_tail, "stopped": stop_delivered}
         self.agent._send(self.session, event)
 

@@ -47,6 +47,7 @@ class _RecordSchema(BaseModel):
     memory_free: int = Field(..., ge=0, le=MAX_MEMORY)
     models: list[str] = Field([], max_length=10_000)
     version: str = Field("", max_length=100)
+    degraded: str = Field("", max_length=1000)
 
 
 @attrs.frozen
@@ -58,6 +59,7 @@ class NodeRecord:
     memory_free: int
     models: tuple[str, ...] = ()
     version: str = ""
+    degraded: str = ""  # why the node cannot write its state now (its disk), or ""
 
     def to_json(self) -> bytes:
         return json.dumps(attrs.asdict(self), sort_keys=True).encode()
