@@ -56,11 +56,20 @@ def test_file_values_and_cli_overrides(tmp_path):
         ('[[place]]\nmodel = "a/b"\npath = "/x"\n', "exactly one of"),
         ('[[place]]\nmodel = "a/b"\nranks = 0\n', "ranks"),
         ("[daemon\n", "not valid TOML"),
+        ("[timeouts]\nconnect = inf\n", r"\[timeouts\] connect: input should be a finite number"),  # no watchdog
+        ("[retry]\nfactor = nan\n", r"\[retry\] factor: input should be a finite number"),
     ],
 )
 def test_mistakes_are_named(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):
         load(write(tmp_path, text))
+
+
+def test_a_file_that_is_not_utf8_is_refused_saying_so_never_a_traceback(tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes('[daemon]\nhost = "café"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load(path)
 
 
 def test_missing_file(tmp_path):

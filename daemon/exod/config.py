@@ -129,7 +129,7 @@ def is_loopback(host: str) -> bool:
 
 # The file's schema, checked by pydantic: unknown sections and keys, and wrong types, are errors that name them
 # (strict: `offline = "no"` is not true, `host = 5` is not a host). What the values mean is checked after.
-_STRICT = ConfigDict(extra="forbid", strict=True)
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # `inf` would switch a watchdog off
 Positive = Annotated[float, Field(gt=0)]
 Whole = Annotated[int, Field(ge=1)]
 
@@ -263,10 +263,12 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
     """Read ``path`` (default: the embedded default.toml) and apply CLI ``overrides`` (None = not given)."""
     where = str(path) if path else "the embedded default configuration"
     try:
-        text = path.read_text() if path else resources.files("exod").joinpath("default.toml").read_text()
+        text = (path or resources.files("exod").joinpath("default.toml")).read_text(encoding="utf-8")
         data = tomllib.loads(text)
     except OSError as exc:
         raise ConfigError(f"cannot read {where}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where} is not UTF-8 text, as TOML must be (byte {exc.start}: {exc.reason})") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{where} is not valid TOML: {exc}") from exc
     try:
