@@ -49,10 +49,11 @@ from exod.host.models import ModelFiles
 from exod.host.orphans import reap_orphans
 from exod.state.sqlite import Store
 from exod.state.statedir import AlreadyRunning as AlreadyRunning  # re-exported: callers catch it from here too
-from exod.state.statedir import state_dir_lock, write_private
+from exod.state.statedir import HeldDir, StateDirError, state_dir_lock, write_private
 from exod.state.store import SqliteState, StateStore, StateUnavailable
 
 log = logging.getLogger("exod.serve")
+STATE_DIR_CHECK_S = 1.0  # how often the daemon checks that its state directory is still the one it holds
 
 
 class ClusterUnavailable(RuntimeError):
@@ -71,7 +72,7 @@ def daemon_address(state_dir: Path) -> str | None:
 
 async def serve(config: ServeConfig, *, announce=print) -> None:
     state_dir = config.daemon.state_dir
-    with state_dir_lock(state_dir):
+    with state_dir_lock(state_dir) as held:
         sockets = bind(config)  # first: a port in use is one line, with nothing started and no state written
         store = Store.open(config.daemon.db_path, retention=config.daemon.retention)
         try:
@@ -123,12 +124,11 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                     "  stop: Ctrl-C (requests in progress finish, then every runner is stopped and reaped)"
                 )
                 with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async for signum in signals:
-                        announce(
-                            f"exod: {signal.Signals(signum).name} received: taking no new requests, letting those "
-                            f"in progress finish (at most {config.drain_timeout:g} s; signal again to end them now)"
-                        )
-                        break
+                    why = await _until_asked_to_stop(signals, held)
+                    announce(
+                        f"exod: {why}: taking no new requests, letting those in progress finish "
+                        f"(at most {config.drain_timeout:g} s; signal again to end them now)"
+                    )
                     async with trio.open_nursery() as stopping:  # signals stay caught until the runners are reaped
                         stopping.start_soon(_hurry_on_signal, signals, drain, announce)
                         ended = await drain.run(config.drain_timeout, controller.requests.fail_all)
@@ -140,9 +140,12 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                             await membership.leave()
                         stopping.cancel_scope.cancel()
                 nursery.cancel_scope.cancel()
+            if (gone := held.replaced()) is not None:
+                raise StateDirError(f"{gone}; this daemon stopped its runners: start exod again to use the new one")
         finally:
-            with contextlib.suppress(OSError):
-                (state_dir / "daemon.json").unlink()
+            if held.replaced() is None:  # a daemon on a new directory at the path has its own
+                with contextlib.suppress(OSError):
+                    (state_dir / "daemon.json").unlink()
             store.close()
 
 
@@ -255,6 +258,32 @@ async def _join(config: ServeConfig, agent: Agent | None) -> Membership | None:
     except EtcdError as exc:
         raise ClusterUnavailable(f"cannot join the cluster: {exc}. Is etcd running at {c.url}?") from exc
     return membership
+
+
+async def _until_asked_to_stop(signals: AsyncIterator[int], held: HeldDir) -> str:
+    """Until SIGINT/SIGTERM, or until the state directory is not the one held any more (removed, replaced:
+    a second daemon could start on the path, with none of this one's state, while this one runs on); why."""
+    why = ""
+    async with trio.open_nursery() as waiting:
+
+        async def signalled() -> None:
+            nonlocal why
+            async for signum in signals:
+                why = f"{signal.Signals(signum).name} received"
+                break
+            waiting.cancel_scope.cancel()
+
+        async def directory() -> None:
+            nonlocal why
+            while (gone := held.replaced()) is None:
+                await trio.sleep(STATE_DIR_CHECK_S)
+            log.error("%s: stopping", gone)
+            why = gone
+            waiting.cancel_scope.cancel()
+
+        waiting.start_soon(signalled)
+        waiting.start_soon(directory)
+    return why
 
 
 async def _hurry_on_signal(signals: AsyncIterator[int], drain: Drain, announce: Callable[[str], object]) -> None:
