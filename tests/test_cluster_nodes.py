@@ -57,6 +57,7 @@ def start(
     address: str | None = None,
     wrap: Callable[[list[str]], list[str]] = list,
     state: Path | None = None,
+    extra_cluster: str = "",
 ) -> tuple[subprocess.Popen[bytes], str]:
     """Node ``node-n``'s daemon, advertising 127.0.0.n (or ``address``), its command line run by ``wrap``
     (inside a network namespace, say), its state in ``state`` (default: under its home); its process and API
@@ -65,7 +66,8 @@ def start(
     home.mkdir()
     address = address or f"127.0.0.{n}"
     token = cluster_token_file(tmp_path)  # every node of the test's cluster holds it
-    (home / "exod.toml").write_text(CONFIG.format(etcd=etcd, node=f"node-{n}", address=address, ttl=ttl, token=token))
+    config = CONFIG.format(etcd=etcd, node=f"node-{n}", address=address, ttl=ttl, token=token) + extra_cluster
+    (home / "exod.toml").write_text(config)
     state = state or home / "state"
     args = ["serve", "--config", str(home / "exod.toml"), "--state-dir", str(state), "--host", address]
     log = (home / "serve.log").open("wb")
@@ -250,7 +252,9 @@ def test_serve_without_its_etcd_says_so_and_exits(tmp_path):
     home = tmp_path / "node-1"
     home.mkdir()
     (home / "exod.toml").write_text(
-        CONFIG.format(etcd="http://127.0.0.1:9", node="node-1", address="127.0.0.1", ttl=TTL)
+        CONFIG.format(
+            etcd="http://127.0.0.1:9", node="node-1", address="127.0.0.1", ttl=TTL, token=cluster_token_file(tmp_path)
+        )
     )
     done = subprocess.run(
         [sys.executable, "-m", "exod", "serve", "--config", str(home / "exod.toml"), "--state-dir", str(home / "s")],
@@ -1049,3 +1053,37 @@ def test_a_controller_cut_from_etcd_alone_steps_down_and_commands_nothing_more(t
         f"{after['generation']} Ready on node-2, still so a lease later and after the heal; attempts "
         f"{after['attempts']}, never two generations alive (lease TTL {PARTITION_TTL} s)",
     )
+
+
+def test_a_node_on_a_secured_etcd_joins_serves_and_its_log_replays(tmp_path, secure_etcd, hf_home):
+    """The README's secured set-up, end to end: `[cluster]` names the CA, the certificate, the user and the
+    password file; the node is elected, places, answers; `exod replay --cluster` reads the log with the same
+    options. Without them the node says why it cannot join and exits."""
+
+    s = secure_etcd.security
+    secured = (
+        f'etcd_ca = "{s.ca}"\netcd_cert = "{s.cert}"\netcd_key = "{s.key}"\n'
+        f'etcd_user = "root"\netcd_password_file = "{secure_etcd.password_file}"\n'
+    )
+    env = {**os.environ, "HF_HOME": str(hf_home)}
+    daemon, url = start(tmp_path, secure_etcd.url, 1, env, extra_cluster=secured)
+    try:
+        until(lambda: nodes(url), lambda v: v["controller"] == "node-1", 30)
+        iid = httpx.post(f"{url}/instances", json={"model": "exod/tiny-qwen2", "ranks": 1}, timeout=30).json()[
+            "instance_id"
+        ]
+        until(lambda: instance_at(url, iid), lambda i: i["state"] == "ready", 60)
+        chat = {"model": "exod/tiny-qwen2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        answered = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
+    finally:
+        stop_all([(daemon, url)])
+    options = ["--etcd-ca", str(s.ca), "--etcd-cert", str(s.cert), "--etcd-key", str(s.key), "--etcd-user", "root"]
+    options += ["--etcd-password-file", str(secure_etcd.password_file)]
+    replay = [sys.executable, "-m", "exod", "replay", "--cluster", secure_etcd.url]
+    replayed = subprocess.run([*replay, *options], capture_output=True, text=True, timeout=60)
+    token = ["--cluster-token-file", str(cluster_token_file(tmp_path))]
+    bare = [sys.executable, "-m", "exod", "serve", "--cluster", secure_etcd.url, "--node-id", "x", *token]
+    refused = subprocess.run([*bare, "--state-dir", str(tmp_path / "x")], capture_output=True, text=True, timeout=60)
+    assert answered.status_code == 200
+    assert replayed.returncode == 0, replayed.stderr
+    assert refused.returncode == 1 and "etcd" in refused.stderr and "Traceback" not in refused.stderr

@@ -13,9 +13,10 @@ import platformdirs
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 import fsm
+from exod.cluster.etcd import EtcdSecurity
 from exod.cluster.membership import DEFAULT_PREFIX, ClusterConfig
 from exod.cluster.nodes import DEFAULT_TTL
-from exod.cluster.token import read_token
+from exod.cluster.token import read_secret, read_token
 from exod.host.models import validate_model_id
 from exod.host.supervisor import Timeouts
 from exod.runner.batch import BatchLimits
@@ -176,6 +177,11 @@ class _Cluster(BaseModel):
     lease_ttl: int = Field(DEFAULT_TTL, ge=2)
     prefix: str = DEFAULT_PREFIX
     token_file: str | None = None  # the cluster's credential (`exod cluster-token FILE` makes one)
+    etcd_ca: str | None = None  # a secured etcd: its CA, this node's client certificate and key, a user
+    etcd_cert: str | None = None
+    etcd_key: str | None = None
+    etcd_user: str | None = None
+    etcd_password_file: str | None = None
 
 
 class _Fault(BaseModel):  # fault injection, for tests: never set by default
@@ -335,10 +341,20 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
 def _cluster(section: _Cluster | None, where: str) -> ClusterConfig | None:
     if section is None:
         return None
-    fields = section.model_dump(exclude={"token_file"})
+    secured = {"token_file", "etcd_ca", "etcd_cert", "etcd_key", "etcd_user", "etcd_password_file"}
+    fields = section.model_dump(exclude=secured)
+
+    def path(value: str | None) -> Path | None:
+        return None if value is None else Path(value).expanduser()
+
     try:
         token = "" if section.token_file is None else read_token(Path(section.token_file).expanduser())
-        return ClusterConfig(**fields, token=token)
+        secret = path(section.etcd_password_file)
+        password = "" if secret is None else read_secret(secret, "etcd password")
+        etcd = EtcdSecurity(
+            path(section.etcd_ca), path(section.etcd_cert), path(section.etcd_key), section.etcd_user, password
+        )
+        return ClusterConfig(**fields, token=token, etcd=etcd)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: [cluster]: {exc}") from exc
 

@@ -252,7 +252,7 @@ async def _join(config: ServeConfig, agent: Agent | None) -> Membership | None:
         return attrs.evolve(record, memory_free=min(free_memory(), total), models=models, degraded=degraded)
 
     blank = NodeRecord(c.node_id, c.advertise, api_url="", memory_total=total, memory_free=0, version=fsm.__version__)
-    membership = Membership(Etcd(c.url), c, refresh(blank), refresh)
+    membership = Membership(Etcd(c.url, security=c.etcd), c, refresh(blank), refresh)
     try:
         await membership.presence.join()
     except EtcdError as exc:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from exod.cli._common import STATE_DIR
+from exod.cli._common import STATE_DIR, etcd_options, etcd_security
 
 
 @click.command()
@@ -44,6 +44,7 @@ from exod.cli._common import STATE_DIR
     metavar="MODEL_OR_DIR[:RANKS]",
     help="Also keep this placed: a repo id, or a local model directory (the CLI and config only). Repeatable.",
 )
+@etcd_options
 def serve(
     config_path,
     host,
@@ -59,6 +60,7 @@ def serve(
     advertise,
     cluster_token_file,
     extra,
+    **etcd,
 ) -> None:
     """Run the daemon: restore state, reap orphans, place, serve the API until SIGINT/SIGTERM."""
     import logging
@@ -108,6 +110,7 @@ def serve(
                 node_id=node_id or base.node_id,
                 advertise=advertise or base.advertise,
                 token=token,
+                etcd=etcd_security(**etcd, base=base.etcd),
             ),
         )
     try:

@@ -18,7 +18,7 @@ import attrs
 import trio
 
 from exod.cluster.election import Term, election_key, leader, wait_for_term
-from exod.cluster.etcd import Etcd, EtcdError, EtcdUnavailable, KeyValue
+from exod.cluster.etcd import Etcd, EtcdError, EtcdSecurity, EtcdUnavailable, KeyValue
 from exod.cluster.nodes import DEFAULT_TTL, NodeRecord, Presence, list_nodes
 
 log = logging.getLogger("exod.membership")
@@ -36,6 +36,7 @@ class ClusterConfig:
     lease_ttl: int = attrs.field(default=DEFAULT_TTL, validator=attrs.validators.ge(2))
     prefix: str = DEFAULT_PREFIX
     token: str = attrs.field(default="", repr=False)  # the cluster's credential (`exod.cluster.token`)
+    etcd: EtcdSecurity = attrs.Factory(EtcdSecurity)  # how to reach a secured etcd (TLS, etcd's own user)
 
 
 class Membership:

@@ -41,17 +41,27 @@ def write_token(path: Path) -> str:
     return token
 
 
-def read_token(path: Path) -> str:
-    """The token in ``path``: at least `MIN_LENGTH` characters, in a file no one but its owner can read."""
+def read_secret(path: Path, what: str) -> str:
+    """The secret in ``path`` (its one line), which must be a file no one but its owner can read."""
     try:
         mode = path.stat().st_mode
-        text = path.read_text(encoding="ascii").strip()
+        text = path.read_text(encoding="utf-8").strip()
     except FileNotFoundError:
-        raise ClusterTokenError(f"no cluster token file at {path}: make one with `exod cluster-token {path}`") from None
+        raise ClusterTokenError(f"no {what} file at {path}") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise ClusterTokenError(f"cannot read the cluster token file {path}: {exc}") from None
+        raise ClusterTokenError(f"cannot read the {what} file {path}: {exc}") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ClusterTokenError(f"{path} can be read by others (mode {stat.S_IMODE(mode):o}): `chmod 600 {path}`")
+    if not text:
+        raise ClusterTokenError(f"the {what} file {path} is empty")
+    return text
+
+
+def read_token(path: Path) -> str:
+    """The token in ``path``: at least `MIN_LENGTH` characters, in a file no one but its owner can read."""
+    if not path.exists():
+        raise ClusterTokenError(f"no cluster token file at {path}: make one with `exod cluster-token {path}`")
+    text = read_secret(path, "cluster token")
     if len(text) < MIN_LENGTH or any(c.isspace() for c in text):
         raise ClusterTokenError(
             f"{path} holds no usable token (one line of at least {MIN_LENGTH} characters, no spaces): "
