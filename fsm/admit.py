@@ -134,7 +134,14 @@ def admit(
     facts = dict(facts or {})
     if isinstance(model, UnknownModel):
         return _refuse(Refusal.UNKNOWN_MODEL, f"model {model_id!r} is not available: {model.reason}")
-    if ranks > limits.ranks_per_instance:
+    runners = limits.runners_per_node * len(nodes)  # however empty the nodes, no more ranks than this run
+    if ranks > min(limits.ranks_per_instance, runners):  # the message names the limit that binds
+        if runners < limits.ranks_per_instance:
+            return _refuse(
+                Refusal.TOO_MANY_RANKS,
+                f"{ranks} ranks is more than the {runners} runners {len(nodes)} node(s) may run "
+                f"(runners_per_node = {limits.runners_per_node}); ask for fewer, or raise [limits] runners_per_node",
+            )
         return _refuse(
             Refusal.TOO_MANY_RANKS,
             f"{ranks} ranks is more than ranks_per_instance = {limits.ranks_per_instance}; "

@@ -12,7 +12,7 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
-from etcd_harness import etcd, etcd_cluster, etcd_server  # noqa: E402, F401 - a real etcd, for the cluster's tests
+from etcd_harness import etcd, etcd_cluster, etcd_server, secure_etcd  # noqa: E402, F401 - a real etcd, for the cluster's tests
 from netns_harness import namespace  # noqa: E402, F401 - a host of its own, for partitions
 
 from browser_harness import browser  # noqa: E402, F401 - headless Chromium, for the dashboard's tests

@@ -29,6 +29,8 @@ ATTACKS: dict[str, str] = {
     "new ports next generation, never deleted",
     "lock deleted": "a second daemon on the same state dir is refused even with daemon.lock deleted; "
     "the first one's runners are untouched",
+    "state dir removed": "the daemon notices its directory is gone, stops its runners and exits saying why; "
+    "a daemon started on the path afterwards runs alone",
     "SIGTERM under load": "requests in progress finish (streams end with [DONE]); new ones get 503; "
     "runners stopped and their shutdown logged; exit 0",
     "growth over a crash loop": "at least 20 generations of real processes; log rows, runner logs and "

@@ -67,7 +67,8 @@ def test_a_flood_of_placements_is_held_to_the_limits_and_a_restart_multiplies_no
         errors = {k: r.json()["error"] for k, r in refused.items()}
         assert errors["unknown"]["code"] == "unknown_model" and "offline" in errors["unknown"]["message"]
         assert "its 2 layers" in errors["too many ranks for the model"]["message"]
-        assert "ranks_per_instance = 4" in errors["too many ranks for the limit"]["message"]
+        # the limit that binds is named: 3 runners on this one node, not ranks_per_instance = 4 (issue #25)
+        assert "runners_per_node = 3" in errors["too many ranks for the limit"]["message"]
         assert "mac-z not among the live nodes (local)" in errors["pinned to no such node"]["message"]
         assert transitions(tmp_path) == before  # nothing stored on a refusal
         assert httpx.get(f"{url}/instances", timeout=10).json()["instances"] == []

@@ -79,6 +79,18 @@ def test_more_ranks_than_the_limit_is_refused_whatever_the_model():
     assert "ranks_per_instance = 6" in answer.message and "[limits] ranks_per_instance" in answer.message
 
 
+def test_the_refusal_names_the_limit_that_binds_runners_per_node_when_the_nodes_run_fewer():
+    """Issue #25: 12 runners per node on one host, ranks_per_instance sized from memory (47): the 422 named 47."""
+    limits = Limits(runners_per_node=12, ranks_per_instance=47, instances_per_model=2, runner_floor_bytes=512 * MIB)
+    one, two = (
+        ask(20, limits=limits, model=None),
+        ask(20, limits=limits, model=None, nodes={"a": 64 * GIB, "b": 64 * GIB}),
+    )
+    assert one.refusal is Refusal.TOO_MANY_RANKS and "runners_per_node = 12" in one.message
+    assert "12 runners 1 node(s) may run" in one.message and "ranks_per_instance" not in one.message
+    assert two.admitted  # 24 runners on two nodes: 20 ranks fit
+
+
 def test_instances_per_model_counts_every_live_instance_of_that_model():
     two = placed(("a", "org/qwen", ["local"]), ("b", "org/qwen", ["local"]))
     answer = ask(1, view=two)

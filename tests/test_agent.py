@@ -53,6 +53,16 @@ class FakeEtcd:
             del self.keys[k]
         return len(gone)
 
+    async def get_prefix(self, prefix: bytes) -> tuple[list[KeyValue], int]:
+        """The cluster's live nodes, as their records: node-1 and node-2 (this one)."""
+        self._answer()
+        assert prefix == PREFIX + b"nodes/"
+        records = [NodeRecord(f"node-{n}", f"127.0.0.{n}", "", 1 << 30, 1 << 30) for n in (1, 2)]
+        return [KeyValue(prefix + r.node_id.encode(), r.to_json(), 1, 1, 1, 7) for r in records], 1
+
+    async def time_to_live(self, lease: int) -> tuple[int, int]:
+        return TTL, TTL
+
     def _answer(self) -> None:
         if self.down:
             raise EtcdUnavailable("etcd is down (the test says so)")
@@ -85,6 +95,7 @@ class FakeProcess:
         self.key_at_spawn = runner_key(PREFIX, "node-2", spec.runner_id, spec.incarnation) in etcd.keys
         self.killed = False
         self.deadlines: list[float] = []  # every extension of its dead man's switch
+        self.posted: list[object] = []  # the commands it was sent
         self._stop = trio.Event()
 
     async def run(self) -> None:
@@ -94,7 +105,8 @@ class FakeProcess:
             self.killed = True
             raise
 
-    def post(self, command: object) -> None: ...
+    def post(self, command: object) -> None:
+        self.posted.append(command)
 
     def extend(self, until: float) -> None:
         self.deadlines.append(until)
@@ -110,7 +122,7 @@ class FakeProcess:
 def request(incarnation: int = 1, stream: int = 1) -> SpawnRequest:
     """A spawn as the controller sends it, on the first report stream opened (``with_agent``'s)."""
     return SpawnRequest(
-        instance_id="i", runner_id="i/1", incarnation=incarnation, rank=1, world_size=1, ring=[], stream=stream
+        instance_id="i", runner_id="i/0", incarnation=incarnation, rank=0, world_size=1, ring=[], stream=stream
     )
 
 
@@ -136,7 +148,7 @@ def with_agent(tmp_path, body) -> None:
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
-KEY = runner_key(PREFIX, "node-2", "i/1", 1)
+KEY = runner_key(PREFIX, "node-2", "i/0", 1)
 
 
 def test_a_runner_is_claimed_in_etcd_before_it_is_spawned_and_released_once_reaped(tmp_path):
@@ -144,7 +156,7 @@ def test_a_runner_is_claimed_in_etcd_before_it_is_spawned_and_released_once_reap
         await agent.spawn(TERM, request())
         await trio.testing.wait_all_tasks_blocked()
         assert processes[0].key_at_spawn and etcd.keys[KEY] == presence.lease  # on the node's lease
-        agent.stop(TERM, "i/1", 1)
+        agent.stop(TERM, "i/0", 1)
         await trio.sleep(0.1)
         assert KEY not in etcd.keys
 
@@ -156,7 +168,7 @@ def test_a_stop_that_overtakes_its_spawn_cancels_it(tmp_path):
     with no one to stop it and its key holding back the next generation."""
 
     async def body(agent, etcd, presence, processes):
-        agent.stop(TERM, "i/1", 1)
+        agent.stop(TERM, "i/0", 1)
         with pytest.raises(Refused, match="stopped before its spawn arrived") as refused:
             await agent.spawn(TERM, request())
         assert refused.value.status == 409 and processes == [] and KEY not in etcd.keys
@@ -180,7 +192,7 @@ def test_a_stop_that_comes_while_the_spawn_claims_its_key_cancels_it_and_release
 
             nursery.start_soon(spawn)
             await trio.testing.wait_all_tasks_blocked()  # the claim is on its way to etcd
-            agent.stop(TERM, "i/1", 1)
+            agent.stop(TERM, "i/0", 1)
             etcd.slow.set()
         assert len(refusals) == 1 and processes == []
         await trio.sleep(2)
@@ -206,11 +218,113 @@ def test_a_spawn_delayed_past_the_end_of_its_stream_is_refused_even_when_the_sam
     with_agent(tmp_path, body)
 
 
+def two_ranks(**changes) -> SpawnRequest:
+    """Rank 1 of a world of two, its ring on node-1 and node-2."""
+    body = {"instance_id": "i", "runner_id": "i/1", "incarnation": 1, "rank": 1, "world_size": 2, "stream": 1}
+    body["ring"] = ["127.0.0.1:7001", "127.0.0.2:7002"]
+    return SpawnRequest(**(body | changes))
+
+
+STEPS = ["hostfile_path", "write_hostfile", "runner_log_path", "spawn", "extend", "generations"]
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_a_failure_at_any_step_of_a_spawn_after_its_claim_releases_the_claim_at_once(tmp_path, monkeypatch, step):
+    """Issue #25: a claim left behind holds every next generation of its instance back, for as long as the node
+    lives. Whatever raises between the claim and the supervisor taking the runner over releases it."""
+    from exod.host import ring
+    from exod.state import retention
+
+    def boom(*args, **kwargs):
+        raise OSError(f"{step} failed (the test says so)")
+
+    if step in ("hostfile_path", "runner_log_path"):
+        monkeypatch.setattr(retention, step, boom)
+    elif step == "write_hostfile":
+        monkeypatch.setattr(ring, step, boom)
+    elif step == "extend":
+        monkeypatch.setattr(FakeProcess, "extend", boom)
+
+    async def body(agent, etcd, presence, processes):
+        if step == "generations":
+            monkeypatch.setattr(agent._generations, "started", boom)
+        if step == "spawn":
+            monkeypatch.setattr(agent, "_spawn", boom)
+        with pytest.raises((OSError, Refused), match=step):  # a file's error said as the node's (503)
+            await agent.spawn(TERM, two_ranks())
+        assert not etcd.keys and agent._running == {}  # released at once, not at the next beat
+
+    with_agent(tmp_path, body)
+
+
+@pytest.mark.parametrize(
+    ("changes", "why"),
+    [
+        ({"instance_id": ".."}, "pattern"),
+        ({"instance_id": "a/b", "runner_id": "a/b/1"}, "pattern"),
+        ({"instance_id": "a\x00", "runner_id": "a\x00/1"}, "pattern"),
+        ({"runner_id": "j/1"}, "instance_id/rank"),
+        ({"rank": 2, "runner_id": "i/2"}, "not below world_size"),
+        ({"ring": ["127.0.0.1:7001"]}, "ring has 1 endpoints"),
+        ({"ring": ["127.0.0.1:7001", "127.0.0.2"]}, "not HOST:PORT"),
+        ({"ring": ["127.0.0.1:7001", "127.0.0.2:99999"]}, "not HOST:PORT"),
+    ],
+)
+def test_a_spawn_that_names_bad_ids_or_a_bad_ring_is_refused_before_anything_is_written(changes, why):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=why):
+        two_ranks(**changes)
+
+
+def test_a_ring_beyond_the_clusters_live_nodes_and_a_fault_this_node_does_not_enable_are_refused(tmp_path):
+    """A caller could otherwise make a runner connect to any HOST:PORT, or fail at will."""
+
+    async def body(agent, etcd, presence, processes):
+        refusals = []
+        for request in (
+            two_ranks(ring=["127.0.0.1:7001", "10.9.9.9:7002"]),
+            two_ranks(fault="loading:sigkill"),
+        ):
+            with pytest.raises(Refused) as refused:
+                await agent.spawn(TERM, request)
+            refusals.append(refused.value)
+        await agent.spawn(TERM, two_ranks())  # the cluster's own nodes, no fault: started
+        assert [r.status for r in refusals] == [400, 400]
+        assert "10.9.9.9:7002" in str(refusals[0]) and "not on live nodes" in str(refusals[0])
+        assert "not enabled on this node" in str(refusals[1])
+        assert len(processes) == 1 and list(etcd.keys) == [runner_key(PREFIX, "node-2", "i/1", 1)]
+
+    with_agent(tmp_path, body)
+
+
+def test_a_load_is_of_a_model_id_this_node_resolves_never_a_path_from_the_wire(tmp_path):
+    """`model_path=/etc` loaded an arbitrary directory, and its failure told whether a path exists."""
+    from exod.cluster.agent import CommandRequest
+
+    async def body(agent, etcd, presence, processes):
+        await agent.spawn(TERM, request())
+        refusals = []
+        for load in (
+            CommandRequest(command={"type": "load", "model_path": "/etc"}),
+            CommandRequest(command={"type": "load", "model_path": "/etc"}, model_id="../etc"),
+        ):
+            with pytest.raises(Refused) as refused:
+                agent.post(TERM, "i/0", 1, load)
+            refusals.append(refused.value)
+        unknown = CommandRequest(command={"type": "load", "model_path": "/etc"}, model_id="org/absent")
+        agent.post(TERM, "i/0", 1, unknown)  # not in this node's cache: the runner's retryable failure, said
+        assert [r.status for r in refusals] == [400, 400] and "model_id" in str(refusals[0])
+        assert processes[0].posted == []  # nothing reached the runner, /etc least of all
+
+    with_agent(tmp_path, body)
+
+
 def test_a_key_that_could_not_be_released_is_released_when_etcd_answers_again(tmp_path):
     async def body(agent, etcd, presence, processes):
         await agent.spawn(TERM, request())
         etcd.down = True
-        agent.stop(TERM, "i/1", 1)
+        agent.stop(TERM, "i/0", 1)
         await trio.sleep(5)
         assert KEY in etcd.keys  # the controller must go on waiting: it cannot know
         etcd.down = False
@@ -285,7 +399,7 @@ def test_an_older_term_never_takes_over_and_its_commands_are_refused_saying_why(
                 await attempt()
             refusals.append(refused.value)
         with pytest.raises(Refused) as stop_refused:
-            agent.stop(TERM, "i/1", 2)
+            agent.stop(TERM, "i/0", 2)
         assert not_current.value.status == 409 and f"etcd has the controller of term {TERM}" in str(not_current.value)
         assert stopped_by_new_term  # the old term's runner: its controller is no longer obeyed
         assert [r.status for r in refusals] == [409, 409] and stop_refused.value.status == 409

@@ -395,12 +395,17 @@ def test_event_stream_shows_placement_transitions_and_resumes(daemon):
 
 def test_metrics_parse_and_count(daemon, client):
     client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+    for n in range(20):  # made-up names, as a client may send: one series for all, not one each (issue #25)
+        body = {"model": f"org/made-up-{n}", "messages": MESSAGES}
+        assert httpx.post(f"{daemon['url']}/v1/chat/completions", json=body, timeout=10).status_code == 404
     text = httpx.get(f"{daemon['url']}/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     runners = {s.labels["state"]: s.value for s in families["exod_runners"].samples}
     assert runners["ready"] >= 2
     requests = [s for s in families["exod_requests"].samples if s.name == "exod_requests_total"]
     assert any(s.labels == {"model": MODEL, "outcome": "ok"} and s.value >= 1 for s in requests)
+    assert {s.labels["model"] for s in requests} == {MODEL, "(not placed)"}
+    assert sum(s.value for s in requests if s.labels["model"] == "(not placed)") >= 20
     assert any(s.value >= 4 for s in families["exod_tokens_generated"].samples if s.name.endswith("_total"))
     assert "exod_request_seconds" in families and "exod_runner_failures" in families
 

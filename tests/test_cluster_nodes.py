@@ -17,9 +17,11 @@ import httpx
 import pytest
 from etcd_harness import run_with_client
 from reliability_report import cluster_fault
+from test_degraded import fill
+from test_degraded import small_disk as small_disk  # a fixture: a 4 MiB tmpfs
 
-from daemon_harness import exod, runner_pids
-from exod.cluster.devcluster import LocalEtcd
+from daemon_harness import exod, runner_pid, runner_pids
+from exod.cluster.devcluster import LocalEtcd, cluster_token_file
 from exod.cluster.etcd_state import EtcdState
 from exod.cluster.membership import DEFAULT_PREFIX
 from exod.cluster.nodes import FENCE_MARGIN, node_key
@@ -41,6 +43,7 @@ url = "{etcd}"
 node_id = "{node}"
 advertise = "{address}"
 lease_ttl = {ttl}
+token_file = "{token}"
 """
 
 
@@ -53,23 +56,29 @@ def start(
     *,
     address: str | None = None,
     wrap: Callable[[list[str]], list[str]] = list,
+    state: Path | None = None,
+    extra_cluster: str = "",
 ) -> tuple[subprocess.Popen[bytes], str]:
     """Node ``node-n``'s daemon, advertising 127.0.0.n (or ``address``), its command line run by ``wrap``
-    (inside a network namespace, say); its process and API URL once it serves."""
+    (inside a network namespace, say), its state in ``state`` (default: under its home); its process and API
+    URL once it serves."""
     home = tmp_path / f"node-{n}"
     home.mkdir()
     address = address or f"127.0.0.{n}"
-    (home / "exod.toml").write_text(CONFIG.format(etcd=etcd, node=f"node-{n}", address=address, ttl=ttl))
-    args = ["serve", "--config", str(home / "exod.toml"), "--state-dir", str(home / "state"), "--host", address]
+    token = cluster_token_file(tmp_path)  # every node of the test's cluster holds it
+    config = CONFIG.format(etcd=etcd, node=f"node-{n}", address=address, ttl=ttl, token=token) + extra_cluster
+    (home / "exod.toml").write_text(config)
+    state = state or home / "state"
+    args = ["serve", "--config", str(home / "exod.toml"), "--state-dir", str(state), "--host", address]
     log = (home / "serve.log").open("wb")
     argv = wrap([sys.executable, "-m", "exod", *args])
     daemon = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 60
-    while not (home / "state" / "daemon.json").exists():
+    while not (state / "daemon.json").exists():
         assert daemon.poll() is None, (home / "serve.log").read_text()
         assert time.monotonic() < deadline, (home / "serve.log").read_text()
         time.sleep(0.05)
-    return daemon, json.loads((home / "state" / "daemon.json").read_text())["url"]
+    return daemon, json.loads((state / "daemon.json").read_text())["url"]
 
 
 def stop_all(daemons: list[tuple[subprocess.Popen[bytes], str]]) -> list[int]:
@@ -243,7 +252,9 @@ def test_serve_without_its_etcd_says_so_and_exits(tmp_path):
     home = tmp_path / "node-1"
     home.mkdir()
     (home / "exod.toml").write_text(
-        CONFIG.format(etcd="http://127.0.0.1:9", node="node-1", address="127.0.0.1", ttl=TTL)
+        CONFIG.format(
+            etcd="http://127.0.0.1:9", node="node-1", address="127.0.0.1", ttl=TTL, token=cluster_token_file(tmp_path)
+        )
     )
     done = subprocess.run(
         [sys.executable, "-m", "exod", "serve", "--config", str(home / "exod.toml"), "--state-dir", str(home / "s")],
@@ -311,6 +322,31 @@ def test_through_a_short_etcd_outage_the_controller_keeps_serving_its_instances(
         "etcd outage shorter than the lease",
         f"/health degraded, chat 200 during it, generation {after['generation']} throughout (lease TTL {ttl} s)",
     )
+
+
+def test_through_a_short_etcd_outage_a_follower_forwards_to_the_controller_it_last_saw(tmp_path, etcd_server, hf_home):
+    """Issue #25: every chat sent to a follower was 503 while etcd was away for 3 s (it looks the controller up
+    in etcd for each request). It forwards to the controller it last saw, for as long as that one's term can
+    be alive (its lease's TTL since), as the controller itself keeps serving meanwhile."""
+    ttl = 10
+    env = {**os.environ, "HF_HOME": str(hf_home)}
+    daemons = [start(tmp_path, etcd_server.url, n, env, ttl=ttl) for n in (1, 2)]
+    try:
+        view = until(lambda: nodes(daemons[0][1]), lambda v: len(v["nodes"]) == 2 and v["controller"], 30)
+        follower = next(n["api_url"] for n in view["nodes"] if not n["controller"])
+        placed = httpx.post(f"{follower}/instances", json={"model": "exod/tiny-qwen2", "ranks": 1}, timeout=30)
+        until(lambda: instance_at(follower, placed.json()["instance_id"]), lambda i: i["state"] == "ready", 60)
+        chat = {"model": "exod/tiny-qwen2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        httpx.post(f"{follower}/v1/chat/completions", json=chat, timeout=30)  # the follower has seen its controller
+        etcd_server.stop()
+        stopped_at = time.monotonic()
+        during = httpx.post(f"{follower}/v1/chat/completions", json=chat, timeout=30)
+        answered_within = time.monotonic() - stopped_at
+        etcd_server.start()
+    finally:
+        stop_all(daemons)
+    assert during.status_code == 200, during.text
+    assert answered_within < ttl  # within the window the controller's term can be alive
 
 
 def test_a_controller_cut_off_from_etcd_past_its_lease_stops_its_runners_then_resumes(tmp_path, etcd_server, hf_home):
@@ -527,6 +563,124 @@ def test_with_an_api_key_every_hop_is_authenticated_and_errors_keep_their_shape(
     assert answered.status_code == 200 and answered.json()["choices"][0]["finish_reason"] in ("length", "stop")
     assert unknown.status_code == 404 and set(unknown.json()["error"]) == {"message", "type", "param", "code"}
     assert looped.status_code == 503 and looped.json()["error"]["code"] == "controller_unavailable"
+
+
+def test_the_agents_obey_only_the_cluster_token_neither_a_stranger_nor_a_client_with_the_api_key(
+    tmp_path, etcd, hf_home
+):
+    """Issue #25's first rows, tried on both nodes, without any credential and with the client's API key: stop
+    a runner, open the report stream (which would take the agent over from its controller), spawn a runner.
+    Each is 401; the instance stays Ready in its generation, no retry charged, its runner processes the same;
+    and the agents' endpoints are not in the client API's document."""
+    env = {**os.environ, "HF_HOME": str(hf_home), "EXOD_API_KEY": "s3cret"}
+    key = {"Authorization": "Bearer s3cret"}
+    daemons = [start(tmp_path, etcd, n, env) for n in (1, 2)]
+    try:
+        until(lambda: nodes(daemons[0][1], key), lambda v: len(v.get("nodes", ())) == 2 and v["controller"], 30)
+        url = daemons[1][1]
+        body = {"model": "exod/tiny-qwen2", "ranks": 2}
+        iid = httpx.post(f"{url}/instances", json=body, headers=key, timeout=30).json()["instance_id"]
+        before = until(lambda: instance_at(url, iid, key), lambda i: i["state"] == "ready", 60)
+        processes = runners_of(iid)
+        runner = before["runners"][1]
+        spawn = {"instance_id": iid, "runner_id": runner["runner_id"], "incarnation": 99, "rank": 1}
+        spawn |= {"world_size": 2, "ring": [], "stream": 1}
+        answers = []
+        for headers in ({}, key):
+            for _, node in daemons:
+                stop = f"{node}/agent/runners/{runner['runner_id']}/{runner['incarnation']}"
+                answers.append(httpx.delete(stop, headers=headers, timeout=10))
+                answers.append(httpx.post(f"{node}/agent/runners", json=spawn, headers=headers, timeout=10))
+                with httpx.stream("GET", f"{node}/agent/reports", headers=headers, timeout=10) as stream:
+                    stream.read()
+                    answers.append(stream)
+        time.sleep(4)  # what a stream held open by a stranger would have done by now: it took the agent over
+        after = instance_at(url, iid, key)
+        still = runners_of(iid)
+        document = httpx.get(f"{url}/openapi.json", headers=key, timeout=10).json()
+    finally:
+        stop_all(daemons)
+    assert [a.status_code for a in answers] == [401] * 12
+    assert all(a.json()["error"]["code"] == "invalid_cluster_token" for a in answers)
+    assert (after["state"], after["generation"], after["attempts"]) == ("ready", before["generation"], 0)
+    assert still == processes and len(processes) == 2
+    assert not [path for path in document["paths"] if path.startswith("/agent")]
+
+
+def test_forged_and_malformed_node_records_in_etcd_break_nothing_and_win_no_placement(tmp_path, etcd, hf_home):
+    """Issue #25's rows on etcd's records, on real daemons: records written by hand (not JSON, extra keys, a
+    list, nonsense or unbounded numbers, a claim of 10 PB) made /nodes, placement and follower chat answer 500,
+    or drew rank 0 — and with it the client's key — to a forged node. Now each is skipped and counted."""
+    from test_election import FORGED
+
+    env = {**os.environ, "HF_HOME": str(hf_home)}
+    daemons = [start(tmp_path, etcd, n, env) for n in (1, 2)]
+
+    async def forge(client):
+        lease = await client.grant(60)
+        for n, raw in enumerate(FORGED.values()):
+            await client.put(node_key(DEFAULT_PREFIX.encode(), f"forged-{n}"), raw, lease=lease)
+        return lease
+
+    try:
+        view = until(lambda: nodes(daemons[0][1]), lambda v: len(v["nodes"]) == 2 and v["controller"], 30)
+        lease = run_with_client(etcd, forge)
+        follower = next(n["api_url"] for n in view["nodes"] if not n["controller"])
+        listed = [httpx.get(f"{url}/nodes", timeout=10) for _, url in daemons]
+        placed = httpx.post(f"{follower}/instances", json={"model": "exod/tiny-qwen2", "ranks": 1}, timeout=30)
+        iid = placed.json()["instance_id"]
+        ready = until(lambda: instance_at(follower, iid), lambda i: i["state"] == "ready", 60)
+        chat = {"model": "exod/tiny-qwen2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        answered = httpx.post(f"{follower}/v1/chat/completions", json=chat, timeout=60)
+        metrics = httpx.get(f"{follower}/metrics", timeout=10).text
+        run_with_client(etcd, lambda client: client.revoke(lease))
+    finally:
+        stop_all(daemons)
+    assert [r.status_code for r in listed] == [200, 200]
+    assert all(sorted(n["node_id"] for n in r.json()["nodes"]) == ["node-1", "node-2"] for r in listed)
+    assert placed.status_code == 201 and ready["runners"][0]["node"] in ("node-1", "node-2")
+    assert answered.status_code == 200
+    skipped = next(
+        line for line in metrics.splitlines() if line.startswith('exod_etcd_values_skipped_total{kind="node"}')
+    )
+    assert float(skipped.split()[-1]) >= len(FORGED)
+
+
+def test_a_node_whose_disk_is_full_degrades_and_supervises_on_never_ends(tmp_path, etcd, hf_home, small_disk):
+    """Issue #25: a node's state dir full, one of its runners killed: its daemon exited (the disk's error out of
+    the agent's supervisor). It says it is degraded (its /health, its record in /nodes) and goes on; the kill
+    is charged once, as the runner's own failure, while the node's refusals to start a runner on a full disk
+    are the host's (uncharged). With space back, the node is whole and the instance Ready again."""
+    env = {**os.environ, "HF_HOME": str(hf_home)}
+    daemons = [start(tmp_path, etcd, 1, env)]
+    until(lambda: nodes(daemons[0][1]), lambda v: v["controller"] == "node-1", 30)
+    daemons.append(start(tmp_path, etcd, 2, env, state=small_disk / "state"))
+    url, full = daemons[0][1], daemons[1][1]
+    filler = small_disk / "filler"
+    try:
+        until(lambda: nodes(url), lambda v: len(v["nodes"]) == 2, 30)
+        body = {"model": "exod/tiny-qwen2", "ranks": 2, "nodes": ["node-1", "node-2"]}
+        iid = httpx.post(f"{url}/instances", json=body, timeout=30).json()["instance_id"]
+        before = until(lambda: instance_at(url, iid), lambda i: i["state"] == "ready", 60)
+        fill(filler)
+        os.kill(runner_pid(1), signal.SIGKILL)  # node-2's rank: its agent must write that it is gone
+        health = until(lambda: httpx.get(f"{full}/health", timeout=10).json(), lambda h: h["status"] != "ok", 30)
+        listed = until(
+            lambda: nodes(url), lambda v: any(n["degraded"] for n in v["nodes"] if n["node_id"] == "node-2"), 30
+        )
+        alive = daemons[1][0].poll() is None
+        filler.unlink()
+        whole = until(lambda: httpx.get(f"{full}/health", timeout=10).json(), lambda h: h["status"] == "ok", 30)
+        after = until(
+            lambda: instance_at(url, iid),
+            lambda i: i["state"] == "ready" and i["generation"] > before["generation"],
+            120,
+        )
+    finally:
+        stop_all(daemons)
+    assert alive and "disk is full" in health["reason"]
+    assert "disk is full" in next(n["degraded"] for n in listed["nodes"] if n["node_id"] == "node-2")
+    assert whole["status"] == "ok" and after["attempts"] == before["attempts"] + 1
 
 
 def test_a_node_that_dies_takes_its_rank_with_it_and_the_next_generation_runs_on_the_live_ones(tmp_path, etcd, hf_home):
@@ -899,3 +1053,37 @@ def test_a_controller_cut_from_etcd_alone_steps_down_and_commands_nothing_more(t
         f"{after['generation']} Ready on node-2, still so a lease later and after the heal; attempts "
         f"{after['attempts']}, never two generations alive (lease TTL {PARTITION_TTL} s)",
     )
+
+
+def test_a_node_on_a_secured_etcd_joins_serves_and_its_log_replays(tmp_path, secure_etcd, hf_home):
+    """The README's secured set-up, end to end: `[cluster]` names the CA, the certificate, the user and the
+    password file; the node is elected, places, answers; `exod replay --cluster` reads the log with the same
+    options. Without them the node says why it cannot join and exits."""
+
+    s = secure_etcd.security
+    secured = (
+        f'etcd_ca = "{s.ca}"\netcd_cert = "{s.cert}"\netcd_key = "{s.key}"\n'
+        f'etcd_user = "root"\netcd_password_file = "{secure_etcd.password_file}"\n'
+    )
+    env = {**os.environ, "HF_HOME": str(hf_home)}
+    daemon, url = start(tmp_path, secure_etcd.url, 1, env, extra_cluster=secured)
+    try:
+        until(lambda: nodes(url), lambda v: v["controller"] == "node-1", 30)
+        iid = httpx.post(f"{url}/instances", json={"model": "exod/tiny-qwen2", "ranks": 1}, timeout=30).json()[
+            "instance_id"
+        ]
+        until(lambda: instance_at(url, iid), lambda i: i["state"] == "ready", 60)
+        chat = {"model": "exod/tiny-qwen2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        answered = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
+    finally:
+        stop_all([(daemon, url)])
+    options = ["--etcd-ca", str(s.ca), "--etcd-cert", str(s.cert), "--etcd-key", str(s.key), "--etcd-user", "root"]
+    options += ["--etcd-password-file", str(secure_etcd.password_file)]
+    replay = [sys.executable, "-m", "exod", "replay", "--cluster", secure_etcd.url]
+    replayed = subprocess.run([*replay, *options], capture_output=True, text=True, timeout=60)
+    token = ["--cluster-token-file", str(cluster_token_file(tmp_path))]
+    bare = [sys.executable, "-m", "exod", "serve", "--cluster", secure_etcd.url, "--node-id", "x", *token]
+    refused = subprocess.run([*bare, "--state-dir", str(tmp_path / "x")], capture_output=True, text=True, timeout=60)
+    assert answered.status_code == 200
+    assert replayed.returncode == 0, replayed.stderr
+    assert refused.returncode == 1 and "etcd" in refused.stderr and "Traceback" not in refused.stderr

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from exod.cluster.devcluster import cluster_token_file
 from exod.config import ConfigError, load
 
 
@@ -55,11 +56,20 @@ def test_file_values_and_cli_overrides(tmp_path):
         ('[[place]]\nmodel = "a/b"\npath = "/x"\n', "exactly one of"),
         ('[[place]]\nmodel = "a/b"\nranks = 0\n', "ranks"),
         ("[daemon\n", "not valid TOML"),
+        ("[timeouts]\nconnect = inf\n", r"\[timeouts\] connect: input should be a finite number"),  # no watchdog
+        ("[retry]\nfactor = nan\n", r"\[retry\] factor: input should be a finite number"),
     ],
 )
 def test_mistakes_are_named(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):
         load(write(tmp_path, text))
+
+
+def test_a_file_that_is_not_utf8_is_refused_saying_so_never_a_traceback(tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes('[daemon]\nhost = "café"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load(path)
 
 
 def test_missing_file(tmp_path):
@@ -100,7 +110,8 @@ def test_a_cluster_node_places_nothing_at_start_unless_asked(tmp_path, monkeypat
     """The embedded configuration places the tiny model on one host; a node of a cluster only what it is told."""
     state = ["--state-dir", str(tmp_path / "state")]
     alone = served(monkeypatch, *state)
-    node = ["--cluster", "http://127.0.0.1:2379", "--node-id", "a", "--advertise", "127.0.0.1", *state]
+    token = ["--cluster-token-file", str(cluster_token_file(tmp_path))]
+    node = ["--cluster", "http://127.0.0.1:2379", "--node-id", "a", "--advertise", "127.0.0.1", *token, *state]
     in_cluster = served(monkeypatch, *node)
     asked = served(monkeypatch, *node, "--place", "exod/tiny-qwen2:2")
     own = write(tmp_path, '[[place]]\nmodel = "org/model"\nranks = 1\n')
@@ -160,3 +171,49 @@ def test_connection_limit_mistakes_are_named(tmp_path, text, message):
 def test_a_section_written_in_the_wrong_form_is_named(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):
         load(write(tmp_path, text))
+
+
+def test_a_cluster_node_needs_the_cluster_token_loopback_included_and_refuses_a_bad_one(tmp_path, monkeypatch):
+    """Without it any local user could drive the node's agent; a token file others can read, an empty one, or
+    none at all is refused before anything starts, saying what to do."""
+    from click.testing import CliRunner
+
+    import exod.serve
+    from exod.cli import main
+
+    monkeypatch.setattr(exod.serve, "serve", lambda cfg: pytest.fail("started without a usable token"))
+    node = ["serve", "--cluster", "http://127.0.0.1:2379", "--node-id", "a", "--state-dir", str(tmp_path / "s")]
+    readable = tmp_path / "readable.token"
+    readable.write_text("x" * 43)
+    readable.chmod(0o644)
+    short = tmp_path / "short.token"
+    short.write_text("abc")
+    short.chmod(0o600)
+    said = {}
+    for name, extra in {
+        "none": [],
+        "missing": ["--cluster-token-file", str(tmp_path / "nowhere")],
+        "readable": ["--cluster-token-file", str(readable)],
+        "short": ["--cluster-token-file", str(short)],
+    }.items():
+        result = CliRunner().invoke(main, [*node, *extra])
+        said[name] = (result.exit_code, result.output)
+    assert all(code == 2 or code == 1 for code, _ in said.values()), said
+    assert "--cluster-token-file" in said["none"][1] and "exod cluster-token" in said["none"][1]
+    assert "exod cluster-token" in said["missing"][1]
+    assert "chmod 600" in said["readable"][1]
+    assert "at least 32 characters" in said["short"][1]
+
+
+def test_exod_cluster_token_writes_a_secret_readable_by_its_owner_alone_and_never_overwrites_one(tmp_path):
+    from click.testing import CliRunner
+
+    from exod.cli import main
+    from exod.cluster.token import read_token
+
+    path = tmp_path / "cluster.token"
+    made = CliRunner().invoke(main, ["cluster-token", str(path)])
+    first = read_token(path)
+    again = CliRunner().invoke(main, ["cluster-token", str(path)])
+    assert made.exit_code == 0 and oct(path.stat().st_mode & 0o777) == "0o600" and len(first) >= 32
+    assert again.exit_code == 1 and "exists already" in again.output and read_token(path) == first

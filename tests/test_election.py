@@ -4,6 +4,7 @@ time, another one elected once its lease expires, and a deposed controller's wri
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncIterator
 
 import attrs
@@ -195,3 +196,45 @@ def test_a_controller_that_stepped_down_by_its_clock_takes_its_term_back_once_et
     term, again, authority_left = trio.run(main)
     assert again.revision == term.revision and again is not term  # the same key, as it was won
     assert authority_left > 0  # it campaigned with authority, not to step down at once
+
+
+FORGED = {
+    "not json": b"not json",
+    "an extra key": json.dumps({**attrs.asdict(record("x", "127.0.0.9")), "admin": True}).encode(),
+    "a list": b"[1, 2]",
+    "memory in words": json.dumps({**attrs.asdict(record("x", "127.0.0.9")), "memory_total": "lots"}).encode(),
+    "negative memory": json.dumps({**attrs.asdict(record("x", "127.0.0.9")), "memory_free": -1e30}).encode(),
+    "infinite memory": b'{"node_id": "x", "address": "127.0.0.9", "api_url": "", "memory_total": 1e400}',
+    "10 PB": json.dumps({**attrs.asdict(record("x", "127.0.0.9")), "memory_total": 10**16}).encode(),
+    "a path for an id": json.dumps(attrs.asdict(record("../x", "127.0.0.9"))).encode(),
+}
+
+
+def test_records_in_etcd_that_are_not_a_nodes_own_are_skipped_counted_and_never_trusted(etcd):
+    """Issue #25: whoever can write to etcd can write anything; one such record made /nodes, placement and
+    follower chat answer 500, or won rank 0 with a claim of 10 PB. Each is skipped, said, counted; the real
+    nodes are listed as ever. So is a record filed under another node's key, and a runner key with no
+    incarnation."""
+    from collections import Counter
+
+    from exod.cluster.nodes import live_runners, node_key
+
+    async def body(client: Etcd):
+        lease = await client.grant(30)
+        real = record("node-a", "127.0.0.1")
+        await client.put(node_key(PREFIX, "node-a"), real.to_json(), lease=lease)
+        for n, raw in enumerate(FORGED.values()):
+            await client.put(node_key(PREFIX, f"x{n}"), raw, lease=lease)
+        await client.put(node_key(PREFIX, "node-b"), real.to_json(), lease=lease)  # node-a's record under node-b
+        await client.put(PREFIX + b"runners/node-a/i/0/1", b"", lease=lease)
+        await client.put(PREFIX + b"runners/node-a/no-incarnation", b"", lease=lease)
+        malformed: Counter[str] = Counter()
+        listed = await list_nodes(client, PREFIX, malformed)
+        runners = await live_runners(client, PREFIX, malformed)
+        await client.revoke(lease)
+        return listed, runners, malformed
+
+    listed, runners, malformed = run(etcd, body)
+    assert [n.record.node_id for n in listed] == ["node-a"]
+    assert runners == {"node-a": {("i/0", 1)}}
+    assert malformed == {"node": len(FORGED) + 1, "runner": 1}

@@ -53,7 +53,7 @@ def fleet_of(keys: Keys, api_url: str = "") -> Fleet:
     async def records() -> list[NodeRecord]:
         return [NodeRecord("node-2", "127.0.0.2", api_url, 1 << 30, 1 << 30)]
 
-    return Fleet("node-1", records, keys.runners, api_key=None, term=lambda: 1)
+    return Fleet("node-1", records, keys.runners, token="t" * 43, term=lambda: 1)
 
 
 def run(body) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -185,6 +186,34 @@ def test_deleting_the_lock_file_does_not_let_a_second_daemon_in(tmp_path, env):
         "lock deleted",
         f"daemon.lock deleted under a running daemon: a second `exod serve` exited {second.returncode} with "
         f"'another exod daemon is using …'; the first's {len(runners)} runners untouched, still Ready at generation 1",
+    )
+
+
+def test_a_state_dir_removed_under_a_running_daemon_stops_it_and_says_so(tmp_path, env):
+    """Issue #25: `rm -rf` of the state directory under a running daemon: it served on from a deleted database,
+    and a second daemon started on the same path beside it. It notices that the directory at its path is not
+    the one it holds, stops taking work, stops its runners, and exits saying why; then a daemon on the path
+    starts on a clean directory, alone."""
+    state = tmp_path / "state"
+    first, url = start_daemon(tmp_path, env)
+    try:
+        wait_instance(url, lambda i: i["state"] == "ready")
+        assert len(runner_pids()) == 2
+        shutil.rmtree(state)
+        code = first.wait(timeout=60)  # a check every second, then a drain and the runners' stop
+    finally:
+        if first.poll() is None:
+            stop(first)
+    said = (tmp_path / "serve.log").read_text()
+    assert code == 1 and runner_pids() == []
+    assert f"the state directory {state} is gone" in said and "start exod again" in said
+    second, _ = start_daemon(tmp_path, env)
+    assert stop(second) == 0
+    assert runner_pids() == []
+    attack(
+        "state dir removed",
+        f"`rm -rf` of a running daemon's state dir: it exited {code} within a minute, its runners stopped, "
+        "and a daemon started on the path afterwards ran alone",
     )
 
 

@@ -147,3 +147,15 @@ def test_an_exit_by_a_signal_we_never_sent_did_not_answer_our_stop(tmp_path):
     run(s, killed_then_stopped)
     assert s.events[-1][:2] == ("exit", -signal.SIGKILL)
     assert s.events[-1][3] is False
+
+
+def test_a_runner_log_is_its_own_processs_never_appended_to_an_earlier_ones(tmp_path):
+    """Issue #25: a reused instance id's log grew across unrelated spawns, and the exit's tail showed another
+    process's last words."""
+    (tmp_path / "r.log").write_text("an earlier process's last words\n")
+    says_bye = "import sys; print('bye', file=sys.stderr, flush=True); sys.exit(3)"
+    supervisor = StandIn(says_bye, tmp_path, FAST)
+    run(supervisor, lambda s: trio.sleep(0))
+    exit_code, tail = supervisor.events[-1][1], supervisor.events[-1][2]
+    assert exit_code == 3 and "bye" in tail and "earlier" not in tail
+    assert (tmp_path / "r.log").read_text() == "bye\n"

@@ -13,8 +13,10 @@ import platformdirs
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 import fsm
+from exod.cluster.etcd import EtcdSecurity
 from exod.cluster.membership import DEFAULT_PREFIX, ClusterConfig
 from exod.cluster.nodes import DEFAULT_TTL
+from exod.cluster.token import read_secret, read_token
 from exod.host.models import validate_model_id
 from exod.host.supervisor import Timeouts
 from exod.runner.batch import BatchLimits
@@ -101,11 +103,17 @@ class ServeConfig:
     drain_timeout: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
 
     def check_exposure(self) -> None:
-        """Binding beyond loopback needs a bearer token, or an explicit --insecure."""
+        """Binding beyond loopback needs a bearer token, or an explicit --insecure; a cluster node always needs
+        the cluster's token, loopback included: without it any local user could drive its agent."""
         if not is_loopback(self.host) and not self.api_key and not self.insecure:
             raise ConfigError(
                 f"binding {self.host} exposes the API beyond this machine: pass --api-key KEY "
                 "(or set EXOD_API_KEY), or --insecure if that is really intended"
+            )
+        if self.cluster is not None and not self.cluster.token:
+            raise ConfigError(
+                "a cluster node needs the cluster's token, the secret its nodes share: pass --cluster-token-file "
+                "FILE (or [cluster] token_file), the same file on every node; `exod cluster-token FILE` makes one"
             )
 
 
@@ -122,7 +130,7 @@ def is_loopback(host: str) -> bool:
 
 # The file's schema, checked by pydantic: unknown sections and keys, and wrong types, are errors that name them
 # (strict: `offline = "no"` is not true, `host = 5` is not a host). What the values mean is checked after.
-_STRICT = ConfigDict(extra="forbid", strict=True)
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # `inf` would switch a watchdog off
 Positive = Annotated[float, Field(gt=0)]
 Whole = Annotated[int, Field(ge=1)]
 
@@ -168,6 +176,12 @@ class _Cluster(BaseModel):
     advertise: str
     lease_ttl: int = Field(DEFAULT_TTL, ge=2)
     prefix: str = DEFAULT_PREFIX
+    token_file: str | None = None  # the cluster's credential (`exod cluster-token FILE` makes one)
+    etcd_ca: str | None = None  # a secured etcd: its CA, this node's client certificate and key, a user
+    etcd_cert: str | None = None
+    etcd_key: str | None = None
+    etcd_user: str | None = None
+    etcd_password_file: str | None = None
 
 
 class _Fault(BaseModel):  # fault injection, for tests: never set by default
@@ -255,10 +269,12 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
     """Read ``path`` (default: the embedded default.toml) and apply CLI ``overrides`` (None = not given)."""
     where = str(path) if path else "the embedded default configuration"
     try:
-        text = path.read_text() if path else resources.files("exod").joinpath("default.toml").read_text()
+        text = (path or resources.files("exod").joinpath("default.toml")).read_text(encoding="utf-8")
         data = tomllib.loads(text)
     except OSError as exc:
         raise ConfigError(f"cannot read {where}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where} is not UTF-8 text, as TOML must be (byte {exc.start}: {exc.reason})") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{where} is not valid TOML: {exc}") from exc
     try:
@@ -325,8 +341,20 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
 def _cluster(section: _Cluster | None, where: str) -> ClusterConfig | None:
     if section is None:
         return None
+    secured = {"token_file", "etcd_ca", "etcd_cert", "etcd_key", "etcd_user", "etcd_password_file"}
+    fields = section.model_dump(exclude=secured)
+
+    def path(value: str | None) -> Path | None:
+        return None if value is None else Path(value).expanduser()
+
     try:
-        return ClusterConfig(**section.model_dump())
+        token = "" if section.token_file is None else read_token(Path(section.token_file).expanduser())
+        secret = path(section.etcd_password_file)
+        password = "" if secret is None else read_secret(secret, "etcd password")
+        etcd = EtcdSecurity(
+            path(section.etcd_ca), path(section.etcd_cert), path(section.etcd_key), section.etcd_user, password
+        )
+        return ClusterConfig(**fields, token=token, etcd=etcd)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: [cluster]: {exc}") from exc
 

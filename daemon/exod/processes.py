@@ -131,7 +131,7 @@ class Processes:
     def load(self, runner_id: str, incarnation: int, model_id: str, path: Path | None) -> None:
         """Load ``model_id``: from ``path`` on this node, or as the runner's own node has it in its cache."""
         process = self._running.get((runner_id, incarnation))
-        if isinstance(process, RemoteProcess) and path is None:
+        if isinstance(process, RemoteProcess):  # its agent finds the files: it takes no path from the wire
             process.post(p.Load(""), model_id=model_id)
         elif process is not None:
             assert path is not None

@@ -45,13 +45,15 @@ from exod.cluster.nodes import NodeRecord, list_nodes, live_runners
 from exod.cluster.remote import Fleet
 from exod.config import ServeConfig, free_memory
 from exod.controller import Controller, StoreUnavailable
+from exod.host.models import ModelFiles
 from exod.host.orphans import reap_orphans
 from exod.state.sqlite import Store
 from exod.state.statedir import AlreadyRunning as AlreadyRunning  # re-exported: callers catch it from here too
-from exod.state.statedir import state_dir_lock, write_private
+from exod.state.statedir import HeldDir, StateDirError, state_dir_lock, write_private
 from exod.state.store import SqliteState, StateStore, StateUnavailable
 
 log = logging.getLogger("exod.serve")
+STATE_DIR_CHECK_S = 1.0  # how often the daemon checks that its state directory is still the one it holds
 
 
 class ClusterUnavailable(RuntimeError):
@@ -70,16 +72,18 @@ def daemon_address(state_dir: Path) -> str | None:
 
 async def serve(config: ServeConfig, *, announce=print) -> None:
     state_dir = config.daemon.state_dir
-    with state_dir_lock(state_dir):
+    with state_dir_lock(state_dir) as held:
         sockets = bind(config)  # first: a port in use is one line, with nothing started and no state written
         store = Store.open(config.daemon.db_path, retention=config.daemon.retention)
         try:
-            membership = await _join(config)
+            c = config.daemon
+            models = ModelFiles(hf_home=c.hf_home, offline=c.offline, timeout=c.download_timeout)  # the node's
+            agent = None if config.cluster is None else _agent(config, store, models)
+            membership = await _join(config, agent)
             # in a cluster, a follower until elected: nothing to write (`_lead` gives it etcd's state, guarded)
             state = SqliteState(store) if membership is None else _cluster_state(membership, config, None)
             fleet = None if membership is None else _fleet(membership, config)
-            agent = None if membership is None else _agent(membership, config, store)
-            controller = Controller(config.daemon, store, state=state, fleet=fleet)
+            controller = Controller(config.daemon, store, state=state, fleet=fleet, models=models)
             wanted = [(p.model or controller.register_local_model(p.path), p.ranks) for p in config.placements]
             if membership is None:
                 await _restore(controller, state)
@@ -120,12 +124,11 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                     "  stop: Ctrl-C (requests in progress finish, then every runner is stopped and reaped)"
                 )
                 with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async for signum in signals:
-                        announce(
-                            f"exod: {signal.Signals(signum).name} received: taking no new requests, letting those "
-                            f"in progress finish (at most {config.drain_timeout:g} s; signal again to end them now)"
-                        )
-                        break
+                    why = await _until_asked_to_stop(signals, held)
+                    announce(
+                        f"exod: {why}: taking no new requests, letting those in progress finish "
+                        f"(at most {config.drain_timeout:g} s; signal again to end them now)"
+                    )
                     async with trio.open_nursery() as stopping:  # signals stay caught until the runners are reaped
                         stopping.start_soon(_hurry_on_signal, signals, drain, announce)
                         ended = await drain.run(config.drain_timeout, controller.requests.fail_all)
@@ -137,9 +140,12 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                             await membership.leave()
                         stopping.cancel_scope.cancel()
                 nursery.cancel_scope.cancel()
+            if (gone := held.replaced()) is not None:
+                raise StateDirError(f"{gone}; this daemon stopped its runners: start exod again to use the new one")
         finally:
-            with contextlib.suppress(OSError):
-                (state_dir / "daemon.json").unlink()
+            if held.replaced() is None:  # a daemon on a new directory at the path has its own
+                with contextlib.suppress(OSError):
+                    (state_dir / "daemon.json").unlink()
             store.close()
 
 
@@ -175,25 +181,26 @@ async def _place_configured(controller: Controller, wanted: list[tuple[str, int]
 
 def _fleet(membership: Membership, config: ServeConfig) -> Fleet:
     async def records() -> list[NodeRecord]:
-        return [node.record for node in await list_nodes(membership.etcd, membership.prefix)]
+        return [node.record for node in await list_nodes(membership.etcd, membership.prefix, membership.malformed)]
 
     async def runners() -> dict[str, set[tuple[str, int]]]:
-        return await live_runners(membership.etcd, membership.prefix)
+        return await live_runners(membership.etcd, membership.prefix, membership.malformed)
 
     def term() -> int | None:
         return None if membership.term is None else membership.term.revision
 
-    return Fleet(membership.node_id, records, runners, config.api_key, term)
+    return Fleet(membership.node_id, records, runners, membership.config.token, term)
 
 
-def _agent(membership: Membership, config: ServeConfig, store: Store) -> Agent:
+def _agent(config: ServeConfig, store: Store, models: ModelFiles) -> Agent:
     """This node's agent; the runners a killed daemon's agent left are reaped first."""
     reaped = reap_orphans(store.processes())
     for record in store.processes():
         store.forget_process(record.runner_id, record.incarnation)
     if reaped:
         log.warning("reaped %d runner(s) left by a previous daemon", len(reaped))
-    return Agent(config.daemon, store, membership.presence.record.address)
+    assert config.cluster is not None
+    return Agent(config.daemon, store, config.cluster.advertise, models=models)
 
 
 def _cluster_state(membership: Membership, config: ServeConfig, term: Term | None) -> EtcdState:
@@ -229,7 +236,7 @@ async def _lead(controller: Controller, membership: Membership, config: ServeCon
         await membership.deposed(term)
 
 
-async def _join(config: ServeConfig) -> Membership | None:
+async def _join(config: ServeConfig, agent: Agent | None) -> Membership | None:
     """With ``--cluster``: this node's record in etcd, under its lease (`ClusterUnavailable` if etcd is not there)."""
     if config.cluster is None:
         return None
@@ -238,17 +245,45 @@ async def _join(config: ServeConfig) -> Membership | None:
     c, total = config.cluster, config.daemon.memory_bytes
 
     def refresh(record: NodeRecord) -> NodeRecord:
-        """What changes about a node while it runs: the memory it has free, the models in its cache."""
+        """What changes about a node while it runs: the memory it has free, the models in its cache, why it
+        is degraded (its disk refuses the record of its runners)."""
         models = tuple(sorted({m.repo_id for m in list_cached_models(config.daemon.hf_home)}))
-        return attrs.evolve(record, memory_free=min(free_memory(), total), models=models)
+        degraded = "" if agent is None or agent.book.error is None else agent.book.error
+        return attrs.evolve(record, memory_free=min(free_memory(), total), models=models, degraded=degraded)
 
     blank = NodeRecord(c.node_id, c.advertise, api_url="", memory_total=total, memory_free=0, version=fsm.__version__)
-    membership = Membership(Etcd(c.url), c, refresh(blank), refresh)
+    membership = Membership(Etcd(c.url, security=c.etcd), c, refresh(blank), refresh)
     try:
         await membership.presence.join()
     except EtcdError as exc:
         raise ClusterUnavailable(f"cannot join the cluster: {exc}. Is etcd running at {c.url}?") from exc
     return membership
+
+
+async def _until_asked_to_stop(signals: AsyncIterator[int], held: HeldDir) -> str:
+    """Until SIGINT/SIGTERM, or until the state directory is not the one held any more (removed, replaced:
+    a second daemon could start on the path, with none of this one's state, while this one runs on); why."""
+    why = ""
+    async with trio.open_nursery() as waiting:
+
+        async def signalled() -> None:
+            nonlocal why
+            async for signum in signals:
+                why = f"{signal.Signals(signum).name} received"
+                break
+            waiting.cancel_scope.cancel()
+
+        async def directory() -> None:
+            nonlocal why
+            while (gone := held.replaced()) is None:
+                await trio.sleep(STATE_DIR_CHECK_S)
+            log.error("%s: stopping", gone)
+            why = gone
+            waiting.cancel_scope.cancel()
+
+        waiting.start_soon(signalled)
+        waiting.start_soon(directory)
+    return why
 
 
 async def _hurry_on_signal(signals: AsyncIterator[int], drain: Drain, announce: Callable[[str], object]) -> None:

@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import fsm
 from exod.api import chat, completions, dashboard, diagrams, docs, events, health, instances, messages, responses_api
-from exod.api.auth import authentication
+from exod.api.auth import authentication, node_authentication
 from exod.api.errors import ApiError, install
 from exod.api.forward import Follower
 from exod.api.metrics import Metrics
@@ -85,7 +85,8 @@ def create_app(
         docs_url=None,
         redoc_url=None,
     )
-    authenticated = authentication(api_key)
+    cluster_token = membership.config.token if membership is not None else ""
+    authenticated = authentication(api_key, cluster_token)
 
     def guarded(path: str) -> tuple[int, ...]:
         """What can answer on ``path`` that its route does not declare: the key's check (401), `_BodyCap`
@@ -94,15 +95,17 @@ def create_app(
 
     install(app, everywhere=guarded)
     if agent is not None:  # a cluster's node: its controller drives the runners placed here through it
-        app.include_router(agent_router(agent), dependencies=authenticated)
-    metrics = Metrics(controller)
+        if not cluster_token:
+            raise ValueError("a cluster node's agent needs the cluster's token (`exod cluster-token`)")
+        app.include_router(agent_router(agent), dependencies=node_authentication(cluster_token))
+    metrics = Metrics(controller, None if membership is None else membership.malformed)
     for dialect in (chat, completions, messages, responses_api):
         app.include_router(dialect.router(controller, metrics, max_tokens_ceiling), dependencies=authenticated)
-    app.include_router(health.router(controller, metrics, membership, authenticated))  # /health: without the key
+    app.include_router(health.router(controller, metrics, membership, authenticated, agent))  # /health: no key
     app.include_router(instances.router(controller, membership), dependencies=authenticated)
     app.include_router(diagrams.router(controller), dependencies=authenticated)
     app.include_router(events.router(controller), dependencies=authenticated)
     app.include_router(docs.router(app), dependencies=authenticated)
     dashboard.install(app, api_key=bool(api_key))
-    served: ASGIApp = app if membership is None else Follower(app, membership)
+    served: ASGIApp = app if membership is None else Follower(app, membership, api_key)
     return _BodyCap(served, max_body_bytes)

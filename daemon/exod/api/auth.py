@@ -1,39 +1,58 @@
-"""The API key that every route but /health asks for: a bearer token, or Anthropic's ``x-api-key``."""
+"""Who may call: a client with the API key that every route but /health asks for (a bearer token, or
+Anthropic's ``x-api-key``), and, in a cluster, another node with the cluster's token (`exod.cluster.token`):
+the only credential the agents' endpoints take, and one that stands for a client's key on a request a node
+forwards (the node checked that key itself, and sends it on to no one)."""
 
 from __future__ import annotations
 
 import secrets
 from typing import Annotated, Any
 
-from fastapi import Security
+from fastapi import Header, Security
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from exod.api.errors import ApiError
+from exod.cluster.token import HEADER
 
 # module-level, as FastAPI resolves the annotations that name them in this module's namespace
 _BEARER = HTTPBearer(scheme_name="bearer", auto_error=False)
 _X_API_KEY = APIKeyHeader(name="x-api-key", scheme_name="apiKey", auto_error=False)
+# the cluster's token: a plain header, out of the OpenAPI document (clients never hold it)
+_ClusterToken = Annotated[str | None, Header(alias=HEADER, include_in_schema=False)]
+
+WRONG_KEY = "missing or wrong API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
 
 
-def authentication(api_key: str | None) -> list[Any]:
-    """The dependency every route but /health carries: a bearer token, or Anthropic's ``x-api-key`` (its
-    clients send that one). FastAPI's security helpers read the headers and document both schemes."""
+def matches(given: str | None, expected: str) -> bool:
+    """In constant time; the bytes as they came (Starlette decodes headers as latin-1): any value compares."""
+    return given is not None and secrets.compare_digest(given.encode("latin-1"), expected.encode())
+
+
+def authentication(api_key: str | None, cluster_token: str = "") -> list[Any]:
+    """The dependency every client route but /health carries: a bearer token, or Anthropic's ``x-api-key``
+    (its clients send that one), or — a request another node forwards — the cluster's token. FastAPI's
+    security helpers read the headers and document the schemes."""
     if not api_key:
         return []
-    expected = api_key.encode()
 
     async def authenticated(
         credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_BEARER)],
         x_api_key: Annotated[str | None, Security(_X_API_KEY)],
+        token: _ClusterToken = None,
     ) -> None:
         given = credentials.credentials if credentials is not None else x_api_key
-        # bytes as they came (Starlette decodes headers as latin-1): any value compares, none raises
-        if given is None or not secrets.compare_digest(given.encode("latin-1"), expected):
-            raise ApiError(
-                401,
-                "missing or wrong API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+        if not (matches(given, api_key) or (cluster_token and matches(token, cluster_token))):
+            raise ApiError(401, WRONG_KEY, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    return [Security(authenticated)]
+
+
+def node_authentication(cluster_token: str) -> list[Any]:
+    """The agents' endpoints: the cluster's token alone. A client's API key is refused there."""
+
+    async def authenticated(token: _ClusterToken = None) -> None:
+        if not matches(token, cluster_token):
+            message = f"the agent obeys only the nodes of its cluster: missing or wrong {HEADER}"
+            raise ApiError(401, message, code="invalid_cluster_token")
 
     return [Security(authenticated)]

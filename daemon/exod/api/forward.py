@@ -4,7 +4,8 @@ The controller keeps the request book and hears every rank's reports (through th
 a chat request is served, wherever rank 0 runs; a placement or a deletion is the controller's to make. A
 node that is not the controller answers what it can from etcd (`/nodes`, `/instances`, `/events`, its
 health and metrics, its agent's endpoints) and forwards everything else, streamed both ways, with the
-caller's own headers (the cluster's API key among them: every node checked it already).
+caller's own headers but its credentials: the node checks the client's API key itself and sends it on to
+no one; the controller takes the cluster's token in its place (`exod.cluster.token`).
 
 The hop keeps the API's promises: the controller's status codes and error shapes come back as they are;
 a controller that cannot be reached is a 502 (503 while none is elected); one that dies mid-stream ends
@@ -19,9 +20,11 @@ import logging
 import httpx
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from exod.api.auth import WRONG_KEY, matches
 from exod.api.errors import ANTHROPIC_PATHS, ApiError
 from exod.cluster.etcd import EtcdUnavailable
 from exod.cluster.membership import Membership
+from exod.cluster.token import HEADER
 
 log = logging.getLogger("exod.forward")
 
@@ -40,18 +43,23 @@ FOLLOWER_PATHS = (
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade", b"host"})
 CONNECT_TIMEOUT_S = 5.0
 FORWARDED = b"x-exod-forwarded-by"
+CREDENTIALS = frozenset({b"authorization", b"x-api-key", HEADER.lower().encode()})  # never sent on
 
 
 class Follower:
     """ASGI middleware of a cluster node: answer here, or forward to the controller."""
 
-    def __init__(self, app: ASGIApp, membership: Membership) -> None:
-        self.app, self.membership = app, membership
+    def __init__(self, app: ASGIApp, membership: Membership, api_key: str | None = None) -> None:
+        self.app, self.membership, self.api_key = app, membership, api_key
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=None, write=None))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.membership.term is not None or scope["type"] != "http" or answered_here(scope):
             await self.app(scope, receive, send)
+            return
+        if self.api_key and not _holds_key(scope, self.api_key):
+            error = ApiError(401, WRONG_KEY, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            await error.response(scope["path"])(scope, receive, send)
             return
         try:
             node_id, url = await self.membership.controller()
@@ -84,8 +92,10 @@ class Follower:
                 break
         query = scope.get("query_string", b"").decode()
         target = f"{url}{scope['path']}" + (f"?{query}" if query else "")
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP_BY_HOP | {b"content-length"}]
+        dropped = HOP_BY_HOP | CREDENTIALS | {b"content-length"}
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in dropped]
         headers.append((FORWARDED, self.membership.node_id.encode()))
+        headers.append((HEADER.encode(), self.membership.config.token.encode()))
         request = self._client.build_request(scope["method"], target, headers=headers, content=body)
         try:
             response = await self._client.send(request, stream=True)
@@ -113,6 +123,14 @@ class Follower:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await response.aclose()
+
+
+def _holds_key(scope: Scope, api_key: str) -> bool:
+    """The client's API key, as `exod.api.auth` reads it: a bearer token, or ``x-api-key``."""
+    headers = {k.lower(): v.decode("latin-1") for k, v in scope["headers"]}
+    scheme, _, bearer = headers.get(b"authorization", "").partition(" ")
+    given = bearer.strip() if scheme.lower() == "bearer" else headers.get(b"x-api-key")
+    return matches(given, api_key)
 
 
 def answered_here(scope: Scope) -> bool:

@@ -155,9 +155,10 @@ class Generation:
         self._recorded = True
         ids = ", ".join(s.request_id for s in self.streams)
         log.debug("%s [%s]: %s, %d tokens, %.3f s", self.model, ids, outcome, completion_tokens, self.elapsed)
-        self.metrics.requests.labels(self.model, outcome).inc()
-        self.metrics.latency.labels(self.model).observe(self.elapsed)
-        self.metrics.tokens.labels(self.model).inc(completion_tokens)
+        model = self.metrics.label(self.model)
+        self.metrics.requests.labels(model, outcome).inc()
+        self.metrics.latency.labels(model).observe(self.elapsed)
+        self.metrics.tokens.labels(model).inc(completion_tokens)
 
     @property
     def elapsed(self) -> float:
@@ -173,7 +174,7 @@ class Generation:
         """Count ``error`` as this request's outcome, and return it to raise."""
         self._recorded = True
         log.debug("%s: rejected %d: %s", self.model, error.status, error.message)
-        self.metrics.requests.labels(self.model, f"rejected_{error.status}").inc()
+        self.metrics.requests.labels(self.metrics.label(self.model), f"rejected_{error.status}").inc()
         return error
 
     @staticmethod

@@ -11,20 +11,28 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 import fsm
 from exod.api.errors import ApiError, responses
 from exod.api.metrics import Metrics
+from exod.cluster.agent import Agent
 from exod.cluster.membership import Membership
 from exod.controller import RETRY_AFTER, Controller
 
 
 def router(
-    controller: Controller, metrics: Metrics, membership: Membership | None, authenticated: list[Any]
+    controller: Controller,
+    metrics: Metrics,
+    membership: Membership | None,
+    authenticated: list[Any],
+    agent: Agent | None = None,
 ) -> APIRouter:
     """/health answers anyone (`exod.api.app.OPEN_PATHS`); the others carry ``authenticated``."""
     api = APIRouter()
 
     def degraded() -> str | None:
-        """Why the daemon cannot write its state now (its store, or in a cluster etcd), if it cannot."""
+        """Why the daemon cannot write its state now (its store, or in a cluster etcd, or the record of its
+        agent's runners), if it cannot."""
         if membership is not None and membership.presence.lost is not None:
             return f"the cluster's etcd cannot be reached: {membership.presence.lost}"
+        if agent is not None and agent.book.error is not None:
+            return agent.book.error
         return controller.status()["degraded"]
 
     @api.get("/health")

@@ -6,7 +6,7 @@ import click
 
 import fsm
 from exod.cli.completions import chat
-from exod.cli.daemon import cluster_demo, serve
+from exod.cli.daemon import cluster_demo, cluster_token, serve
 from exod.cli.documents import diagram, machines, specs
 from exod.cli.instances import delete, logs, place, status
 from exod.cli.models import model
@@ -32,4 +32,5 @@ main.add_command(specs)
 main.add_command(check)
 main.add_command(check_fencing)
 main.add_command(cluster_demo)
+main.add_command(cluster_token)
 main.add_command(replay)

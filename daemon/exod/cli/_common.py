@@ -16,6 +16,46 @@ STATE_DIR = click.option(
 URL = click.option("--url", default=None, help="A running daemon's URL (default: found through --state-dir).")
 
 
+def etcd_options(command):
+    """How a command reaches a secured etcd: TLS files and etcd's own user (README, Several hosts)."""
+    file = click.Path(dir_okay=False, exists=True, path_type=Path)
+    for name, kind, text in reversed(
+        [
+            ("--etcd-ca", file, "The CA etcd's members' certificates are signed by (https:// endpoints)."),
+            ("--etcd-cert", file, "This node's client certificate, for an etcd that asks for one."),
+            ("--etcd-key", file, "The key of --etcd-cert."),
+            ("--etcd-user", str, "A user of etcd's own authentication."),
+            ("--etcd-password-file", file, "The file with --etcd-user's password (mode 600)."),
+        ]
+    ):
+        envvar = "EXOD_" + name.removeprefix("--").upper().replace("-", "_")
+        command = click.option(name, type=kind, envvar=envvar, default=None, help=text)(command)
+    return command
+
+
+def etcd_security(etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file, base=None):
+    """The options as an `exod.cluster.etcd.EtcdSecurity`, over ``base`` (the configuration's); a usage error
+    says what is wrong."""
+    import attrs
+
+    from exod.cluster.etcd import EtcdSecurity
+    from exod.cluster.token import ClusterTokenError, read_secret
+
+    base = base or EtcdSecurity()
+    try:
+        password = read_secret(etcd_password_file, "etcd password") if etcd_password_file else base.password
+        return attrs.evolve(
+            base,
+            ca=etcd_ca or base.ca,
+            cert=etcd_cert or base.cert,
+            key=etcd_key or base.key,
+            user=etcd_user or base.user,
+            password=password,
+        )
+    except (ClusterTokenError, ValueError) as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
 def _state_dir(state_dir: Path | None) -> Path:
     from exod.config import default_state_dir
 

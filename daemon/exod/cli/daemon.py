@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from exod.cli._common import STATE_DIR
+from exod.cli._common import STATE_DIR, etcd_options, etcd_security
 
 
 @click.command()
@@ -31,12 +31,20 @@ from exod.cli._common import STATE_DIR
 @click.option("--node-id", default=None, help="This node's name in the cluster (default: the host name).")
 @click.option("--advertise", default=None, help="The address the other nodes reach this one at (default: --host).")
 @click.option(
+    "--cluster-token-file",
+    envvar="EXOD_CLUSTER_TOKEN_FILE",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="The cluster's secret, the same file on every node (`exod cluster-token FILE` makes one).",
+)
+@click.option(
     "--place",
     "extra",
     multiple=True,
     metavar="MODEL_OR_DIR[:RANKS]",
     help="Also keep this placed: a repo id, or a local model directory (the CLI and config only). Repeatable.",
 )
+@etcd_options
 def serve(
     config_path,
     host,
@@ -50,7 +58,9 @@ def serve(
     cluster_url,
     node_id,
     advertise,
+    cluster_token_file,
     extra,
+    **etcd,
 ) -> None:
     """Run the daemon: restore state, reap orphans, place, serve the API until SIGINT/SIGTERM."""
     import logging
@@ -85,8 +95,13 @@ def serve(
         import socket
 
         from exod.cluster.membership import ClusterConfig
+        from exod.cluster.token import ClusterTokenError, read_token
 
         base = cfg.cluster or ClusterConfig(cluster_url, node_id or socket.gethostname(), advertise or cfg.host)
+        try:
+            token = read_token(cluster_token_file) if cluster_token_file else base.token
+        except ClusterTokenError as exc:
+            raise click.BadParameter(str(exc), param_hint="--cluster-token-file") from exc
         cfg = attrs.evolve(
             cfg,
             cluster=attrs.evolve(
@@ -94,6 +109,8 @@ def serve(
                 url=cluster_url or base.url,
                 node_id=node_id or base.node_id,
                 advertise=advertise or base.advertise,
+                token=token,
+                etcd=etcd_security(**etcd, base=base.etcd),
             ),
         )
     try:
@@ -133,3 +150,17 @@ def cluster_demo(nodes: int, layers: int, ranks: int) -> None:
         run(nodes=nodes, layers=layers, ranks=ranks, announce=click.echo)
     except DevClusterError as exc:
         raise click.ClickException(str(exc)) from exc
+
+
+@click.command("cluster-token")
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+def cluster_token(path: Path) -> None:
+    """Write a new cluster token to PATH (readable by you alone): give every node of the cluster a copy, as
+    --cluster-token-file. Nodes authenticate to each other with it; clients never hold it."""
+    from exod.cluster.token import ClusterTokenError, write_token
+
+    try:
+        write_token(path)
+    except (ClusterTokenError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"wrote a new cluster token to {path}: copy it to every node (mode 600), pass --cluster-token-file")

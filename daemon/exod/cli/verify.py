@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from exod.cli._common import _state_dir
+from exod.cli._common import _state_dir, etcd_options, etcd_security
 from fsm.fencing import Mechanism  # a small pure module: the choices of --without
 
 
@@ -127,7 +127,7 @@ def check(
         raise SystemExit(1)
 
 
-def _cluster_log(url: str) -> tuple[int, list]:
+def _cluster_log(url: str, security) -> tuple[int, list]:
     """Where the cluster's log starts, and its entries, as the etcd at ``url`` holds them."""
     import trio
 
@@ -137,7 +137,7 @@ def _cluster_log(url: str) -> tuple[int, list]:
     from exod.state.store import StateUnavailable
 
     async def read() -> tuple[int, list]:
-        etcd = Etcd(url)
+        etcd = Etcd(url, security=security)
         try:
             state = EtcdState(etcd, DEFAULT_PREFIX.encode(), None)
             return await state.log_start(), [entry for _, entry in await state.transitions()]
@@ -176,7 +176,8 @@ def _cluster_log(url: str) -> tuple[int, list]:
     metavar="URL",
     help="Replay the log of the cluster whose state is in the etcd at URL (http://HOST:2379).",
 )
-def replay(state_dir, jsonl, export, cluster_url) -> None:
+@etcd_options
+def replay(state_dir, jsonl, export, cluster_url, **etcd) -> None:
     """Replay a transition log against the machines: first divergence, and coverage. Exits 1 on divergence.
 
     A log that [retention] pruned is replayed from its oldest entry kept, and says so.
@@ -193,7 +194,7 @@ def replay(state_dir, jsonl, export, cluster_url) -> None:
         except (ValueError, KeyError, TypeError) as exc:
             raise click.ClickException(f"{jsonl} is not a transition log (JSON lines): {exc}") from exc
     elif cluster_url is not None:
-        start, entries = _cluster_log(cluster_url)
+        start, entries = _cluster_log(cluster_url, etcd_security(**etcd))
     else:
         from exod.state.sqlite import Store, StoreError
 

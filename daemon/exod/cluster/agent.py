@@ -35,18 +35,20 @@ from typing import Annotated, Any, Protocol
 import trio
 from fastapi import APIRouter, Header, HTTPException
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from exod.cluster.election import TERM_HEADER, election_key
 from exod.cluster.etcd import EtcdError
-from exod.cluster.nodes import Presence, runner_key, runners_prefix
+from exod.cluster.nodes import Presence, list_nodes, runner_key, runners_prefix
 from exod.host import ring
-from exod.host.models import ModelFiles
+from exod.host.models import InvalidModelId, ModelFiles, validate_model_id
 from exod.host.orphans import start_ticks
 from exod.host.supervisor import FencedProcess, FencedSpawn, RunnerSpec, Supervisor, Timeouts
 from exod.runner import protocol as p
 from exod.runner.batch import BatchLimits
+from exod.runner.faults import FaultSpec
 from exod.state import retention
+from exod.state.process_book import ProcessBook
 from exod.state.retention import Retention
 from exod.state.sqlite import ProcessRecord, Store
 
@@ -84,19 +86,40 @@ class AgentConfig(Protocol):
     def batch(self) -> BatchLimits: ...
     @property
     def timeouts(self) -> Timeouts: ...
+    @property
+    def faults(self) -> tuple[FaultSpec, ...]: ...
 
 
 class SpawnRequest(BaseModel):
+    """A spawn as the controller sends it; everything in it is checked here, before anything is written: it
+    names paths on this node (its log, its hostfile) and where the runner connects."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    instance_id: str = Field(..., min_length=1, max_length=200)
-    runner_id: str = Field(..., min_length=1, max_length=200)
+    instance_id: str = Field(..., max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    runner_id: str = Field(..., max_length=210)
     incarnation: int = Field(..., ge=1)
     rank: int = Field(..., ge=0)
     world_size: int = Field(..., ge=1, le=64)
-    ring: list[str] = Field(..., description="HOST:PORT of every rank, rank 0 first")
-    fault: str | None = None
+    ring: list[str] = Field(..., max_length=64, description="HOST:PORT of every rank, rank 0 first")
+    fault: str | None = Field(None, max_length=100)
     stream: int = Field(..., ge=1, description="the report stream it belongs to: the number its hello said")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SpawnRequest:
+        if self.runner_id != f"{self.instance_id}/{self.rank}":
+            raise ValueError(f"runner_id must be '{self.instance_id}/{self.rank}' (instance_id/rank)")
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} is not below world_size {self.world_size}")
+        if self.ring and len(self.ring) != self.world_size:
+            raise ValueError(f"ring has {len(self.ring)} endpoints for a world of {self.world_size}")
+        if self.world_size > 1 and not self.ring:
+            raise ValueError("a rank of a world of several needs the ring's endpoints")
+        for endpoint in self.ring:
+            host, _, port = endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise ValueError(f"ring endpoint {endpoint!r} is not HOST:PORT")
+        return self
 
 
 class CommandRequest(BaseModel):
@@ -109,9 +132,21 @@ class CommandRequest(BaseModel):
 class Agent:
     """The runners this node runs for the cluster's controller, and the stream of what they report."""
 
-    def __init__(self, config: AgentConfig, store: Store, advertise: str, *, spawn: FencedSpawn = Supervisor) -> None:
+    def __init__(
+        self,
+        config: AgentConfig,
+        store: Store,
+        advertise: str,
+        *,
+        spawn: FencedSpawn = Supervisor,
+        models: ModelFiles | None = None,
+    ) -> None:
+        """``models``: this node's model files, the controller's on this node too (local directories it named)."""
         self.config, self.store, self.advertise, self._spawn = config, store, advertise, spawn
-        self.models = ModelFiles(hf_home=config.hf_home, offline=config.offline, timeout=config.download_timeout)
+        self.book = ProcessBook(store)  # its runners' pids; a full disk degrades the node, never ends it
+        self.models = models or ModelFiles(
+            hf_home=config.hf_home, offline=config.offline, timeout=config.download_timeout
+        )
         self._running: dict[tuple[str, int], FencedProcess] = {}
         self._scopes: dict[tuple[str, int], trio.CancelScope] = {}  # cancelling one kills its runner at once
         self._stream: trio.MemorySendChannel[bytes] | None = None
@@ -182,9 +217,11 @@ class Agent:
                 self._end_session(f"the term {self._term} of its controller is over in etcd")
 
     async def _release_keys_forever(self) -> None:
+        """Every beat: the keys of reaped runners etcd did not take yet, the records the disk did not."""
         while True:
             await trio.sleep(BEAT_S)
             await self._release_keys()
+            self.book.retry()
 
     # -- what the controller asks -------------------------------------------------------------------
 
@@ -193,17 +230,28 @@ class Agent:
         return ring.free_ports(count, host=self.advertise)
 
     async def spawn(self, term: int, request: SpawnRequest) -> None:
+        """Check everything first; claim the runner in etcd; start it. Whatever fails after the claim releases
+        it at once: a key left behind would hold every next generation of its instance back."""
         self._check_term(term)
         key = (request.runner_id, request.incarnation)
         self._check_spawn(key, request.stream)
+        self._check_fault(request.fault)
+        await self._check_ring(request.ring)
         await self._claim(key)  # in etcd first: no process runs that the controller could not know of
         try:
             self._check_spawn(key, request.stream)  # again: its stream may have ended, or a stop come, meanwhile
-        except Refused:
-            if self._presence is not None:  # claimed for nothing: released at once (a next generation waits for it)
+            try:
+                self._start(key, request)
+            except OSError as exc:  # a full disk, say: the host's failure, said as such
+                raise Refused(503, f"this node cannot prepare the runner's files: {exc}") from exc
+        except BaseException:
+            if self._presence is not None:  # claimed for nothing
                 self._released.add(self._key_of(key))
-                await self._release_keys()
+                with trio.CancelScope(shield=True), trio.move_on_after(BEAT_S):
+                    await self._release_keys()  # or at the next beat
             raise
+
+    def _start(self, key: tuple[str, int], request: SpawnRequest) -> None:
         hostfile = None
         if request.world_size > 1:
             path = retention.hostfile_path(self.config.state_dir, request.instance_id, request.incarnation)
@@ -226,10 +274,27 @@ class Agent:
         process = self._spawn(spec, _Forward(self, self._session), self.config.timeouts)
         if self._presence is not None:  # its dead man's switch: it runs no longer than this node may
             process.extend(self._presence.authority_until)
-        self._running[key] = process
-        self._scopes[key] = trio.CancelScope()
         self._generations.started(request.instance_id, request.incarnation)
+        self._running[key] = process  # nothing below raises: from here its supervisor releases the key
+        self._scopes[key] = trio.CancelScope()
         self._nursery.start_soon(self._supervise, process, request.instance_id)
+
+    def _check_fault(self, fault: str | None) -> None:
+        """A fault is injected only where this node's own configuration enables it (`[[fault]]`)."""
+        if fault is not None and fault not in {str(spec.fault) for spec in self.config.faults}:
+            raise Refused(400, f"fault {fault!r} is not enabled on this node: its configuration has no such [[fault]]")
+
+    async def _check_ring(self, endpoints: list[str]) -> None:
+        """A runner connects only to the cluster's live nodes: every ring endpoint's host must be one's address."""
+        if not endpoints or self._presence is None:
+            return
+        try:
+            live = {node.record.address for node in await list_nodes(self._presence.etcd, self._presence.prefix)}
+        except EtcdError as exc:
+            raise Refused(503, f"this node cannot check the ring's nodes in etcd: {exc}") from exc
+        strangers = sorted({e for e in endpoints if e.rpartition(":")[0].strip("[]") not in live})
+        if strangers:
+            raise Refused(400, f"ring endpoints {', '.join(strangers)} are not on live nodes of this cluster")
 
     def _check_term(self, term: int) -> None:
         """A command is obeyed only from the controller whose stream is open here, by its term."""
@@ -291,8 +356,14 @@ class Agent:
             raise Refused(400, str(exc)) from exc
         if not isinstance(command, p.Command):
             raise Refused(400, f"{request.command.get('type')!r} is not a command")
-        if isinstance(command, p.Load) and request.model_id is not None:
-            try:  # the model as this node's cache has it
+        if isinstance(command, p.Load):  # a path from the wire is never loaded: the model as this node has it
+            if request.model_id is None:
+                raise Refused(400, "a load names its model by id (model_id): this node finds its files itself")
+            try:
+                validate_model_id(request.model_id)
+            except InvalidModelId as exc:
+                raise Refused(400, str(exc)) from exc
+            try:
                 command = p.Load(str(self.models.path(request.model_id)), command.layers_total)
             except Exception as exc:  # ModelNotFound: the runner fails the load, retryably
                 failed = {"kind": "report", **_key(process.spec), "report": json.loads(_failed(process.spec, exc))}
@@ -388,7 +459,7 @@ class Agent:
             self._running.pop(key, None)
             self._scopes.pop(key, None)
             self._generations.ended(instance_id, spec.incarnation)
-            self.store.forget_process(*key)  # killed by fencing, it never said its exit
+            self.book.forget(*key)  # killed by fencing, it never said its exit
             if self._presence is not None:
                 self._released.add(self._key_of(key))
         await self._release_keys()
@@ -402,7 +473,7 @@ class _Forward:
         self.agent, self.session = agent, session
 
     def on_spawned(self, spec: RunnerSpec, pid: int) -> None:
-        self.agent.store.record_process(ProcessRecord(spec.runner_id, spec.incarnation, pid, start_ticks(pid) or 0))
+        self.agent.book.record(ProcessRecord(spec.runner_id, spec.incarnation, pid, start_ticks(pid) or 0))
         self.agent._send(self.session, {"kind": "spawned", **_key(spec), "pid": pid})
 
     def on_report(self, spec: RunnerSpec, report: p.Report) -> None:
@@ -412,7 +483,7 @@ class _Forward:
         self.agent._send(self.session, {"kind": "stall", **_key(spec), "phase": phase, "seconds": seconds})
 
     def on_exit(self, spec: RunnerSpec, exit_code: int, stderr_tail: str, stop_delivered: bool) -> None:
-        self.agent.store.forget_process(spec.runner_id, spec.incarnation)
+        self.agent.book.forget(spec.runner_id, spec.incarnation)
         event = {"kind": "exit", **_key(spec), "exit_code": exit_code, "tail": stderr_tail, "stopped": stop_delivered}
         self.agent._send(self.session, event)
 

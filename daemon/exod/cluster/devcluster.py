@@ -21,9 +21,12 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import attrs
 import httpx
 
 import fsm
+from exod.cluster.etcd import EtcdSecurity
+from exod.cluster.token import write_token
 from exod.host.ring import free_ports
 
 MODEL = "exod/tiny-qwen2"
@@ -40,14 +43,33 @@ def etcd_binary() -> str:
     return found
 
 
+@attrs.frozen
+class EtcdTls:
+    """A member's TLS: the CA that signs members and clients, the member's certificate and key; clients must
+    show a certificate of that CA (etcd's ``--client-cert-auth``)."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
 class LocalEtcd:
     """One etcd member on free ports (of loopback, or ``host``) and a data dir; it can be stopped and started
-    again. Alone, it is a cluster of one; `LocalEtcdCluster` makes several members of one cluster."""
+    again. Alone, it is a cluster of one; `LocalEtcdCluster` makes several members of one cluster. With
+    ``tls``, its clients speak TLS and show a certificate (``client``: how this process does)."""
 
-    def __init__(self, directory: Path, name: str = "exod", host: str = "127.0.0.1") -> None:
-        self.directory, self.name = directory, name
+    def __init__(
+        self,
+        directory: Path,
+        name: str = "exod",
+        host: str = "127.0.0.1",
+        *,
+        tls: EtcdTls | None = None,
+        client: EtcdSecurity | None = None,
+    ) -> None:
+        self.directory, self.name, self.tls, self.client = directory, name, tls, client or EtcdSecurity()
         self.client_port, self.peer_port = free_ports(2, host=host)
-        self.url = f"http://{host}:{self.client_port}"
+        self.url = f"{'https' if tls else 'http'}://{host}:{self.client_port}"
         self.peer = f"http://{host}:{self.peer_port}"
         self.initial_cluster = f"{name}={self.peer}"
         self.process: subprocess.Popen[bytes] | None = None
@@ -61,6 +83,9 @@ class LocalEtcd:
         args += ["--listen-client-urls", self.url, "--advertise-client-urls", self.url]
         args += ["--listen-peer-urls", self.peer, "--initial-advertise-peer-urls", self.peer]
         args += ["--initial-cluster", self.initial_cluster]
+        if self.tls is not None:
+            args += ["--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key)]
+            args += ["--trusted-ca-file", str(self.tls.ca), "--client-cert-auth"]
         self.directory.mkdir(parents=True, exist_ok=True)
         with (self.directory / "etcd.log").open("ab") as log:
             self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
@@ -76,7 +101,8 @@ class LocalEtcd:
 
     def _healthy(self) -> bool:
         try:
-            return httpx.get(f"{self.url}/health", timeout=1).json().get("health") == "true"
+            answer = httpx.get(f"{self.url}/health", timeout=1, verify=self.client.ssl_context()).json()
+            return answer.get("health") == "true" or "auth" in str(answer.get("reason", ""))
         except (httpx.HTTPError, ValueError):
             return False
 
@@ -210,11 +236,12 @@ def start_node(
 ) -> str:
     """Start node ``node-n`` (advertising 127.0.0.n, or ``address``; its command line run by ``wrap``, inside a
     network namespace say) and append its process to ``daemons``; its API URL once it serves. A non-loopback
-    address needs ``api_key``."""
+    address needs ``api_key``. Every node under ``root`` shares its cluster token (`cluster_token_file`)."""
     home = root / f"node-{n}"
     home.mkdir()
     address = address or f"127.0.0.{n}"
     config = f'[daemon]\nport = 0\noffline = true\n\n[cluster]\nurl = "{etcd}"\nnode_id = "node-{n}"\n'
+    config += f'token_file = "{cluster_token_file(root)}"\n'
     config += f'advertise = "{address}"\n' + (f"lease_ttl = {lease_ttl}\n" if lease_ttl else "")
     (home / "exod.toml").write_text(config)
     args = [sys.executable, "-m", "exod", "serve", "--config", str(home / "exod.toml")]
@@ -224,6 +251,14 @@ def start_node(
         daemons.append(subprocess.Popen(wrap(args), stdout=log, stderr=subprocess.STDOUT, env=env))
     _wait(lambda: (home / "state" / "daemon.json").exists(), f"node-{n} to serve", 60, daemons[-1], home)
     return json.loads((home / "state" / "daemon.json").read_text())["url"]
+
+
+def cluster_token_file(root: Path) -> Path:
+    """The cluster token of the nodes under ``root``, made on first use."""
+    path = root / "cluster.token"
+    if not path.exists():
+        write_token(path)
+    return path
 
 
 def _get(url: str, path: str) -> dict:

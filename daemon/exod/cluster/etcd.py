@@ -7,13 +7,19 @@ nothing else: it decides nothing about exod's keys (that is the cluster store's 
 
 Errors: `EtcdUnavailable` when etcd cannot be reached or answers 5xx (the caller degrades and retries);
 `EtcdError` when etcd refused the request (a bug of ours, or an expired lease: `LeaseExpired`).
+
+Secured as its operator secures it (`EtcdSecurity`): TLS with the cluster's CA and this node's client
+certificate, and etcd's own authentication (a user and password for a token, which is asked for again
+when etcd says it is no longer valid). Who can write to etcd owns the cluster, as in Kubernetes.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import ssl
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -113,20 +119,56 @@ def value_is(key: bytes, value: bytes) -> Compare:
 # -- the client ----------------------------------------------------------------------------------------
 
 
+@attrs.frozen
+class EtcdSecurity:
+    """How this node reaches a secured etcd: the CA its members' certificates are signed by, this node's
+    client certificate and key (etcd's ``--client-cert-auth``), and a user of etcd's own authentication."""
+
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    user: str | None = None
+    password: str = attrs.field(default="", repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("a client certificate needs its key, and a key its certificate: give both")
+        if self.user is not None and not self.password:
+            raise ValueError(f"etcd user {self.user!r} needs a password (a file with it)")
+
+    def ssl_context(self) -> ssl.SSLContext | bool:
+        """What httpx verifies the members with: the system's CAs unless a CA is given; the client certificate."""
+        if self.ca is None and self.cert is None:
+            return True
+        context = ssl.create_default_context(cafile=None if self.ca is None else str(self.ca))
+        if self.cert is not None and self.key is not None:
+            context.load_cert_chain(str(self.cert), str(self.key))
+        return context
+
+
 class Etcd:
     """An etcd cluster through its members' endpoints (``http://A:2379,http://B:2379,…``): every call is one
     HTTP request with a timeout, to the member in use; a member that cannot be connected to is passed over
     for the next one (a request that never left cannot have been applied, so trying it elsewhere is safe),
     and a member that failed after the request left is left for the next call (which may not be repeated)."""
 
-    def __init__(self, url: str, *, timeout: float = 5.0, client: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = 5.0,
+        client: httpx.AsyncClient | None = None,
+        security: EtcdSecurity | None = None,
+    ) -> None:
         self.url = url
         self.endpoints = [endpoint.strip().rstrip("/") for endpoint in url.split(",") if endpoint.strip()]
         if not self.endpoints:
             raise ValueError(f"no etcd endpoint in {url!r}: give http://HOST:2379, or several separated by commas")
         self.timeout = timeout
-        self._client = client or httpx.AsyncClient(timeout=timeout)
+        self.security = security or EtcdSecurity()
+        self._client = client or httpx.AsyncClient(timeout=timeout, verify=self.security.ssl_context())
         self._member = 0  # the endpoint in use
+        self._token: str | None = None  # etcd's authentication token, once asked for
 
     @property
     def _endpoint(self) -> str:
@@ -223,8 +265,9 @@ class Etcd:
             create["start_revision"] = str(start_revision)
         try:
             timeout = httpx.Timeout(self.timeout, read=None)  # a watch waits as long as nothing changes
-            url = f"{self._endpoint}/v3/watch"
-            async with self._client.stream("POST", url, json={"create_request": create}, timeout=timeout) as response:
+            url, headers = f"{self._endpoint}/v3/watch", await self._headers()
+            request = {"json": {"create_request": create}, "timeout": timeout, "headers": headers}
+            async with self._client.stream("POST", url, **request) as response:
                 if response.status_code != 200:
                     raise EtcdUnavailable(f"etcd at {self.url} refused the watch: HTTP {response.status_code}")
                 async for line in response.aiter_lines():
@@ -245,29 +288,62 @@ class Etcd:
         answer = await self._call("/v3/kv/range", body)
         return [_kv(raw) for raw in answer.get("kvs", [])], _int(_header(answer).get("revision"))
 
+    async def _headers(self) -> dict[str, str]:
+        """etcd's token, asked for with the user's password when there is none yet (etcd's authentication)."""
+        if self.security.user is None:
+            return {}
+        if self._token is None:
+            credentials = {"name": self.security.user, "password": self.security.password}
+            answer = await self._post("/v3/auth/authenticate", credentials, {})
+            self._token = str(answer.get("token", ""))
+        return {"Authorization": self._token}
+
     async def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return await self._post(path, body, await self._headers())
+        except EtcdError as exc:
+            if self.security.user is None or "auth token" not in str(exc):
+                raise
+        self._token = None  # expired, or issued by another member (etcd's simple tokens): ask again, once
+        return await self._post(path, body, await self._headers())
+
+    async def _post(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
         for _ in self.endpoints:
             try:
-                response = await self._client.post(f"{self._endpoint}{path}", json=body)
+                response = await self._client.post(f"{self._endpoint}{path}", json=body, headers=headers)
                 break
             except httpx.ConnectError as exc:  # never sent: the next member may take it
                 self._next_member()
                 failure: httpx.HTTPError = exc
             except httpx.HTTPError as exc:  # sent, maybe applied: not repeated; the next call goes elsewhere
                 self._next_member()
-                raise EtcdUnavailable(f"cannot reach etcd at {self.url}: {type(exc).__name__}: {exc}") from exc
+                raise EtcdUnavailable(f"cannot reach etcd at {self.url}: {_why(exc)}") from exc
         else:
-            raise EtcdUnavailable(f"cannot reach etcd at {self.url}: {type(failure).__name__}: {failure}") from failure
+            raise EtcdUnavailable(f"cannot reach etcd at {self.url}: {_why(failure)}") from failure
         if response.status_code >= 500:
             self._next_member()
             raise EtcdUnavailable(f"etcd at {self.url} failed: HTTP {response.status_code}: {response.text[:200]}")
-        answer = response.json()
+        try:
+            answer = response.json()
+        except ValueError:  # not the gateway's JSON: say what came
+            raise EtcdError(f"etcd refused {path}: HTTP {response.status_code}: {response.text[:200]}") from None
         if response.status_code != 200 or "error" in answer:
             message = answer.get("message") or answer.get("error") or response.text[:200]
             if "lease not found" in str(message):
                 raise LeaseExpired(str(message))
             raise EtcdError(f"etcd refused {path}: {message}")
         return answer
+
+
+def _why(exc: BaseException) -> str:
+    """The exception, and what caused it (a TLS handshake's failure says nothing at the top of the chain)."""
+    reasons: list[str] = []
+    at: BaseException | None = exc
+    while at is not None and len(reasons) < 3:
+        if str(at) and str(at) not in reasons:
+            reasons.append(str(at))
+        at = at.__cause__ or at.__context__
+    return f"{type(exc).__name__}: {'; '.join(reasons) or 'no reason given'}"
 
 
 def _b64(data: bytes | int) -> str:

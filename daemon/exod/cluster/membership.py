@@ -10,6 +10,7 @@ controller or not, and the term to guard its writes with — is read from `term`
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,7 @@ import attrs
 import trio
 
 from exod.cluster.election import Term, election_key, leader, wait_for_term
-from exod.cluster.etcd import Etcd, EtcdError, EtcdUnavailable, KeyValue
+from exod.cluster.etcd import Etcd, EtcdError, EtcdSecurity, EtcdUnavailable, KeyValue
 from exod.cluster.nodes import DEFAULT_TTL, NodeRecord, Presence, list_nodes
 
 log = logging.getLogger("exod.membership")
@@ -34,6 +35,8 @@ class ClusterConfig:
     advertise: str
     lease_ttl: int = attrs.field(default=DEFAULT_TTL, validator=attrs.validators.ge(2))
     prefix: str = DEFAULT_PREFIX
+    token: str = attrs.field(default="", repr=False)  # the cluster's credential (`exod.cluster.token`)
+    etcd: EtcdSecurity = attrs.Factory(EtcdSecurity)  # how to reach a secured etcd (TLS, etcd's own user)
 
 
 class Membership:
@@ -49,6 +52,8 @@ class Membership:
         self.presence = Presence(etcd, self.prefix, record, ttl=config.lease_ttl, refresh=refresh)
         self._term: Term | None = None
         self._term_changed = trio.Event()
+        self.malformed: Counter[str] = Counter()  # values in etcd skipped as not exod's, by kind (`/metrics`)
+        self._last_seen: tuple[str, str, float] | None = None  # the controller's id and URL, and when (trio time)
 
     @property
     def term(self) -> Term | None:
@@ -131,15 +136,24 @@ class Membership:
                 await trio.sleep(1.0)
 
     async def controller(self) -> tuple[str | None, str | None]:
-        """The controller's node id and API URL, as etcd has them (None where there is none yet)."""
-        node_id = await leader(self.etcd, self.prefix)
-        urls = {n.record.node_id: n.record.api_url for n in await list_nodes(self.etcd, self.prefix)}
-        return node_id, urls.get(node_id) if node_id is not None else None
+        """The controller's node id and API URL, as etcd has them (None where there is none yet). Through an
+        outage of etcd, the controller last seen, for as long as its term can still be alive: its lease's TTL
+        from when it was seen holding the election key; `EtcdUnavailable` after that."""
+        try:
+            node_id = await leader(self.etcd, self.prefix)
+            nodes = await list_nodes(self.etcd, self.prefix, self.malformed)
+        except EtcdUnavailable:
+            if self._last_seen is not None and trio.current_time() < self._last_seen[2] + self.config.lease_ttl:
+                return self._last_seen[0], self._last_seen[1]
+            raise
+        url = {n.record.node_id: n.record.api_url for n in nodes}.get(node_id) if node_id is not None else None
+        self._last_seen = (node_id, url, trio.current_time()) if node_id is not None and url else None
+        return node_id, url
 
     async def nodes(self) -> dict[str, Any]:
         """Every live node, which one is the controller, and this node's id: the cluster as etcd has it."""
         controller = await leader(self.etcd, self.prefix)
-        members = await list_nodes(self.etcd, self.prefix)
+        members = await list_nodes(self.etcd, self.prefix, self.malformed)
         return {
             "cluster": self.config.url,
             "node_id": self.node_id,

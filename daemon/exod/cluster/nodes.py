@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections import Counter
 from collections.abc import Callable
-from typing import Any
 
 import attrs
 import trio
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from exod.cluster.etcd import Etcd, EtcdError, EtcdUnavailable, LeaseExpired
 
@@ -25,6 +26,28 @@ log = logging.getLogger("exod.nodes")
 
 DEFAULT_TTL = 10  # seconds; tests use >= 5: two busy cores must not let a lease expire falsely
 FENCE_MARGIN = 0.2  # of the TTL: a node's authority ends this much before its lease may expire
+
+
+MAX_MEMORY = 1 << 50  # bytes (1 PiB): a record that claims more is not believed
+
+
+class MalformedRecord(ValueError):
+    """A value in etcd that is not what an exod node writes; the message says which and why."""
+
+
+class _RecordSchema(BaseModel):
+    """A node record as read from etcd: untrusted input (whoever can write to etcd can write anything)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    node_id: str = Field(..., max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    address: str = Field(..., min_length=1, max_length=255, pattern=r"^[A-Za-z0-9.:\[\]_-]+$")
+    api_url: str = Field(..., max_length=300, pattern=r"^(https?://[^\s/]+)?$")
+    memory_total: int = Field(..., ge=0, le=MAX_MEMORY)
+    memory_free: int = Field(..., ge=0, le=MAX_MEMORY)
+    models: list[str] = Field([], max_length=10_000)
+    version: str = Field("", max_length=100)
+    degraded: str = Field("", max_length=1000)
 
 
 @attrs.frozen
@@ -36,15 +59,19 @@ class NodeRecord:
     memory_free: int
     models: tuple[str, ...] = ()
     version: str = ""
+    degraded: str = ""  # why the node cannot write its state now (its disk), or ""
 
     def to_json(self) -> bytes:
         return json.dumps(attrs.asdict(self), sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> NodeRecord:
-        data: dict[str, Any] = json.loads(raw)
-        data["models"] = tuple(data.get("models", ()))
-        return cls(**data)
+        """`MalformedRecord` unless ``raw`` is a record as a node writes it, within bounds."""
+        try:
+            data = _RecordSchema.model_validate_json(raw)
+        except ValidationError as exc:
+            raise MalformedRecord(f"not a node record: {exc.errors()[0]['msg']} at {exc.errors()[0]['loc']}") from None
+        return cls(**{**data.model_dump(), "models": tuple(data.models)})
 
 
 @attrs.frozen
@@ -75,28 +102,49 @@ def runner_key(prefix: bytes, node_id: str, runner_id: str, incarnation: int) ->
     return runners_prefix(prefix, node_id) + f"{runner_id}/{incarnation}".encode()
 
 
-async def live_runners(etcd: Etcd, prefix: bytes) -> dict[str, set[tuple[str, int]]]:
+async def live_runners(
+    etcd: Etcd, prefix: bytes, malformed: Counter[str] | None = None
+) -> dict[str, set[tuple[str, int]]]:
     """The runner processes that may be alive on each node: those its agent holds a key for. A node that is
     gone is not listed (its keys went with its lease, after it fenced itself), so the controller never
-    starts a new generation beside an old one that may still run (DESIGN §5, fencing)."""
+    starts a new generation beside an old one that may still run (DESIGN §5, fencing). A key that is not
+    one a node writes is skipped, said, and counted in ``malformed`` (as ``runner``)."""
     kvs, _ = await etcd.get_prefix(prefix + b"runners/")
     alive: dict[str, set[tuple[str, int]]] = {}
     for kv in kvs:
-        node_id, runner = kv.key[len(prefix) + len(b"runners/") :].decode().split("/", 1)
-        runner_id, incarnation = runner.rsplit("/", 1)
-        alive.setdefault(node_id, set()).add((runner_id, int(incarnation)))
+        try:
+            node_id, runner = kv.key[len(prefix) + len(b"runners/") :].decode().split("/", 1)
+            runner_id, incarnation = runner.rsplit("/", 1)
+            alive.setdefault(node_id, set()).add((runner_id, int(incarnation)))
+        except ValueError:  # not UTF-8, no '/', no number
+            _skipped(malformed, "runner", kv.key, "not NODE/INSTANCE/RANK/INCARNATION")
     return alive
 
 
-async def list_nodes(etcd: Etcd, prefix: bytes) -> list[NodeStatus]:
-    """Every node whose lease is alive, sorted by id."""
+async def list_nodes(etcd: Etcd, prefix: bytes, malformed: Counter[str] | None = None) -> list[NodeStatus]:
+    """Every node whose lease is alive, sorted by id. A record that is not one a node writes (or that names
+    another node than its key) is skipped, said, and counted in ``malformed`` (as ``node``): never trusted
+    for placement, never an error of whoever asked."""
     kvs, _ = await etcd.get_prefix(prefix + b"nodes/")
     nodes = []
     for kv in kvs:
+        try:
+            record = NodeRecord.from_json(kv.value)
+            if node_key(prefix, record.node_id) != kv.key:
+                raise MalformedRecord(f"it names node {record.node_id!r}, another node than its key")
+        except MalformedRecord as exc:
+            _skipped(malformed, "node", kv.key, str(exc))
+            continue
         left, granted = await etcd.time_to_live(kv.lease)
         if left > 0:
-            nodes.append(NodeStatus(NodeRecord.from_json(kv.value), kv.lease, granted, left))
+            nodes.append(NodeStatus(record, kv.lease, granted, left))
     return sorted(nodes, key=lambda n: n.record.node_id)
+
+
+def _skipped(malformed: Counter[str] | None, kind: str, key: bytes, why: str) -> None:
+    log.warning("skipped %s in etcd: %s", key.decode(errors="replace")[:200], why)
+    if malformed is not None:
+        malformed[kind] += 1
 
 
 class Presence:

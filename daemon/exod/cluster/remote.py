@@ -29,6 +29,7 @@ import trio
 from exod.cluster.election import TERM_HEADER
 from exod.cluster.etcd import EtcdError
 from exod.cluster.nodes import NodeRecord
+from exod.cluster.token import HEADER
 from exod.host.supervisor import Listener, RunnerSpec
 from exod.runner import protocol as p
 
@@ -44,12 +45,12 @@ class AgentUnavailable(Exception):
 
 
 class AgentClient:
-    """One node's agent API (`exod.cluster.agent`), with the cluster's API key, each request naming the
-    controller's term (`exod.cluster.election.TERM_HEADER`): the agent obeys no other."""
+    """One node's agent API (`exod.cluster.agent`), with the cluster's token (never a client's key), each
+    request naming the controller's term (`exod.cluster.election.TERM_HEADER`): the agent obeys no other."""
 
-    def __init__(self, node: NodeRecord, api_key: str | None, client: httpx.AsyncClient, term: int) -> None:
+    def __init__(self, node: NodeRecord, token: str, client: httpx.AsyncClient, term: int) -> None:
         self.node, self._client = node, client
-        self._headers = {TERM_HEADER: str(term)} | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
+        self._headers = {TERM_HEADER: str(term), HEADER: token}
 
     async def ports(self, count: int) -> list[int]:
         return (await self._call("POST", "/agent/ports", params={"count": count}))["ports"]
@@ -274,10 +275,10 @@ class Fleet:
         local: str,
         records: Callable[[], Awaitable[list[NodeRecord]]],
         runners: Callable[[], Awaitable[dict[str, set[tuple[str, int]]]]],
-        api_key: str | None,
+        token: str,
         term: Callable[[], int | None],
     ) -> None:
-        self.local, self._records, self._runners, self._api_key = local, records, runners, api_key
+        self.local, self._records, self._runners, self._token = local, records, runners, token
         self._term = term  # this node's term as the controller now; None: it is not, and commands nothing
         self.nodes: dict[str, NodeRecord] = {}
         self._links: dict[str, NodeLink] = {}
@@ -381,7 +382,7 @@ class Fleet:
                 raise AgentUnavailable(f"node {node_id} is not a live node of the cluster")
             if (term := self._term()) is None:
                 raise AgentUnavailable(f"node {self.local} is not the controller: it commands no agent")
-            client = AgentClient(record, self._api_key, self._client, term)
+            client = AgentClient(record, self._token, self._client, term)
             link = self._links[node_id] = NodeLink(client, self._unconfirmed)
             self._nursery.start_soon(link.run)
         return link

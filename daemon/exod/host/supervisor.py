@@ -254,7 +254,8 @@ class Supervisor:
         private_dir(self.spec.log_path.parent)  # a log holds the runner's output: 0700 dirs, a 0600 file
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         deadline_r, deadline_w = os.pipe() if self.spec.fenced else (None, None)
-        with parent, open(self.spec.log_path, "ab", opener=private_opener) as log, _closing(deadline_w):
+        # "w": a log is one process's (its tail is what the exit reports), never appended to another's
+        with parent, open(self.spec.log_path, "wb", opener=private_opener) as log, _closing(deadline_w):
             try:
                 if deadline_w is not None:
                     os.set_blocking(deadline_w, False)

@@ -18,13 +18,12 @@ state store is (a pid means something on one host only), through the same degrad
 from __future__ import annotations
 
 import logging
-import sqlite3
 from collections.abc import Callable, Iterable
-from functools import partial
 from typing import Any
 
 import trio
 
+from exod.state.process_book import ProcessBook
 from exod.state.sqlite import ProcessRecord, Store
 from exod.state.store import StateStore, StateUnavailable
 from fsm.cluster import LogEntry
@@ -32,7 +31,6 @@ from fsm.cluster import LogEntry
 log = logging.getLogger("exod.journal")
 
 WRITE_RETRY = 2.0  # seconds between attempts to write the state again while the store refuses it
-LOCAL_ERRORS = (sqlite3.Error, OSError)  # a full disk, an I/O error, a locked or vanished file
 
 
 class Journal:
@@ -40,7 +38,7 @@ class Journal:
         self.state, self.local = state, local
         self.written = trio.Event()  # set (and replaced) at every write: wakes the event streams
         self._state_error: str | None = None
-        self._local_error: str | None = None
+        self._book = ProcessBook(local, refused=lambda: self._wake.set())  # the writer retries it
         self._snapshot: Callable[[], dict[str, Any]] | None = None
         self._now = 0.0
         self._entries: list[LogEntry] = []
@@ -48,12 +46,11 @@ class Journal:
         self._done = 0  # … and how many of them a write covered
         self._wake = trio.Event()
         self._lock = trio.Lock()  # one write at a time: the writer's, or a `durable` caller's
-        self._unwritten_local: list[Callable[[], Any]] = []
 
     @property
     def degraded(self) -> str | None:
         """Why the state cannot be written now; None: it can."""
-        return self._state_error or self._local_error
+        return self._state_error or self._book.error
 
     # -- the controller's side ------------------------------------------------------------------
 
@@ -80,10 +77,10 @@ class Journal:
             await trio.sleep(WRITE_RETRY)
 
     def record_process(self, record: ProcessRecord) -> None:
-        self._write_local(partial(self.local.record_process, record))
+        self._book.record(record)
 
     def forget_process(self, runner_id: str, incarnation: int) -> None:
-        self._write_local(partial(self.local.forget_process, runner_id, incarnation))
+        self._book.forget(runner_id, incarnation)
 
     # -- the writer ---------------------------------------------------------------------------------
 
@@ -92,7 +89,7 @@ class Journal:
         `WRITE_RETRY` s."""
         task_status.started()
         while True:
-            if self._done == self._asked and not self._unwritten_local:
+            if self._done == self._asked and self._book.error is None:
                 await self._wake.wait()
             self._wake = trio.Event()
             if not await self.flush():  # again in WRITE_RETRY s, or at the next change if it comes sooner
@@ -102,9 +99,9 @@ class Journal:
     async def flush(self) -> bool:
         """Write what is queued now; True once nothing is."""
         async with self._lock:
-            self._write_local(None)
+            self._book.retry()
             if self._done == self._asked:
-                return self._local_error is None
+                return self._book.error is None
             asked, entries = self._asked, list(self._entries)
             assert self._snapshot is not None
             try:
@@ -121,21 +118,4 @@ class Journal:
                 self._state_error = None
             self.written.set()
             self.written = trio.Event()
-            return self._local_error is None
-
-    def _write_local(self, operation: Callable[[], Any] | None) -> None:
-        if operation is not None:
-            self._unwritten_local.append(operation)
-        try:
-            while self._unwritten_local:
-                self._unwritten_local[0]()
-                self._unwritten_local.pop(0)
-        except LOCAL_ERRORS as exc:
-            if self._local_error is None:
-                log.error("cannot write to %s (%s): degraded until it can", self.local.path, exc)
-                self._wake.set()  # the writer retries it
-            self._local_error = f"cannot write the state to {self.local.path}: {exc}"
-            return
-        if self._local_error is not None:
-            log.warning("the state is written to %s again", self.local.path)
-            self._local_error = None
+            return self._book.error is None

@@ -62,14 +62,33 @@ def write_private(path: Path, text: str) -> None:
         f.write(text)
 
 
+class HeldDir:
+    """The state directory a daemon holds, by its open descriptor: whatever is at its path later may not be it."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path, self._fd = path, fd
+
+    def replaced(self) -> str | None:
+        """Why the directory at the path is no longer the one held (removed, moved, another made there)."""
+        held = os.fstat(self._fd)
+        try:
+            now = os.stat(self.path)
+        except OSError as exc:
+            return f"the state directory {self.path} is gone ({exc.strerror}): its database with it"
+        if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            return f"the state directory {self.path} was replaced by another directory: this daemon's is gone"
+        return None
+
+
 @contextlib.contextmanager
-def state_dir_lock(state_dir: Path) -> Iterator[None]:
+def state_dir_lock(state_dir: Path) -> Iterator[HeldDir]:
     """Create ``state_dir`` private (tightening one found open to others), and hold it until the block ends.
 
     Raises `AlreadyRunning` if another daemon holds it, `StateDirError` if it cannot be created or opened.
     """
     busy = AlreadyRunning(f"another exod daemon is using {state_dir}; stop it, or pass another --state-dir")
     with contextlib.ExitStack() as held:
+        fds = []
         for path, open_it in ((state_dir, _open_dir), (state_dir / "daemon.lock", _open_lock_file)):
             try:
                 fd = open_it(path)
@@ -79,12 +98,13 @@ def state_dir_lock(state_dir: Path) -> Iterator[None]:
                     "Check that it is a directory you can write, or pass another --state-dir."
                 ) from exc
             held.callback(os.close, fd)  # closing the descriptor releases its lock
+            fds.append(fd)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:  # a daemon holds the directory, or an older exod holds daemon.lock
                 raise busy from None
         _tighten(state_dir)
-        yield
+        yield HeldDir(state_dir, fds[0])
 
 
 def _open_dir(path: Path) -> int:
