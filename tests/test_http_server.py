@@ -19,6 +19,7 @@ from exod.api.http_server import serve_http
 from exod.config import DaemonConfig, ServeConfig
 
 REQUEST = b"GET / HTTP/1.1\r\nHost: test\r\n\r\n"
+FREED: list[float] = []  # when a /flood request let go of what it held (trio time)
 
 
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -37,6 +38,20 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         body += message.get("body", b"")
         more = message.get("more_body", False)
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    if scope["path"] == "/flood":  # answers for ever, a megabyte at a time, until the client goes (as Starlette's
+        try:  # streams do: they watch for the disconnect)
+            async with trio.open_nursery() as streaming:
+
+                async def until_disconnect() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    streaming.cancel_scope.cancel()
+
+                streaming.start_soon(until_disconnect)
+                while True:
+                    await send({"type": "http.response.body", "body": b"x" * (1 << 20), "more_body": True})
+        finally:
+            FREED.append(trio.current_time())
     if scope["path"] == "/slow":
         await trio.sleep(1.5)
     if scope["path"] == "/stream":
@@ -128,6 +143,24 @@ def test_slow_answers_and_long_streams_are_not_cut_by_the_timeouts(tmp_path):
     assert [(version, status) for version, status, _ in seen] == [("HTTP/1.1", 200)] * 3 + [("HTTP/2", 200)] * 3
     assert all(text.endswith("got 5 bytes") for _, _, text in seen)
     assert seen[2][2].count("tick") == seen[5][2].count("tick") == 6
+
+
+def test_a_client_that_stops_reading_a_stream_is_cut_off_at_the_send_timeout_and_its_request_freed(tmp_path):
+    """Issue #25: a stream whose client never reads was never cut, and kept what its request held."""
+
+    async def body(port: int) -> tuple[float, float]:
+        FREED.clear()
+        stream = await connect(port)
+        asked = trio.current_time()
+        await stream.send_all(b"GET /flood HTTP/1.1\r\nHost: test\r\n\r\n")  # and never reads again
+        with trio.fail_after(10):
+            while not FREED:
+                await trio.sleep(0.05)
+        await stream.aclose()
+        return FREED[0] - asked, trio.current_time() - asked
+
+    freed_after, _ = serving(tmp_path, body, send_timeout=0.5)
+    assert 0.5 <= freed_after < 5  # the buffers fill within a moment; then half a second, and it is let go
 
 
 def test_connections_beyond_the_limit_wait_until_one_closes_and_the_server_keeps_serving(tmp_path):

@@ -96,6 +96,7 @@ class ServeConfig:
     max_body_bytes: int = 1 << 20
     # exod.api.http_server: what one client can hold
     read_timeout: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))  # to wait for a body, in all
+    send_timeout: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))  # for a client to take a part
     keep_alive_timeout: float = attrs.field(default=5.0, validator=attrs.validators.gt(0))  # idle, or for headers
     max_connections: int = attrs.field(default=256, validator=attrs.validators.gt(0))  # more wait to be accepted
     cluster: ClusterConfig | None = None  # `exod serve --cluster`: a node of an etcd cluster (exod.cluster.membership)
@@ -215,6 +216,7 @@ class _Limits(BaseModel):
     max_tokens: Whole = 4096
     max_body_bytes: Whole = 1 << 20
     read_timeout: Positive = 30.0
+    send_timeout: Positive = 30.0
     keep_alive_timeout: Positive = 5.0
     max_connections: Whole = 256
     drain_timeout: Positive = 30.0
@@ -331,6 +333,7 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
         max_tokens=limits.max_tokens,
         max_body_bytes=limits.max_body_bytes,
         read_timeout=limits.read_timeout,
+        send_timeout=limits.send_timeout,
         keep_alive_timeout=limits.keep_alive_timeout,
         max_connections=limits.max_connections,
         drain_timeout=limits.drain_timeout,

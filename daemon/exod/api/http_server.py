@@ -16,8 +16,11 @@ Theory of operation: a connection passes four gates, each with one limit.
 * **body**: `RequestDeadline` lets the client keep the app waiting for its body ``read_timeout`` in all;
   late, the request is a 408 and the connection is closed. Only waiting on the client counts: an answer
   may take as long as it needs.
-* **response**: no limit. ``/events`` and long completions stream for as long as they last. (hypercorn's
-  own ``read_timeout`` is therefore not used: on HTTP/2 it cuts off a client that only listens.)
+* **response**: no limit on how long. ``/events`` and long completions stream for as long as they last.
+  (hypercorn's own ``read_timeout`` is therefore not used: on HTTP/2 it cuts off a client that only
+  listens.) But a client has ``send_timeout`` to take each part of the answer (`_Connection`): one that
+  stops reading (its buffers full) is cut off as if it had hung up, and what its request held (a
+  runner's batch slot) is freed.
 
 A client can still trickle its body a byte at a time for ``read_timeout``: the limits bound what it holds
 and for how long, not that it is served before others.
@@ -29,12 +32,15 @@ hypercorn's per-connection `TCPServer`, and serves them with `trio.serve_listene
 from __future__ import annotations
 
 import errno
+import logging
+import math
 import socket
 from functools import partial
 from typing import Any
 
 import trio
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.events import Closed, Event, RawData
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
@@ -44,6 +50,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from exod.api.errors import ApiError
 from exod.config import ServeConfig
+
+log = logging.getLogger("exod.http")
 
 
 def hypercorn_config(config: ServeConfig) -> HypercornConfig:
@@ -109,7 +117,27 @@ class _Connection(TCPServer):
 
     hypercorn keeps a connection whose client closed it until its keep-alive timer ends, socket and all; with
     a limit on connections that would make every one-shot client hold a slot for ``keep_alive_timeout``.
+    And it waits for ever for a client to take what it sends (its write is shielded from cancellation): a
+    client that stopped reading held its request for as long as the answer lasted. Here a write the client
+    has not taken in ``send_timeout`` ends the connection, as a client that hung up does.
     """
+
+    send_timeout = math.inf  # set per server (`serve_http`)
+
+    async def protocol_send(self, event: Event) -> None:
+        if not isinstance(event, RawData):
+            await super().protocol_send(event)
+            return
+        async with self.send_lock:
+            try:
+                with trio.CancelScope(shield=True):  # hypercorn's own: a write cut midway breaks the stream …
+                    with trio.move_on_after(self.send_timeout) as waited:  # … which is what is wanted here
+                        await self.stream.send_all(event.data)
+                if waited.cancelled_caught:
+                    log.warning("a client took nothing for %g s: its connection is closed", self.send_timeout)
+                    raise trio.BrokenResourceError("the client stopped reading")
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                await self.protocol.handle(Closed())
 
     async def _read_data(self) -> None:
         await super()._read_data()  # returns once the client closed (or the connection failed)
@@ -170,7 +198,9 @@ async def serve_http(
 
     async def connection(stream: trio.SocketStream) -> None:
         try:
-            await _Connection(wrapped, hc, context, ConnectionState(lifespan_state.copy()), stream)
+            connection = _Connection(wrapped, hc, context, ConnectionState(lifespan_state.copy()), stream)
+            connection.send_timeout = config.send_timeout
+            await connection
         finally:
             slots.release()
 
