@@ -404,7 +404,7 @@ def test_metrics_parse_and_count(daemon, client):
     assert runners["ready"] >= 2
     requests = [s for s in families["exod_requests"].samples if s.name == "exod_requests_total"]
     assert any(s.labels == {"model": MODEL, "outcome": "ok"} and s.value >= 1 for s in requests)
-    assert {s.labels["model"] for s in requests} == {MODEL, "(not placed)"}
+    assert not [s for s in requests if s.labels["model"].startswith("org/made-up")]  # no series of their own
     assert sum(s.value for s in requests if s.labels["model"] == "(not placed)") >= 20
     assert any(s.value >= 4 for s in families["exod_tokens_generated"].samples if s.name.endswith("_total"))
     assert "exod_request_seconds" in families and "exod_runner_failures" in families
