@@ -683,6 +683,32 @@ def test_a_node_whose_disk_is_full_degrades_and_supervises_on_never_ends(tmp_pat
     assert whole["status"] == "ok" and after["attempts"] == before["attempts"] + 1
 
 
+def test_a_snapshot_or_a_log_batch_in_etcd_that_is_not_exods_is_said_on_a_follower_never_a_500(tmp_path, etcd):
+    """Issue #25: every value read from etcd is untrusted input. A snapshot that is not exod's makes a follower's
+    /instances a 503 that says where and what to do (and counts it); a log batch that is not is skipped by
+    /events; nothing answers 500."""
+    daemons = [start(tmp_path, etcd, n, dict(os.environ)) for n in (1, 2)]
+    prefix = DEFAULT_PREFIX.encode()
+    try:
+        view = until(lambda: nodes(daemons[0][1]), lambda v: len(v["nodes"]) == 2 and v["controller"], 30)
+        follower = next(n["api_url"] for n in view["nodes"] if not n["controller"])
+
+        async def forge(client):
+            await client.put(prefix + b"log/" + b"9" * 12, b'{"first": "x"}')
+            await client.put(prefix + b"state/snapshot", b'{"instances": 7}')
+
+        run_with_client(etcd, forge)
+        instances = httpx.get(f"{follower}/instances", timeout=10)
+        with httpx.stream("GET", f"{follower}/events", timeout=10) as stream:  # a stream: its start is enough
+            events = stream.status_code
+        metrics = httpx.get(f"{follower}/metrics", timeout=10).text
+    finally:
+        stop_all(daemons)
+    assert instances.status_code == 503 and "cannot be restored" in instances.json()["error"]["message"]
+    assert events == 200
+    assert 'exod_etcd_values_skipped_total{kind="snapshot"} 1.0' in metrics
+
+
 def test_a_node_that_dies_takes_its_rank_with_it_and_the_next_generation_runs_on_the_live_ones(tmp_path, etcd, hf_home):
     """Its report stream breaks: the rank is lost as the host's failure (no retry charged); once its lease
     expired the instance is placed again on the nodes that are left, and serves."""

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 import fsm
 from exod.api.errors import ApiError, responses
 from exod.cluster.etcd import EtcdUnavailable
-from exod.cluster.etcd_state import stored_cluster
+from exod.cluster.etcd_state import MalformedState, stored_cluster
 from exod.cluster.membership import Membership
 from exod.controller import RETRY_AFTER, Controller, PlacementRefused, StoreUnavailable
 from exod.host.models import InvalidModelId
@@ -90,6 +90,9 @@ def router(controller: Controller, membership: Membership | None) -> APIRouter:
             cluster = await stored_cluster(membership.etcd, membership.prefix)
             node_id, url = await membership.controller()
         except EtcdUnavailable as exc:
+            raise ApiError(503, str(exc), headers={"Retry-After": "1"}) from exc
+        except MalformedState as exc:  # the snapshot in etcd is not exod's: said, counted, never trusted
+            membership.malformed["snapshot"] += 1
             raise ApiError(503, str(exc), headers={"Retry-After": "1"}) from exc
         doc = {**status_of(cluster), "degraded": None}
         if url is None or not await _answers(url):

@@ -88,7 +88,7 @@ class _MalformedCollector(Collector):
         skipped = CounterMetricFamily(
             "exod_etcd_values_skipped", "Values read from etcd and skipped as not exod's, by kind", labels=["kind"]
         )
-        for kind in ("node", "runner"):
+        for kind in ("node", "runner", "snapshot"):
             skipped.add_metric([kind], self.malformed.get(kind, 0))
         yield skipped
 

@@ -35,9 +35,15 @@ from exod.cluster.etcd import Delete, Etcd, EtcdError, EtcdUnavailable, KeyValue
 from exod.state.retention import Retention
 from exod.state.sqlite import PRUNE_TO, StoreError
 from exod.state.store import StateUnavailable
+from fsm import SnapshotError
 from fsm.cluster import Cluster, LogEntry
 
 log = logging.getLogger("exod.etcd_state")
+
+
+class MalformedState(Exception):
+    """The cluster's state in etcd is not what exod writes; the message says where and what to do."""
+
 
 COMPACT_EVERY = 10_000  # revisions of history etcd keeps before we compact it
 _SEQ_DIGITS = 20  # log keys sort by key as by sequence number
@@ -211,13 +217,24 @@ class EtcdState:
 async def stored_cluster(etcd: Etcd, prefix: bytes) -> Cluster:
     """The cluster's machines as etcd holds them: what a node that is not the controller shows (as of the
     controller's last write). `EtcdUnavailable` if etcd cannot be reached; the message says where."""
+    state = EtcdState(etcd, prefix, None)
     try:
-        snapshot = await EtcdState(etcd, prefix, None).load()
+        snapshot = await state.load()
+        return Cluster() if snapshot is None else Cluster.from_dict(snapshot)
     except StateUnavailable as exc:
         raise EtcdUnavailable(str(exc)) from exc
-    return Cluster() if snapshot is None else Cluster.from_dict(snapshot)
+    except StoreError as exc:  # not JSON, not an object
+        raise MalformedState(str(exc)) from exc
+    except SnapshotError as exc:  # written by someone who is not exod: never trusted
+        raise MalformedState(str(state.snapshot_error(str(exc)))) from exc
 
 
 def _entries(kv: KeyValue) -> list[tuple[int, LogEntry]]:
-    batch = json.loads(kv.value)
-    return [(batch["first"] + i, LogEntry.from_record(r)) for i, r in enumerate(batch["entries"])]
+    """A batch of the log as exod writes it; one that is not (anyone who can write to etcd can write it) is
+    skipped with a warning: a reader of the log is never failed by it."""
+    try:
+        batch = json.loads(kv.value)
+        return [(int(batch["first"]) + i, LogEntry.from_record(r)) for i, r in enumerate(batch["entries"])]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("skipped %s in etcd: not a batch of exod's log (%s)", kv.key.decode(errors="replace"), exc)
+        return []
