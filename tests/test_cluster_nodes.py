@@ -24,7 +24,7 @@ from daemon_harness import exod, runner_pid, runner_pids
 from exod.cluster.devcluster import LocalEtcd, cluster_token_file
 from exod.cluster.etcd_state import EtcdState
 from exod.cluster.membership import DEFAULT_PREFIX
-from exod.cluster.nodes import FENCE_MARGIN, node_key
+from exod.cluster.nodes import FENCE_MARGIN, NodeRecord, node_key
 from exod.host.tiny_model import make_tiny_model
 from exod.status import status_of
 from fsm.cluster import Cluster, LogEntry
@@ -707,6 +707,56 @@ def test_a_snapshot_or_a_log_batch_in_etcd_that_is_not_exods_is_said_on_a_follow
     assert instances.status_code == 503 and "cannot be restored" in instances.json()["error"]["message"]
     assert events == 200
     assert 'exod_etcd_values_skipped_total{kind="snapshot"} 1.0' in metrics
+
+
+def test_a_forged_controller_key_gets_no_clients_key_and_its_threat_is_etcds_to_guard(tmp_path, etcd, hf_home):
+    """Issue #25's row: a forged election key (and a node record for it) deposed the real controller, and the
+    followers forwarded chats to the forger with the client's key. Whoever can write to etcd owns the cluster
+    (README, Securing etcd: TLS and etcd's own users keep them out); what exod itself promises is that a
+    client's key never leaves the node it was sent to: the forger gets the request without it."""
+    import http.server
+    import threading
+
+    from exod.cluster.election import election_key
+
+    heard: list[dict[str, str]] = []
+
+    class Forger(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            heard.append({k.lower(): v for k, v in self.headers.items()})
+            self.send_response(503)
+            self.end_headers()
+
+        def log_message(self, *args) -> None: ...
+
+    forger = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Forger)
+    threading.Thread(target=forger.serve_forever, daemon=True).start()
+    env = {**os.environ, "HF_HOME": str(hf_home), "EXOD_API_KEY": "s3cret"}
+    key = {"Authorization": "Bearer s3cret"}
+    daemons = [start(tmp_path, etcd, n, env) for n in (1, 2)]
+    prefix = DEFAULT_PREFIX.encode()
+    record = NodeRecord("forger", "127.0.0.1", f"http://127.0.0.1:{forger.server_port}", 1 << 30, 1 << 30)
+
+    async def forge(client):
+        lease = await client.grant(60)
+        await client.put(node_key(prefix, "forger"), record.to_json(), lease=lease)
+        await client.put(election_key(prefix), b"forger", lease=lease)
+
+    try:
+        view = until(lambda: nodes(daemons[0][1], key), lambda v: len(v["nodes"]) == 2 and v["controller"], 30)
+        follower = next(n["api_url"] for n in view["nodes"] if not n["controller"])
+        run_with_client(etcd, forge)
+        chat = {"model": "exod/tiny-qwen2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        until(
+            lambda: httpx.post(f"{follower}/v1/chat/completions", json=chat, headers=key, timeout=10).status_code,
+            lambda status: heard,
+            30,
+        )
+    finally:
+        stop_all(daemons)
+        forger.shutdown()
+    assert "authorization" not in heard[0] and "x-api-key" not in heard[0]
+    assert heard[0]["x-exod-forwarded-by"] in ("node-1", "node-2")
 
 
 def test_a_node_that_dies_takes_its_rank_with_it_and_the_next_generation_runs_on_the_live_ones(tmp_path, etcd, hf_home):
