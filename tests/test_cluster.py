@@ -167,6 +167,9 @@ def test_forget_only_a_deleted_instance_without_live_runners():
     cluster = two_rank_cluster()
     with pytest.raises(fsm.InvalidConfig, match="not deleted"):
         cluster.forget("i")
+    failed = fsm.Failure.exception("RuntimeError", "boom", retryable=True)
+    cluster.runner_event(rn.Fail("i/0", 1, failure=failed), 0.5)  # a retry spent: the budget forget must drop
+    assert cluster.instance("i").attempts == 1
     cluster.delete("i", 1.0)
     with pytest.raises(fsm.InvalidConfig, match="live runners"):
         cluster.forget("i")
@@ -175,8 +178,9 @@ def test_forget_only_a_deleted_instance_without_live_runners():
         cluster.runner_event(rn.Exited(rid, 1, exit_code=0), 1.0)
     cluster.forget("i")
     assert cluster.instances == {} and cluster.runners == {}
-    cluster.place("i", "org/m", SLOTS)  # a fresh placement starts with a fresh budget
-    assert cluster.instance("i").attempts == 0
+    cluster.place("i", "org/m", SLOTS)  # a fresh placement starts with a fresh budget, in a first generation
+    assert (cluster.instance("i").attempts, cluster.instance("i").generation) == (0, 0)
+    assert cluster.runners == {}
 
 
 def test_round_trip_through_dict():
