@@ -25,6 +25,7 @@ from daemon_harness import (
     wait_for,
     with_controller,
 )
+from exod.host.supervisor import Timeouts
 from exod.host.tiny_model import make_tiny_model
 from exod.requests import RequestFailed
 from exod.runner.faults import Fault, FaultKind, FaultPhase, FaultSpec
@@ -35,9 +36,6 @@ pytestmark = pytest.mark.usefixtures("no_runner_left_behind")
 
 MODEL = "exod/tiny-qwen2"
 MESSAGES = [{"role": "user", "content": "hello"}]
-TIMEOUTS = attrs.evolve(
-    FAST_TIMEOUTS, connect=5.0, load_progress=4.0, warm_up=5.0, generate=4.0, stop_grace=0.5, term_grace=0.5
-)
 POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(0.2, 2.0, 1.0), max_retries=5)
 
 # (phase, kind) -> the failure kind rank 1 of generation 1 must show (None: no failure, the fault is survived)
@@ -64,6 +62,31 @@ def hf_home(tmp_path_factory):
     return home
 
 
+@pytest.fixture(scope="module")
+def timeouts(hf_home, tmp_path_factory) -> Timeouts:
+    """The stall timeouts the matrix arms, from what a fault-free cold start takes here and now: twice it, or
+    4–5 s if that is more. A busy machine makes a phase slow, not stalled (two cells failed so beside other
+    work, "no progress in phase loading for 4 s", issue #26); a hang is still told from it."""
+    cfg = config(tmp_path_factory.mktemp("pace"), hf_home, timeouts=FAST_TIMEOUTS, policy=POLICY)
+
+    async def cold_start(controller) -> float:
+        started = trio.current_time()
+        iid = await controller.place(MODEL, 2)
+        await wait_for(controller, lambda s: instance(s, iid)["state"] == "ready", timeout=120)
+        return trio.current_time() - started
+
+    slack = 2 * with_controller(cfg, cold_start, limit=150)
+    return attrs.evolve(
+        FAST_TIMEOUTS,
+        connect=max(5.0, slack),
+        load_progress=max(4.0, slack),
+        warm_up=max(5.0, slack),
+        generate=max(4.0, slack),
+        stop_grace=0.5,
+        term_grace=0.5,
+    )
+
+
 def gen1_failure(log, key: str) -> str | None:
     """The cause recorded when rank 1's first incarnation failed, if it did."""
     creates = [i for i, e in enumerate(log) if e.key == key and e.event == "create"]
@@ -74,9 +97,10 @@ def gen1_failure(log, key: str) -> str | None:
 
 @pytest.mark.parametrize("kind", list(FaultKind), ids=lambda k: k.value)
 @pytest.mark.parametrize("phase", list(FaultPhase), ids=lambda p: p.value)
-def test_fault(tmp_path, hf_home, phase: FaultPhase, kind: FaultKind):
+def test_fault(tmp_path, hf_home, timeouts, phase: FaultPhase, kind: FaultKind):
     fault = FaultSpec(Fault(phase, kind), rank=1, generation=1)
-    cfg = config(tmp_path, hf_home, timeouts=TIMEOUTS, policy=POLICY, faults=(fault,))
+    cfg = config(tmp_path, hf_home, timeouts=timeouts, policy=POLICY, faults=(fault,))
+    patience = timeouts.load_progress / 4.0  # the waits below, stretched as the machine is slow
     want = expected(phase, kind)
     recovers = want is not None or phase is FaultPhase.STOPPING
     observed: dict = {"phase": phase.value, "kind": kind.value}
@@ -84,7 +108,7 @@ def test_fault(tmp_path, hf_home, phase: FaultPhase, kind: FaultKind):
     async def body(controller):
         iid = await controller.place(MODEL, 2)
         if phase in (FaultPhase.READY, FaultPhase.BUSY, FaultPhase.STOPPING) or want is None:
-            await wait_for(controller, lambda s: instance(s, iid)["state"] == "ready", timeout=30)
+            await wait_for(controller, lambda s: instance(s, iid)["state"] == "ready", timeout=30 * patience)
         if phase is FaultPhase.READY:
             await trio.sleep(0.5)  # the idle fault fires shortly after Ready
         if (phase is FaultPhase.BUSY and want is not None) or (phase is FaultPhase.READY and kind is FaultKind.HANG):
@@ -102,14 +126,17 @@ def test_fault(tmp_path, hf_home, phase: FaultPhase, kind: FaultKind):
                 for seed in range(1, 5):
                     nursery.start_soon(one, seed)
             observed["request_error_s"] = round(max(ended), 2)
-            assert len(ended) == 4 and observed["request_error_s"] < 10  # every one of them, none hangs
+            bound = 2 * timeouts.generate + 2  # a stall is told after `generate` s; then the stop
+            assert len(ended) == 4 and observed["request_error_s"] < bound  # every one of them, none hangs
         if phase is FaultPhase.STOPPING:  # make rank 1 stop: its sibling dies
             import signal
 
             os.kill(controller.processes.pid(f"{iid}/0", 1), signal.SIGKILL)
         if recovers:
             await wait_for(
-                controller, lambda s: instance(s, iid)["state"] == "ready" and instance(s, iid)["generation"] >= 2, 40
+                controller,
+                lambda s: instance(s, iid)["state"] == "ready" and instance(s, iid)["generation"] >= 2,
+                40 * patience,
             )
         else:
             await trio.sleep(1.0)  # a slow phase is survived: still generation 1, nothing failed
@@ -120,7 +147,7 @@ def test_fault(tmp_path, hf_home, phase: FaultPhase, kind: FaultKind):
         return iid, instance(controller.status(), iid)
 
     start = time.monotonic()
-    iid, inst = with_controller(cfg, body, limit=80)
+    iid, inst = with_controller(cfg, body, limit=80 * patience)
     observed["seconds"] = round(time.monotonic() - start, 1)
     store = Store.open(cfg.db_path)
     log = [e for _, e in store.transitions()]
