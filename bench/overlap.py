@@ -47,7 +47,7 @@ from _common import machine_info, parse_args, table, verdict, write_result  # ty
 
 import fsm
 from exod.cluster import netns
-from exod.cluster.devcluster import LocalEtcd, start_node, stop_nodes
+from exod.cluster.devcluster import LocalEtcd, start_node, stop_nodes, wait_until
 from exod.host.tiny_model import make_tiny_model
 
 MODEL = "exod/tiny-qwen2"
@@ -145,23 +145,12 @@ def cluster(
                 start_node(root, etcd.url, n, hf_home, daemons, TTL, address=address, wrap=wrap, api_key=API_KEY)
             )
             if n == 1:
-                _wait(lambda: get(urls[0], "/nodes")["controller"] == "node-1", "node-1 to be the controller")
-        _wait(lambda: len(get(urls[0], "/nodes")["nodes"]) == scenario.nodes, "every node to join")
+                wait_until(lambda: get(urls[0], "/nodes")["controller"] == "node-1", "node-1 to be the controller", 60)
+        wait_until(lambda: len(get(urls[0], "/nodes")["nodes"]) == scenario.nodes, "every node to join", 60)
         yield urls, daemons
     finally:
         stop_nodes(daemons)
         etcd.stop()
-
-
-def _wait(done: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
-            if done():
-                return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def one_fault(scenario: Scenario, hf_home: Path) -> dict[str, float]:
@@ -174,7 +163,7 @@ def one_fault(scenario: Scenario, hf_home: Path) -> dict[str, float]:
         placed_at = time.monotonic()
         body = {"model": MODEL, "ranks": len(scenario.ranks_on), "nodes": list(scenario.ranks_on)}
         iid = httpx.post(f"{url}/instances", json=body, headers=AUTH, timeout=60).json()["instance_id"]
-        _wait(lambda: get(url, f"/instances/{iid}")["state"] == "ready", f"{iid} to be Ready", RECOVERY_LIMIT_S)
+        wait_until(lambda: get(url, f"/instances/{iid}")["state"] == "ready", f"{iid} to be Ready", RECOVERY_LIMIT_S)
         cold_start = time.monotonic() - placed_at
         before = get(url, f"/instances/{iid}")
         watch = Watch(iid)

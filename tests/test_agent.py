@@ -283,7 +283,7 @@ def test_a_ring_beyond_the_clusters_live_nodes_and_a_fault_this_node_does_not_en
     async def body(agent, etcd, presence, processes):
         refusals = []
         for request in (
-            two_ranks(ring=["127.0.0.1:7001", "10.9.9.9:7002"]),
+            two_ranks(ring=["127.0.0.1:7001", "127.0.0.9:7002"]),
             two_ranks(fault="loading:sigkill"),
         ):
             with pytest.raises(Refused) as refused:
@@ -291,7 +291,7 @@ def test_a_ring_beyond_the_clusters_live_nodes_and_a_fault_this_node_does_not_en
             refusals.append(refused.value)
         await agent.spawn(TERM, two_ranks())  # the cluster's own nodes, no fault: started
         assert [r.status for r in refusals] == [400, 400]
-        assert "10.9.9.9:7002" in str(refusals[0]) and "not on live nodes" in str(refusals[0])
+        assert "127.0.0.9:7002" in str(refusals[0]) and "not on live nodes" in str(refusals[0])
         assert "not enabled on this node" in str(refusals[1])
         assert len(processes) == 1 and list(etcd.keys) == [runner_key(PREFIX, "node-2", "i/1", 1)]
 

@@ -6,6 +6,7 @@ forwards (the node checked that key itself, and sends it on to no one)."""
 from __future__ import annotations
 
 import secrets
+from collections.abc import Iterable
 from typing import Annotated, Any
 
 from fastapi import Header, Security
@@ -26,6 +27,15 @@ WRONG_KEY = "missing or wrong API key: send 'Authorization: Bearer <key>' (or 'x
 def matches(given: str | None, expected: str) -> bool:
     """In constant time; the bytes as they came (Starlette decodes headers as latin-1): any value compares."""
     return given is not None and secrets.compare_digest(given.encode("latin-1"), expected.encode())
+
+
+def holds_key(raw_headers: Iterable[tuple[bytes, bytes]], api_key: str) -> bool:
+    """Whether an ASGI request's headers carry the client's API key, read as the routes read it (a bearer
+    token, or ``x-api-key``): for middleware that answers before any route does (`exod.api.forward`)."""
+    headers = {k.lower(): v.decode("latin-1") for k, v in raw_headers}
+    scheme, _, bearer = headers.get(b"authorization", "").partition(" ")
+    given = bearer.strip() if scheme.lower() == "bearer" else headers.get(b"x-api-key")
+    return matches(given, api_key)
 
 
 def authentication(api_key: str | None, cluster_token: str = "") -> list[Any]:

@@ -20,7 +20,7 @@ import logging
 import httpx
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from exod.api.auth import WRONG_KEY, matches
+from exod.api.auth import WRONG_KEY, holds_key
 from exod.api.errors import ANTHROPIC_PATHS, ApiError
 from exod.cluster.etcd import EtcdUnavailable
 from exod.cluster.membership import Membership
@@ -57,7 +57,7 @@ class Follower:
         if self.membership.term is not None or scope["type"] != "http" or answered_here(scope):
             await self.app(scope, receive, send)
             return
-        if self.api_key and not _holds_key(scope, self.api_key):
+        if self.api_key and not holds_key(scope["headers"], self.api_key):
             error = ApiError(401, WRONG_KEY, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
             await error.response(scope["path"])(scope, receive, send)
             return
@@ -123,14 +123,6 @@ class Follower:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await response.aclose()
-
-
-def _holds_key(scope: Scope, api_key: str) -> bool:
-    """The client's API key, as `exod.api.auth` reads it: a bearer token, or ``x-api-key``."""
-    headers = {k.lower(): v.decode("latin-1") for k, v in scope["headers"]}
-    scheme, _, bearer = headers.get(b"authorization", "").partition(" ")
-    given = bearer.strip() if scheme.lower() == "bearer" else headers.get(b"x-api-key")
-    return matches(given, api_key)
 
 
 def answered_here(scope: Scope) -> bool:

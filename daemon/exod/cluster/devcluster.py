@@ -137,7 +137,7 @@ def local_cluster(
         etcd.start()
         announce(f"etcd at {etcd.url}")
         urls = [start_node(root, etcd.url, n, hf_home, daemons, lease_ttl) for n in range(1, nodes + 1)]
-        _wait(lambda: len(_get(urls[0], "/nodes")["nodes"]) == nodes, "every node to join", 60)
+        wait_until(lambda: len(_get(urls[0], "/nodes")["nodes"]) == nodes, "every node to join", 60)
         yield urls
     finally:
         stop_nodes(daemons)
@@ -167,7 +167,7 @@ def place(url: str, model_id: str, ranks: int, timeout: float = 180.0, nodes: li
         raise DevClusterError(f"placing {model_id} failed: {placed.text}")
     iid = placed.json()["instance_id"]
     ready = fsm.InstanceState.READY.value
-    _wait(lambda: _get(url, f"/instances/{iid}")["state"] == ready, f"{iid} to be ready", timeout)
+    wait_until(lambda: _get(url, f"/instances/{iid}")["state"] == ready, f"{iid} to be ready", timeout)
     return _get(url, f"/instances/{iid}")
 
 
@@ -249,7 +249,7 @@ def start_node(
     env = {**os.environ, "HF_HOME": str(hf_home)} | ({"EXOD_API_KEY": api_key} if api_key else {})
     with (home / "serve.log").open("wb") as log:
         daemons.append(subprocess.Popen(wrap(args), stdout=log, stderr=subprocess.STDOUT, env=env))
-    _wait(lambda: (home / "state" / "daemon.json").exists(), f"node-{n} to serve", 60, daemons[-1], home)
+    wait_until(lambda: (home / "state" / "daemon.json").exists(), f"node-{n} to serve", 60, daemons[-1], home)
     return json.loads((home / "state" / "daemon.json").read_text())["url"]
 
 
@@ -265,7 +265,9 @@ def _get(url: str, path: str) -> dict:
     return httpx.get(f"{url}{path}", timeout=10).json()
 
 
-def _wait(done: Callable[[], bool], what: str, timeout: float, process=None, home: Path | None = None) -> None:
+def wait_until(done: Callable[[], bool], what: str, timeout: float, process=None, home: Path | None = None) -> None:
+    """Until ``done()`` (an HTTP error or a missing key counts as not yet); `DevClusterError` past ``timeout``,
+    or at once if ``process`` (a node's daemon) ended meanwhile."""
     deadline = time.monotonic() + timeout
     while True:
         with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
