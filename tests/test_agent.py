@@ -17,6 +17,7 @@ from exod.cluster.election import election_key
 from exod.cluster.etcd import EtcdUnavailable, KeyValue
 from exod.cluster.nodes import FENCE_MARGIN, NodeRecord, runner_key
 from exod.host.supervisor import Listener, RunnerSpec, Timeouts
+from exod.runner.faults import Fault, FaultSpec
 from exod.state.sqlite import Store
 
 PREFIX = b"/exod/"
@@ -126,7 +127,7 @@ def request(incarnation: int = 1, stream: int = 1) -> SpawnRequest:
     )
 
 
-def with_agent(tmp_path, body) -> None:
+def with_agent(tmp_path, body, **overrides) -> None:
     etcd, processes = FakeEtcd(), []
 
     def spawn(spec: RunnerSpec, listener: Listener, timeouts: Timeouts) -> FakeProcess:
@@ -136,7 +137,7 @@ def with_agent(tmp_path, body) -> None:
     async def main() -> None:
         presence = FakePresence(etcd)
         store = Store.open(tmp_path / "store.sqlite")
-        agent = Agent(config(tmp_path, tmp_path / "hf"), store, "127.0.0.2", spawn=spawn)
+        agent = Agent(config(tmp_path, tmp_path / "hf", **overrides), store, "127.0.0.2", spawn=spawn)
         async with trio.open_nursery() as nursery:
             await nursery.start(agent.run, presence)
             stream = await agent.connect(TERM)  # the controller connects
@@ -277,25 +278,38 @@ def test_a_spawn_that_names_bad_ids_or_a_bad_ring_is_refused_before_anything_is_
         two_ranks(**changes)
 
 
-def test_a_ring_beyond_the_clusters_live_nodes_and_a_fault_this_node_does_not_enable_are_refused(tmp_path):
+def test_a_ring_beyond_the_clusters_live_nodes_is_refused_and_no_fault_comes_from_the_wire(tmp_path):
     """A caller could otherwise make a runner connect to any HOST:PORT, or fail at will."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="fault"):
+        two_ranks(fault="loading:sigkill")
 
     async def body(agent, etcd, presence, processes):
-        refusals = []
-        for request in (
-            two_ranks(ring=["127.0.0.1:7001", "127.0.0.9:7002"]),
-            two_ranks(fault="loading:sigkill"),
-        ):
-            with pytest.raises(Refused) as refused:
-                await agent.spawn(TERM, request)
-            refusals.append(refused.value)
-        await agent.spawn(TERM, two_ranks())  # the cluster's own nodes, no fault: started
-        assert [r.status for r in refusals] == [400, 400]
-        assert "127.0.0.9:7002" in str(refusals[0]) and "not on live nodes" in str(refusals[0])
-        assert "not enabled on this node" in str(refusals[1])
+        with pytest.raises(Refused) as refused:
+            await agent.spawn(TERM, two_ranks(ring=["127.0.0.1:7001", "127.0.0.9:7002"]))
+        await agent.spawn(TERM, two_ranks())  # the cluster's own nodes: started
+        assert refused.value.status == 400
+        assert "127.0.0.9:7002" in str(refused.value) and "not on live nodes" in str(refused.value)
         assert len(processes) == 1 and list(etcd.keys) == [runner_key(PREFIX, "node-2", "i/1", 1)]
+        assert processes[0].spec.fault is None  # this node arms none
 
     with_agent(tmp_path, body)
+
+
+def test_a_node_arms_the_runners_it_starts_from_its_own_fault_configuration(tmp_path):
+    """Found by the fault campaign (#26, seed 1): the controller sent the [[fault]] of its own configuration
+    with every spawn, and an agent whose configuration had none refused the spawn, the controller took the
+    refusal for a lost node, and the armed fault never fired where it was armed. Each node arms its own."""
+    armed = FaultSpec(Fault.parse("loading:exception"), rank=1, generation=2)
+
+    async def body(agent, etcd, presence, processes):
+        await agent.spawn(TERM, two_ranks())  # rank 1 of generation 1: not armed
+        await agent.spawn(TERM, two_ranks(instance_id="j", runner_id="j/1", incarnation=2))
+        await agent.spawn(TERM, two_ranks(instance_id="k", runner_id="k/0", rank=0, incarnation=2))
+        assert [p.spec.fault for p in processes] == [None, "loading:exception", None]
+
+    with_agent(tmp_path, body, faults=(armed,))
 
 
 def test_a_load_is_of_a_model_id_this_node_resolves_never_a_path_from_the_wire(tmp_path):

@@ -27,6 +27,7 @@ from exod.host import ring
 from exod.host.supervisor import Process, RunnerSpec, Spawn
 from exod.reports import Reports
 from exod.runner import protocol as p
+from exod.runner.faults import armed
 from exod.state import retention
 
 log = logging.getLogger("exod.processes")
@@ -106,7 +107,7 @@ class Processes:
             world_size=action.world_size,
             hostfile=hostfile,
             log_path=retention.runner_log_path(self.config.state_dir, action.instance_id, rank, gen),
-            fault=next((str(f.fault) for f in self.config.faults if f.applies(rank, gen)), None),
+            fault=armed(self.config.faults, rank, gen),
             script=self.config.script,
             batch=self.config.batch,
         )

@@ -46,7 +46,7 @@ from exod.host.orphans import start_ticks
 from exod.host.supervisor import FencedProcess, FencedSpawn, RunnerSpec, Supervisor, Timeouts
 from exod.runner import protocol as p
 from exod.runner.batch import BatchLimits
-from exod.runner.faults import FaultSpec
+from exod.runner.faults import FaultSpec, armed
 from exod.state import retention
 from exod.state.process_book import ProcessBook
 from exod.state.retention import Retention
@@ -102,7 +102,6 @@ class SpawnRequest(BaseModel):
     rank: int = Field(..., ge=0)
     world_size: int = Field(..., ge=1, le=64)
     ring: list[str] = Field(..., max_length=64, description="HOST:PORT of every rank, rank 0 first")
-    fault: str | None = Field(None, max_length=100)
     stream: int = Field(..., ge=1, description="the report stream it belongs to: the number its hello said")
 
     @model_validator(mode="after")
@@ -235,7 +234,6 @@ class Agent:
         self._check_term(term)
         key = (request.runner_id, request.incarnation)
         self._check_spawn(key, request.stream)
-        self._check_fault(request.fault)
         await self._check_ring(request.ring)
         await self._claim(key)  # in etcd first: no process runs that the controller could not know of
         try:
@@ -265,7 +263,7 @@ class Agent:
             log_path=retention.runner_log_path(
                 self.config.state_dir, request.instance_id, request.rank, request.incarnation
             ),
-            fault=request.fault,
+            fault=armed(self.config.faults, request.rank, request.incarnation),  # its own [[fault]], never asked for
             script=self.config.script,
             batch=self.config.batch,
             fenced=self._presence is not None,
@@ -278,11 +276,6 @@ class Agent:
         self._running[key] = process  # nothing below raises: from here its supervisor releases the key
         self._scopes[key] = trio.CancelScope()
         self._nursery.start_soon(self._supervise, process, request.instance_id)
-
-    def _check_fault(self, fault: str | None) -> None:
-        """A fault is injected only where this node's own configuration enables it (`[[fault]]`)."""
-        if fault is not None and fault not in {str(spec.fault) for spec in self.config.faults}:
-            raise Refused(400, f"fault {fault!r} is not enabled on this node: its configuration has no such [[fault]]")
 
     async def _check_ring(self, endpoints: list[str]) -> None:
         """A runner connects only to the cluster's live nodes: every ring endpoint's host must be one's address."""

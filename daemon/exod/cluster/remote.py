@@ -138,7 +138,7 @@ class RemoteProcess:
                 self._published(s.runner_id, s.incarnation, ring[s.rank])
             self.link.running[(s.runner_id, s.incarnation)] = self
             body = {"instance_id": self.instance_id, "runner_id": s.runner_id, "incarnation": s.incarnation}
-            body |= {"rank": s.rank, "world_size": s.world_size, "ring": ring, "fault": s.fault}
+            body |= {"rank": s.rank, "world_size": s.world_size, "ring": ring}
             body["stream"] = self.link.stream  # the agent refuses a spawn whose stream is over
             await self.link.client.spawn(body)
             async with trio.open_nursery() as nursery:

@@ -71,6 +71,12 @@ class FaultSpec:
         return (self.rank is None or self.rank == rank) and (self.generation is None or self.generation == generation)
 
 
+def armed(specs: tuple[FaultSpec, ...], rank: int, generation: int) -> str | None:
+    """The fault (``PHASE:KIND``) a configuration arms for this rank of this generation, if any: each node arms
+    its own runners from its own ``[[fault]]``, whoever asked it to start them."""
+    return next((str(spec.fault) for spec in specs if spec.applies(rank, generation)), None)
+
+
 SLOW_S = 0.4  # how long a "slow" fault pauses, per layer while loading
 
 
