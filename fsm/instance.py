@@ -21,7 +21,11 @@ before its compound's.
 * Several ranks failing in one generation cost **one** retry: further
   failures of a generation already Recovering are absorbed. ``last_failure``
   is the first *cause*: a consequence reported first (``FailureKind.PEER``: a
-  rank that lost its connection to the one that died) gives way to it.
+  rank that lost its connection to the one that died) gives way to it, and
+  when that cause is the host's (a lost node), the retry the consequence was
+  charged is given back: the generation was the host's failure. A consequence
+  never gives up by itself; the budget it spends is given up on once the
+  generation is reaped, if no host cause gave it back meanwhile.
 * Backoff before generation n+1 is ``policy.backoff.delay(n)``; the deadline
   is armed when the old generation is fully reaped, and ``start`` is refused
   before it.
@@ -350,7 +354,9 @@ class InstanceRetry(Lifecycle):
         return budget_exhausted(self.attempts + 1, self.policy.max_retries)
 
     def last_charged_failure(self, failure: Failure) -> bool:
-        return failure.charged and self.last_allowed_failure
+        """A charged cause that spends the budget: the instance gives up at once. Not a consequence (a peer
+        lost): its cause, still to come, may be the host's and give the retry back."""
+        return failure.charged and failure.kind is not FailureKind.PEER and self.last_allowed_failure
 
     @staticmethod
     def non_retryable(failure: Failure) -> bool:
@@ -386,6 +392,9 @@ class InstanceRetry(Lifecycle):
         consequence (a peer that lost its connection) of this one (the rank that was killed): keep the cause."""
         consequence = self.last_failure is not None and self.last_failure.kind is FailureKind.PEER
         if consequence and failure.kind is not FailureKind.PEER:
+            if not failure.charged:  # the host's failure after all (found by the fault campaign, #26)
+                self.attempts -= 1
+                self.uncharged += 1
             self.last_failure = failure
 
     def _rank_gone(self, rank: int) -> None:

@@ -1073,6 +1073,43 @@ def test_last_failure_is_the_cause_whichever_report_came_first(first):
     assert (i.leaf, i.attempts, i.last_failure) == ("recovering", 1, KILLED)  # one retry, blamed on the kill
 
 
+NODE_LOST = fsm.Failure.host("NodeLost: node node-2 lost (node node-2's lease expired)")
+
+
+@pytest.mark.parametrize("stopping", [False, True])
+def test_a_consequence_whose_cause_is_the_hosts_gives_its_retry_back(stopping):
+    """Found by the fault campaign (#26, seed 1): a node's daemon paused past its lease; its runner's watchdog
+    ended the runner, the ranks on the other nodes lost their ring (a charged consequence, reported first),
+    then the node was lost (the host's failure): the generation was charged to the model."""
+    i = started(world_size=3)
+    make_ready(i, 1.0)
+    i.apply(RankFailed("inst", 2.0, 1, 0, failure=PEER_LOST))
+    assert (i.attempts, i.uncharged) == (1, 0)  # a consequence, charged until its cause is known
+    cause = RankFailedWhileStopping if stopping else RankFailed
+    i.apply(cause("inst", 2.5, 1, 1, failure=NODE_LOST))
+    assert (i.leaf, i.attempts, i.uncharged, i.last_failure) == ("recovering", 0, 1, NODE_LOST)
+    i.apply(RankFailed("inst", 2.6, 1, 2, failure=PEER_LOST))
+    i.apply(RankFailed("inst", 2.7, 1, 2, failure=KILLED))  # a later cause changes nothing more
+    assert (i.attempts, i.uncharged, i.last_failure) == (0, 1, NODE_LOST)
+
+
+def test_a_consequence_never_gives_up_by_itself_its_spent_budget_is_given_up_on_once_reaped():
+    policy = RetryPolicy(max_retries=1)
+    given_back = started(world_size=2, policy=policy)
+    given_back.apply(RankFailed("inst", 1.0, 1, 0, failure=PEER_LOST))  # the last allowed failure, if charged
+    assert given_back.leaf == "recovering"
+    given_back.apply(RankFailed("inst", 1.1, 1, 1, failure=NODE_LOST))
+    fail_generation(given_back, 1.2, failures=())
+    assert (given_back.leaf, given_back.budget_spent) == ("backing_off", False)  # it will be retried
+    spent = started(world_size=2, policy=policy)
+    spent.apply(RankFailed("inst", 1.0, 1, 0, failure=PEER_LOST))
+    spent.apply(RankFailed("inst", 1.1, 1, 1, failure=KILLED))
+    fail_generation(spent, 1.2, failures=())
+    assert (spent.leaf, spent.budget_spent) == ("backing_off", True)
+    spent.apply(fsm.instance.GiveUp("inst", 1.3))  # what the planner sends at the cap
+    assert (spent.leaf, spent.delete_reason) == ("deleted", fsm.instance.DeleteReason.RETRIES_EXHAUSTED)
+
+
 def test_the_first_cause_stays_when_another_cause_follows():
     i = started(world_size=3)
     i.apply(RankFailed("inst", 2.0, 1, 0, failure=PEER_LOST))
