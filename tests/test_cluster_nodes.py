@@ -4,11 +4,13 @@ elected once its lease has expired."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -1009,19 +1011,48 @@ def test_every_dialect_answers_from_a_node_that_is_not_the_controller(tmp_path, 
     assert found.id == model
 
 
+class Chats:
+    """Chats sent to ``url`` one after another from a thread, while the block runs: an instance in use."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.sent = url, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Chats:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        body = {"model": "exod/tiny-qwen2", "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}]}
+        while not self._stop.is_set():
+            self.sent += 1
+            with contextlib.suppress(httpx.HTTPError):  # an error is the instance failing: what it is for
+                httpx.post(f"{self.url}/v1/chat/completions", json=body, timeout=60)
+
+
+@pytest.mark.parametrize("serving", [False, True], ids=["idle", "serving"])
 def test_an_agents_daemon_paused_past_its_lease_has_its_runner_end_itself_so_no_two_generations_overlap(
-    tmp_path, etcd, hf_home
+    tmp_path, etcd, hf_home, serving
 ):
     """The dead man's switch (DESIGN §5): node-3's daemon is SIGSTOPped, not its runner. The runner's deadline
     is no longer moved on, so its watchdog process ends it before node-3's lease may expire, and so before
     the controller, which waits for its key to go, starts the next generation elsewhere. Polled from outside
-    every 50 ms: never two generations alive. Continued, node-3 rejoins and nothing is charged."""
+    every 50 ms: never two generations alive. Continued, node-3 rejoins and nothing is charged.
+
+    Serving, rank 0 loses its ring when rank 1 ends, and says so before node-3 is lost: the fault campaign
+    (#26, seed 1) found that consequence charged to the model; the node's loss now gives the retry back."""
     env = {**os.environ, "HF_HOME": str(hf_home)}
+    ttl = TTL if serving else PARTITION_TTL  # the short lease: its runner's deadline comes before the link's timeout
     daemons = []
     try:
-        daemons.append(start(tmp_path, etcd, 1, env, PARTITION_TTL))
+        daemons.append(start(tmp_path, etcd, 1, env, ttl))
         until(lambda: nodes(daemons[0][1]), lambda v: v["controller"] == "node-1", 30)
-        daemons += [start(tmp_path, etcd, n, env, PARTITION_TTL) for n in (2, 3)]
+        daemons += [start(tmp_path, etcd, n, env, ttl) for n in (2, 3)]
         url = daemons[0][1]
         until(lambda: nodes(url), lambda v: len(v["nodes"]) == 3, 30)
         body = {"model": "exod/tiny-qwen2", "ranks": 2, "nodes": ["node-1", "node-3"]}
@@ -1033,33 +1064,40 @@ def test_an_agents_daemon_paused_past_its_lease_has_its_runner_end_itself_so_no_
         assert len(on_node_3) == 1
 
         paused = daemons[2][0]
-        paused.send_signal(signal.SIGSTOP)
-        paused_at, generations_seen, runner_gone_after = time.monotonic(), [], None
-        try:
-            while time.monotonic() - paused_at < 2 * PARTITION_TTL:  # well past its lease
-                alive = runners_of(iid)
-                generations_seen.append(sorted(set(alive.values())))
-                if runner_gone_after is None and not on_node_3 & set(alive):
-                    runner_gone_after = time.monotonic() - paused_at
-                time.sleep(0.05)
-        finally:
-            paused.send_signal(signal.SIGCONT)
+        chats = Chats(url) if serving else contextlib.nullcontext()
+        with chats:
+            paused.send_signal(signal.SIGSTOP)
+            paused_at, generations_seen, runner_gone_after = time.monotonic(), [], None
+            try:
+                while time.monotonic() - paused_at < 2 * ttl:  # well past its lease
+                    alive = runners_of(iid)
+                    generations_seen.append(sorted(set(alive.values())))
+                    if runner_gone_after is None and not on_node_3 & set(alive):
+                        runner_gone_after = time.monotonic() - paused_at
+                    time.sleep(0.05)
+            finally:
+                paused.send_signal(signal.SIGCONT)
         after = until(
             lambda: instance_at(url, iid),
             lambda i: i.get("state") == "ready" and i["generation"] > before["generation"],
-            6 * PARTITION_TTL,
+            6 * ttl,
         )
         until(lambda: nodes(url), lambda v: "node-3" in [n["node_id"] for n in v["nodes"]], 30)
     finally:
         stop_all(daemons)
-    assert runner_gone_after is not None and runner_gone_after < PARTITION_TTL  # before its lease could expire
+    assert runner_gone_after is not None and runner_gone_after < ttl  # before its lease could expire
     assert all(len(generations) <= 1 for generations in generations_seen)  # never two generations at once
     assert after["attempts"] == before["attempts"]  # a paused host is not the model's failure
+    assert after["uncharged"] > before["uncharged"]
+    if serving:
+        lost = "connection to a peer was lost" in (tmp_path / "node-1" / "serve.log").read_text()
+        assert chats.sent > 0 and lost  # rank 0, serving, lost its ring: the consequence came first
+        return
     cluster_fault(
         "paused agent daemon",
-        f"node-3's daemon SIGSTOPped {2 * PARTITION_TTL} s: its runner ended itself {runner_gone_after:.1f} s in "
+        f"node-3's daemon SIGSTOPped {2 * ttl} s: its runner ended itself {runner_gone_after:.1f} s in "
         f"(its deadline), before its lease could expire; generation {after['generation']} Ready, attempts "
-        f"{after['attempts']}, never two generations alive (lease TTL {PARTITION_TTL} s)",
+        f"{after['attempts']}, never two generations alive (lease TTL {ttl} s)",
     )
 
 
