@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint specs clean reliability cluster
+.PHONY: run test lint specs clean reliability cluster chaos
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,11 +37,21 @@ specs: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
 
-## reliability: run the fault-injection matrix, the attacks and the cluster's faults; write what they observed to specs/reliability.md
+## chaos: a seeded fault campaign against a real cluster on this machine (exod chaos): a fresh seed, or SEED=N to
+##        reproduce one; CHAOS_S seconds of workload. Network and disk faults need root (CI has it); exits 1 on a violation
+SEED    ?=
+CHAOS_S ?= 180
+chaos: $(STAMP)
+	$(BIN)/exod chaos $(if $(SEED),--seed $(SEED)) --duration $(CHAOS_S)
+
+## reliability: run the fault-injection matrix, the attacks and the cluster's faults, then a fault campaign of
+##              RELIABILITY_CHAOS_S seconds (30 min) with a fresh seed; write what they observed to specs/reliability.md
 ATTACK_TESTS := tests/test_attacks.py tests/test_admission.py tests/test_degraded.py tests/test_host_failures.py \
                 tests/test_state_dir.py tests/test_drain.py tests/test_retention.py tests/test_cluster_nodes.py
+RELIABILITY_CHAOS_S ?= 1800
 reliability: $(STAMP)
 	EXOD_WRITE_RELIABILITY=1 $(BIN)/python -m pytest -q tests/test_fault_matrix.py $(ATTACK_TESTS)
+	$(BIN)/exod chaos $(if $(SEED),--seed $(SEED)) --duration $(RELIABILITY_CHAOS_S) --report specs/reliability.md
 
 ## screenshots: the dashboard's browser tests, writing docs/dashboard*.png (shown in the README); needs chromium and chromium-driver
 .PHONY: screenshots

@@ -8,13 +8,13 @@ of the suite leaves the other as the last complete run wrote it: the fault-injec
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
+
+from exod.chaos import report
 
 SPEC = Path(__file__).resolve().parent.parent / "specs" / "reliability.md"
 WRITE = os.environ.get("EXOD_WRITE_RELIABILITY") == "1"
 
-TITLE = "# Reliability\n\nWritten by `make reliability` from what the test run observed, not by hand.\n"
 
 # attack -> what must happen; the tests fill in what did
 ATTACKS: dict[str, str] = {
@@ -104,14 +104,8 @@ def _write_table(section: str, intro: str, what: str, expected: dict[str, str], 
 
 
 def write_section(name: str, body: str) -> None:
-    """Replace section ``name`` of the spec (``<!-- NAME -->`` … ``<!-- /NAME -->``), keeping the others."""
-    text = SPEC.read_text() if SPEC.exists() else TITLE
-    block = f"<!-- {name} -->\n{body.strip()}\n<!-- /{name} -->"
-    pattern = re.compile(rf"<!-- {re.escape(name)} -->.*?<!-- /{re.escape(name)} -->", re.S)
-    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
-    if not text.startswith(TITLE):
-        text = TITLE + "\n" + text[text.index("<!--") :]
-    SPEC.write_text(text)
+    """Replace section ``name`` of the spec, keeping the others (as the fault campaign writes its own)."""
+    report.write_section(SPEC, name, body)
 
 
 def write_attacks() -> bool:

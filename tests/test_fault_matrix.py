@@ -14,7 +14,7 @@ import time
 import attrs
 import pytest
 import trio
-from reliability_report import WRITE, write_section
+from reliability_report import SPEC, WRITE, write_section
 
 import fsm
 from daemon_harness import (
@@ -25,11 +25,13 @@ from daemon_harness import (
     wait_for,
     with_controller,
 )
+from exod.chaos.report import rows_of, write_rows
 from exod.host.supervisor import Timeouts
 from exod.host.tiny_model import make_tiny_model
 from exod.requests import RequestFailed
 from exod.runner.faults import Fault, FaultKind, FaultPhase, FaultSpec
 from exod.state.sqlite import Store
+from fsm.conformance import replay
 
 pytestmark = pytest.mark.usefixtures("no_runner_left_behind")
 
@@ -47,6 +49,7 @@ EXPECTED: dict[FaultKind, fsm.FailureKind | None] = {
     FaultKind.SLOW: None,
 }
 OBSERVED: list[dict] = []
+TAKEN: set = set()  # every transition the matrix's logs took: with the fault campaign's, the coverage figure
 
 
 def expected(phase: FaultPhase, kind: FaultKind) -> fsm.FailureKind | None:
@@ -154,6 +157,7 @@ def test_fault(tmp_path, hf_home, timeouts, phase: FaultPhase, kind: FaultKind):
     store.close()
     assert_log_conforms(cfg.db_path)
     moves = [(e.machine, e.key, e.source, e.target, e.event) for e in log]
+    TAKEN.update(rows_of(replay(log).coverage)[1])
 
     cause = gen1_failure(log, f"{iid}/1")
     observed["cause"] = cause or "-"
@@ -191,6 +195,7 @@ def reliability_report():
     yield
     if WRITE and len(OBSERVED) == len(FaultPhase) * len(FaultKind):
         write_report()
+        write_rows(SPEC.parent / "transitions-fault-matrix.json", TAKEN)  # read by `exod chaos --report`
 
 
 def write_report() -> None:

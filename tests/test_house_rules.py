@@ -112,7 +112,7 @@ def module_name(path: Path) -> str:
 def layer_of(module: str) -> str:
     """The layer of ``exod.x.y``: its package, the shell, or the core (the daemon's other top-level modules)."""
     parts = module.split(".")
-    if module in SHELL or parts[:2] == ["exod", "cli"]:
+    if module in SHELL or parts[:2] in (["exod", "cli"], ["exod", "chaos"]):
         return "shell"
     if len(parts) > 1 and parts[1] in LAYERS:
         return parts[1]

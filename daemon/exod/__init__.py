@@ -13,7 +13,8 @@ Its rooms, bottom to top; each imports only its own layer and those below (tests
   placement, downloads, the configuration, and what a generation says (`exod.generated`).
 * `exod.api` — the HTTP front end: it asks the controller and the request book, never a store or the
   runner's wire (`exod.state`, `exod.runner`).
-* the shell — `exod.serve` (the task tree) and `exod.cli`: the only code that imports `exod.api`.
+* the shell — `exod.serve` (the task tree) and `exod.cli`: the only code that imports `exod.api`; and
+  `exod.chaos`, the fault campaign (`exod chaos`), which drives whole daemons from outside.
 
 Importing `exod` imports nothing else.
 """

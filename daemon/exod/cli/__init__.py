@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 import fsm
+from exod.cli.chaos import chaos
 from exod.cli.completions import chat
 from exod.cli.daemon import cluster_demo, cluster_token, serve
 from exod.cli.documents import diagram, machines, specs
@@ -34,3 +35,4 @@ main.add_command(check_fencing)
 main.add_command(cluster_demo)
 main.add_command(cluster_token)
 main.add_command(replay)
+main.add_command(chaos)

@@ -172,10 +172,10 @@ def place(url: str, model_id: str, ranks: int, timeout: float = 180.0, nodes: li
 
 
 class LocalEtcdCluster:
-    """Several etcd members of one cluster on loopback (3: it survives the loss of one)."""
+    """Several etcd members of one cluster on ``host`` (3: it survives the loss of one)."""
 
-    def __init__(self, directory: Path, members: int = 3) -> None:
-        self.members = [LocalEtcd(directory / f"member-{n}", name=f"m{n}") for n in range(members)]
+    def __init__(self, directory: Path, members: int = 3, host: str = "127.0.0.1") -> None:
+        self.members = [LocalEtcd(directory / f"member-{n}", name=f"m{n}", host=host) for n in range(members)]
         initial = ",".join(f"{m.name}={m.peer}" for m in self.members)
         for member in self.members:
             member.initial_cluster = initial

@@ -2,7 +2,7 @@
 pair, whose link can be cut and healed (DESIGN §5). Used by the partition tests, `bench/overlap.py` and
 anyone who wants to watch the cluster's fencing at work. Needs root and iproute2; `unusable` says why not.
 
-Addresses are in 10.231.N.0/24, on the pair only: ``.1`` and ``.3`` on this side, ``.2`` inside.
+Addresses are in 10.231.N.0/24, on the pair only: ``.2`` inside, ``.1``, ``.3``, ``.4`` … on this side.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class NamespaceError(RuntimeError):
 class Namespace:
     name: str
     inside: str  # the namespace's address
-    outside: tuple[str, str]  # two addresses of this side of the pair (two nodes, or etcd and a node)
+    outside: tuple[str, ...]  # addresses of this side of the pair (two nodes, or etcd and a node …)
     _link: str  # the namespace's end of the pair
 
     def run(self, argv: list[str]) -> list[str]:
@@ -47,6 +47,19 @@ class Namespace:
 
     def heal_from(self, address: str) -> None:
         _ip("netns", "exec", self.name, "ip", "route", "del", "blackhole", f"{address}/32")
+
+    def deafen_to(self, address: str) -> None:
+        """Nothing from ``address`` arrives inside any more, while what is sent to it still leaves: a one-way cut
+        (a policy rule that blackholes what comes from it, ahead of the local table's rule, which would deliver it
+        first and which the namespace's own routing can move)."""
+        rules = subprocess.run(self.run(["ip", "rule"]), capture_output=True, text=True, check=True).stdout
+        if rules.startswith("0:"):
+            _ip("netns", "exec", self.name, "ip", "rule", "add", "pref", "100", "lookup", "local")
+            _ip("netns", "exec", self.name, "ip", "rule", "del", "pref", "0")
+        _ip("netns", "exec", self.name, "ip", "rule", "add", "pref", "50", "from", f"{address}/32", "blackhole")
+
+    def hear(self, address: str) -> None:
+        _ip("netns", "exec", self.name, "ip", "rule", "del", "pref", "50", "from", f"{address}/32", "blackhole")
 
     def pids(self) -> list[int]:
         out = subprocess.run(["ip", "netns", "pids", self.name], capture_output=True, text=True, check=False)
@@ -83,8 +96,9 @@ def unusable() -> str | None:
 
 
 @contextlib.contextmanager
-def namespace() -> Iterator[Namespace]:
-    """A namespace and its pair, removed on the way out with every process still inside it (killed)."""
+def namespace(outside: int = 2) -> Iterator[Namespace]:
+    """A namespace and its pair, with ``outside`` addresses on this side; removed on the way out with every
+    process still inside it (killed)."""
     if (why := unusable()) is not None:
         raise NamespaceError(why)
     tag = secrets.token_hex(3)
@@ -95,13 +109,14 @@ def namespace() -> Iterator[Namespace]:
     try:
         _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
         _ip("link", "set", inner, "netns", name)
-        _ip("addr", "add", f"{net}.1/24", "dev", outer)
-        _ip("addr", "add", f"{net}.3/24", "dev", outer)
+        ours = tuple(f"{net}.{host}" for host in (1, *range(3, outside + 2)))
+        for address in ours:
+            _ip("addr", "add", f"{address}/24", "dev", outer)
         _ip("link", "set", outer, "up")
         _ip("netns", "exec", name, "ip", "addr", "add", f"{net}.2/24", "dev", inner)
         _ip("netns", "exec", name, "ip", "link", "set", inner, "up")
         _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
-        yield Namespace(name, f"{net}.2", (f"{net}.1", f"{net}.3"), inner)
+        yield Namespace(name, f"{net}.2", ours, inner)
     finally:
         for pid in Namespace(name, "", ("", ""), inner).pids():  # what was left inside goes with it
             with contextlib.suppress(ProcessLookupError):

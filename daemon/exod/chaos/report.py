@@ -1,0 +1,150 @@
+"""A campaign's report: what was injected, what the clients saw, how soon the cluster recovered, which
+transitions of the machines real processes took, and the violations — a markdown section of
+specs/reliability.md (`write_section`, shared with the test suite's sections) and lines for the terminal."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+import fsm
+from exod.chaos.history import FaultRecord, InstanceSample
+from exod.chaos.schedule import Kind
+from fsm.conformance import MachineCoverage
+
+TITLE = "# Reliability\n\nWritten by `make reliability` from what the test run observed, not by hand.\n"
+Row = tuple[str, str, str, str]  # machine, source, event, target: a transition of a machine's table
+# Transitions of the machines that no real process can take, and why: the coverage goal leaves them out.
+UNREACHABLE: dict[Row, str] = {}
+
+
+def recoveries(samples: Sequence[InstanceSample], faults: Iterable[FaultRecord]) -> list[float]:
+    """For each fault injected: seconds from its end until etcd next held every instance that was not deleted
+    or given up as Ready."""
+    times = sorted({s.time for s in samples})
+    at: dict[float, list[InstanceSample]] = {}
+    for s in samples:
+        at.setdefault(s.time, []).append(s)
+    settled = [
+        t
+        for t in times
+        if all(s.state == fsm.InstanceState.READY.value for s in at[t] if not s.deleted and not s.spent)
+    ]
+    found = []
+    for fault in faults:
+        if fault.note:
+            continue
+        after = next((t for t in settled if t >= fault.end), None)
+        if after is not None:
+            found.append(after - fault.end)
+    return found
+
+
+def rows_of(coverage: Mapping[str, MachineCoverage]) -> tuple[set[Row], set[Row]]:
+    """(every transition of the machines, those the log took), as rows."""
+    every, seen = set(), set()
+    for machine, cov in coverage.items():
+        every |= {(machine, t.source, t.event or "auto", t.target) for t in cov.transitions_all}
+        seen |= {(machine, t.source, t.event or "auto", t.target) for t in cov.transitions_seen}
+    return every, seen
+
+
+def read_rows(path: Path) -> set[Row]:
+    """Transitions another run recorded (the fault matrix's), if it did."""
+    if not path.exists():
+        return set()
+    return {tuple(row) for row in json.loads(path.read_text())}  # type: ignore[misc]
+
+
+def write_rows(path: Path, rows: Iterable[Row]) -> None:
+    path.write_text(json.dumps(sorted(rows), indent=0) + "\n")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest rank, ``q`` in [0, 1]: with fewer than 100 values, p99 is the worst."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def section(result, matrix: set[Row]) -> str:  # result: exod.chaos.campaign.Result
+    """The campaign's section of specs/reliability.md."""
+    s, history = result.settings, result.history
+    injected = Counter(
+        f.kind.partition(":")[0] if f.kind.startswith("armed") else f.kind for f in history.faults if not f.note
+    )
+    skipped = Counter(f.kind for f in history.faults if f.note)
+    faults = [
+        "| fault | injected | not injected (its target held by another fault, or none alive) |",
+        "|---|---:|---:|",
+    ]
+    for kind in Kind:
+        why = result.abilities.why_not(kind)
+        faults.append(
+            f"| {kind.value} | {injected[kind.value] if why is None else '—: ' + why} | {skipped[kind.value]} |"
+        )
+    armed = Counter(f.kind for f in history.faults if f.kind.startswith("armed"))
+    faults += [f"| {kind} (a runner's `[[fault]]`) | {n} | 0 |" for kind, n in sorted(armed.items())]
+    by_client = Counter((op.client, op.outcome.value) for op in history.operations)
+    clients = sorted({c for c, _ in by_client})
+    outcomes = ["ok", "refused", "indeterminate", "hung", "malformed"]
+    ops = ["| operation | " + " | ".join(outcomes) + " |", "|---|" + "---:|" * len(outcomes)]
+    ops += [f"| {c} | " + " | ".join(str(by_client[(c, o)]) for o in outcomes) + " |" for c in clients]
+    times = recoveries(history.samples, history.faults)
+    recovery = (
+        f"{len(times)} recoveries: p50 {percentile(times, 0.5):.1f} s, p99 {percentile(times, 0.99):.1f} s, "
+        f"worst {max(times):.1f} s (bound {result.bounds.recovery_s:.0f} s)"
+        if times
+        else "no recovery measured"
+    )
+    every, seen = rows_of(result.coverage)
+    both = (seen | matrix) & every
+    goal = every - set(UNREACHABLE)
+    cover = ["| machine | campaign | fault matrix | together |", "|---|---:|---:|---:|"]
+    for machine in sorted({r[0] for r in every}):
+        mine = {r for r in every if r[0] == machine}
+        cover.append(
+            f"| {machine} | {len(seen & mine)}/{len(mine)} | {len(matrix & mine)}/{len(mine)} | "
+            f"{len(both & mine)}/{len(mine)} |"
+        )
+    missing = sorted(goal - both)
+    missed = "\n".join(f"- {m}: {src} → {dst} on `{ev}`" for m, src, ev, dst in missing) or "- none"
+    violations = "\n".join(f"- {v.line()}" for v in result.violations) or "none"
+    where = "in a network namespace" if result.abilities.namespaces else "on loopback: no namespace here"
+    return (
+        "## Fault campaign\n\n"
+        f"`exod chaos --seed {s.seed} --duration {s.duration:g}` (`make reliability`): a {s.members}-member etcd, "
+        f"{s.nodes} nodes (node-1 {where}), "
+        f"lease TTL {s.ttl} s, {len(result.schedule)} faults drawn from the seed over the first 60% of the run, "
+        "a client workload throughout (chats in both dialects, streamed and not; placements and deletes; two "
+        "`/events` readers resuming with `Last-Event-ID`), runner processes read from the process table every "
+        f"30 ms and the state from etcd every 250 ms. Cold start {result.cold_start:.1f} s; bounds: a request "
+        f"{result.bounds.request_s:.0f} s, Ready after the last heal {result.bounds.recovery_s:.0f} s.\n\n"
+        f"**Violations: {violations}**"
+        + ("; the rig failed: " + "; ".join(result.errors) if result.errors else "")
+        + "\n\n### Faults\n\n"
+        + "\n".join(faults)
+        + "\n\n### Operations\n\n"
+        + "\n".join(ops)
+        + f"\n\n### Recovery\n\nFrom each fault's end until every instance etcd holds is Ready: {recovery}.\n\n"
+        "### Transitions taken by real processes\n\n"
+        "Counted from the transition logs as `exod replay` replays them: the campaign's (the cluster's log in "
+        "etcd) and the fault matrix's (tests/test_fault_matrix.py, one host). Goal: every transition, 100%.\n\n"
+        + "\n".join(cover)
+        + f"\n\nTogether: {len(both)}/{len(every)} ({100 * len(both) / max(1, len(every)):.0f}%). Not reached:\n\n"
+        + missed
+        + "\n"
+    )
+
+
+def write_section(spec: Path, name: str, body: str) -> None:
+    """Replace section ``name`` of ``spec`` (``<!-- NAME -->`` … ``<!-- /NAME -->``), keeping the others."""
+    text = spec.read_text() if spec.exists() else TITLE
+    block = f"<!-- {name} -->\n{body.strip()}\n<!-- /{name} -->"
+    pattern = re.compile(rf"<!-- {re.escape(name)} -->.*?<!-- /{re.escape(name)} -->", re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    if not text.startswith(TITLE):
+        text = TITLE + "\n" + text[text.index("<!--") :]
+    spec.write_text(text)

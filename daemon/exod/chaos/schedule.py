@@ -1,0 +1,146 @@
+"""The fault schedule: which fault, where, when and for how long, drawn from a seed and nothing else.
+
+A schedule is a pure function of its seed and of what this machine can do (`Abilities`), so that
+``exod chaos --seed N`` on another day injects the same faults in the same order. Targets are named by role
+(the controller, an agent, an etcd member, the leader, a rank of an instance) and resolved when the fault is
+injected, since pids and the controller's name are not known in advance.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+
+import attrs
+
+
+class Area(enum.Enum):
+    RUNNER = "runner"
+    DAEMON = "daemon"
+    NETWORK = "network"
+    ETCD = "etcd"
+    STORAGE = "storage"
+
+
+class Kind(enum.Enum):
+    """Every fault the campaign knows; the area is the part before the first dash."""
+
+    RUNNER_KILL = "runner-sigkill"
+    RUNNER_PAUSE = "runner-sigstop"
+    DAEMON_KILL = "daemon-sigkill"  # and restarted after the hold
+    DAEMON_PAUSE = "daemon-sigstop"  # for the hold: shorter or longer than the lease TTL
+    DAEMON_TERM = "daemon-sigterm"  # and restarted after the hold
+    NETWORK_ETCD = "network-cut-from-etcd"
+    NETWORK_PEERS = "network-cut-from-peers"
+    NETWORK_ALL = "network-cut-off"
+    NETWORK_DEAF = "network-deaf-to-etcd"  # one way: etcd's packets do not arrive, the node's still leave
+    ETCD_KILL = "etcd-kill-member"  # and restarted after the hold
+    ETCD_PAUSE = "etcd-pause-member"
+    ETCD_PAUSE_ALL = "etcd-pause-all"  # every member, for less than the lease TTL
+    STORAGE_FULL = "storage-state-dir-full"
+    STORAGE_FDS = "storage-fd-limit"
+
+    @property
+    def area(self) -> Area:
+        return Area(self.value.partition("-")[0])
+
+
+@attrs.frozen
+class Armed:
+    """A runner's own fault (`exod.runner.faults`), armed in one node's ``[[fault]]``: it fires in every runner of
+    that rank and generation the node starts, whatever the instance. No signal makes a process exit 0 or raise:
+    these are the runner's faults that only the runner can commit."""
+
+    node: int
+    fault: str  # PHASE:KIND
+    rank: int
+    generation: int
+
+
+# exit 0 once Ready, raise while loading, hang once Ready: on the agents, in generations the other faults reach
+ARMED = (
+    Armed(2, "ready:exit0", 0, 2),
+    Armed(3, "loading:exception", 0, 3),
+    Armed(2, "ready:hang", 1, 3),
+    Armed(3, "warming_up:sigkill", 1, 2),
+)
+
+
+class Role(enum.Enum):
+    CONTROLLER = "controller"
+    AGENT = "agent"  # a node that is not the controller
+    NAMESPACED = "namespaced"  # the node in a network namespace, whatever its role now
+    MEMBER = "member"  # an etcd member that is not the leader
+    LEADER = "leader"  # etcd's leader
+    RANK = "rank"  # a runner of an instance
+
+
+@attrs.frozen
+class Abilities:
+    """What this machine lets the campaign do; faults it cannot inject are not drawn (and the report says why)."""
+
+    namespaces: bool = False  # network faults need a node in a namespace
+    tmpfs: bool = False  # a state dir that can fill up
+    nodes: int = 3
+    members: int = 3
+
+    def kinds(self) -> tuple[Kind, ...]:
+        return tuple(k for k in Kind if self.why_not(k) is None)
+
+    def why_not(self, kind: Kind) -> str | None:
+        if kind.area is Area.NETWORK and not self.namespaces:
+            return "no network namespace can be made here (needs root and iproute2)"
+        if kind is Kind.STORAGE_FULL and not self.tmpfs:
+            return "no tmpfs can be mounted here (needs root)"
+        if kind in (Kind.ETCD_KILL, Kind.ETCD_PAUSE) and self.members < 3:
+            return "a member's loss is only survivable with 3 members"
+        return None
+
+
+@attrs.frozen
+class Step:
+    """One fault: injected ``at`` seconds into the campaign, undone ``hold`` seconds later."""
+
+    at: float
+    kind: Kind
+    role: Role
+    pick: int  # which of the role's candidates, modulo their number when injected
+    hold: float
+
+    def text(self) -> str:
+        return f"t+{self.at:6.1f}s {self.kind.value} on {self.role.value}#{self.pick} for {self.hold:.1f}s"
+
+
+_ROLES: dict[Area, tuple[Role, ...]] = {
+    Area.RUNNER: (Role.RANK,),
+    Area.DAEMON: (Role.CONTROLLER, Role.AGENT, Role.AGENT),
+    Area.NETWORK: (Role.NAMESPACED,),
+    Area.ETCD: (Role.LEADER, Role.MEMBER),
+    Area.STORAGE: (Role.CONTROLLER, Role.AGENT),
+}
+
+
+def draw(seed: int, duration: float, abilities: Abilities, *, ttl: float) -> tuple[Step, ...]:
+    """The faults of a campaign of ``duration`` seconds: one every few seconds, sometimes two at once, sometimes
+    one while the cluster still recovers from the last; holds both shorter and longer than the lease ``ttl``.
+    Faults stop 0.4 × ``duration`` before the end, so the last heal leaves time to recover in."""
+    rng = random.Random(seed)
+    kinds = abilities.kinds()
+    steps: list[Step] = []
+    at = rng.uniform(1.0, 3.0)
+    while at < duration * 0.6:
+        for _ in range(2 if rng.random() < 0.2 else 1):  # several at once, now and then
+            kind = rng.choice(kinds)
+            role = rng.choice(_ROLES[kind.area])
+            steps.append(Step(round(at, 1), kind, role, rng.randrange(1 << 16), round(_hold(rng, kind, ttl), 1)))
+        # during recovery from the last one, or after it settled
+        at += rng.uniform(0.5, ttl) if rng.random() < 0.4 else rng.uniform(ttl, 2 * ttl)
+    return tuple(steps)
+
+
+def _hold(rng: random.Random, kind: Kind, ttl: float) -> float:
+    if kind is Kind.ETCD_PAUSE_ALL:
+        return rng.uniform(0.2, 0.6) * ttl  # the issue's "all members for less than the TTL"
+    if kind is Kind.RUNNER_KILL:
+        return 0.0  # nothing to undo
+    return rng.uniform(0.3, 2.0) * ttl  # shorter and longer than a lease

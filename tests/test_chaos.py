@@ -1,0 +1,199 @@
+"""The fault campaign (exod chaos, issue #26): its invariants catch what they are for, its schedule is the seed's,
+and one short campaign with a fixed seed against a real cluster finds no violation."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+
+from exod.chaos import invariants as inv
+from exod.chaos.history import FaultRecord, History, InstanceSample, Operation, Outcome, ProcessLife
+from exod.chaos.report import percentile, recoveries
+from exod.chaos.schedule import Abilities, Area, Kind, draw
+
+BOUNDS = inv.Bounds(request_s=60.0, recovery_s=40.0)
+
+
+def life(pid: int, gen: int, first: float, last: float, rank: int = 0, iid: str = "i1") -> ProcessLife:
+    return ProcessLife(pid, "node-1", iid, rank, gen, first, last)
+
+
+def sample(t: float, state: str = "ready", gen: int = 1, attempts: int = 0, *, iid: str = "i1", **kw) -> InstanceSample:
+    return InstanceSample(t, iid, state, gen, attempts, 0, kw.get("deleted", False), kw.get("spent", False))
+
+
+# -- 1. one generation at a time ----------------------------------------------------------
+
+
+def test_two_generations_seen_in_one_sample_are_a_violation_and_a_handover_is_not():
+    handover = [life(1, 1, 0.0, 5.0), life(2, 1, 0.0, 5.0, rank=1), life(3, 2, 5.03, 9.0)]
+    assert inv.one_generation_at_a_time(handover) == []
+    overlap = [*handover, life(4, 2, 4.97, 9.0, rank=1)]  # seen at 4.97 while generation 1 lived until 5.0
+    [found] = inv.one_generation_at_a_time(overlap)
+    assert found.invariant == 1 and "generation 1" in found.text and "generation 2" in found.text
+    other_instance = [life(1, 1, 0.0, 5.0), life(2, 2, 1.0, 6.0, iid="i2")]
+    assert inv.one_generation_at_a_time(other_instance) == []
+
+
+# -- 2. nothing lost ------------------------------------------------------------------------
+
+
+def place(iid: str, outcome: Outcome = Outcome.OK) -> Operation:
+    return Operation("place", "node-2", 1.0, 1.5, outcome, "", iid)
+
+
+def test_an_acknowledged_placement_that_vanished_is_lost_unless_a_client_deleted_it_or_its_budget_ended():
+    deleted = {"machine": "instance", "id": "a", "event": "delete", "to": "deleted"}
+    gave_up = {"machine": "instance", "id": "b", "event": "auto", "to": "deleted"}
+    ops = [place("a"), place("b"), place("c"), place("d", Outcome.INDETERMINATE)]
+    found = inv.nothing_lost(ops, [deleted, gave_up], kept={"b"})
+    assert [v.text.split()[1] for v in found] == ["a", "c"]  # a: nobody asked; c: gone without a trace
+    asked = Operation("delete", "node-3", 2.0, 2.1, Outcome.INDETERMINATE, "", "a")
+    assert [v.text.split()[1] for v in inv.nothing_lost([*ops, asked], [deleted, gave_up], kept={"b"})] == ["c"]
+
+
+# -- 3. every request ends --------------------------------------------------------------------
+
+
+def test_a_hang_is_always_a_violation_a_broken_connection_only_where_nothing_was_wrong():
+    history = History()
+    history.fault(FaultRecord("daemon-sigkill", "node-1", 10.0, 12.0, ("node-1",)))
+    history.operation(Operation("chat-openai", "node-1", 11.0, 11.1, Outcome.INDETERMINATE, "reset"))
+    history.operation(Operation("chat-openai", "node-2", 11.0, 11.1, Outcome.INDETERMINATE, "reset"))
+    history.operation(Operation("chat-anthropic-stream", "node-1", 20.0, 21.0, Outcome.MALFORMED, "unended"))
+    history.operation(Operation("chat-openai", "node-1", 11.0, 80.0, Outcome.HUNG, ""))
+    history.operation(Operation("chat-openai", "node-3", 30.0, 31.0, Outcome.REFUSED, "HTTP 503"))
+    found = inv.every_request_ends(history, BOUNDS)
+    assert [(v.text.split()[2], v.time) for v in found] == [("node-2,", 11.0), ("node-1,", 20.0), ("node-1:", 11.0)]
+
+
+# -- 4. retries --------------------------------------------------------------------------------
+
+
+def test_a_charge_without_a_runner_fault_is_a_hosts_fault_charged():
+    processes = [life(1, 1, 0.0, 5.0), life(2, 2, 7.0, 20.0)]
+    samples = [sample(1.0), sample(6.0, "backing_off", attempts=1), sample(8.0, gen=2, attempts=1)]
+    [found] = inv.retries_charged(samples, processes, {}, {}, [], {}, settle=5.0)
+    assert found.invariant == 4 and "a host's fault was charged" in found.text
+
+
+def test_a_clean_kill_must_cost_one_retry_and_only_one():
+    processes = [life(1, 1, 0.0, 5.0), life(2, 1, 0.0, 5.0, rank=1), life(3, 2, 7.0, 20.0)]
+    kill = {1: 4.9}
+    uncharged = [sample(1.0), sample(8.0, gen=2)]
+    [found] = inv.retries_charged(uncharged, processes, kill, kill, [], {}, settle=5.0)
+    assert "only 0 retries were charged" in found.text
+    once = [sample(1.0), sample(6.0, "backing_off", attempts=1), sample(8.0, gen=2, attempts=1)]
+    assert inv.retries_charged(once, processes, kill, kill, [], {}, settle=5.0) == []
+    twice = [*once, sample(9.0, gen=2, attempts=2)]
+    assert "2 retries charged" in inv.retries_charged(twice, processes, kill, kill, [], {}, settle=5.0)[0].text
+
+
+def test_a_kill_beside_a_hosts_fault_may_go_uncharged_and_a_reset_budget_is_not_a_refund():
+    processes = [life(1, 1, 0.0, 5.0), life(3, 2, 7.0, 20.0)]
+    kill = {1: 4.9}
+    cut = FaultRecord("network-cut-off", "node-1", 3.0, 8.0, ("node-1",))
+    assert inv.retries_charged([sample(1.0), sample(8.0, gen=2)], processes, kill, kill, [cut], {}, settle=5.0) == []
+    given_back = [sample(6.0, attempts=1), InstanceSample(7.0, "i1", "recovering", 1, 0, 1, False, False)]
+    assert inv.retries_charged(given_back, processes, {}, {}, [], {}, settle=5.0) == []  # the host's, after all
+    reset = [sample(6.0, attempts=1), sample(30.0, attempts=0), sample(31.0, attempts=1)]  # two charges
+    assert "2 retries charged" in inv.retries_charged(reset, processes, kill, kill, [], {}, settle=5.0)[0].text
+
+
+# -- 5. Ready after the last heal ----------------------------------------------------------------
+
+
+def test_an_instance_not_ready_within_the_bound_after_the_last_heal_is_a_violation_unless_given_up():
+    ok = [sample(50.0, "backing_off"), sample(70.0), sample(90.0)]
+    assert inv.ready_after_the_last_heal(ok, healed=50.0, bounds=BOUNDS) == []
+    late = [sample(50.0, "backing_off"), sample(95.0), sample(99.0)]
+    assert "after 45.0s" in inv.ready_after_the_last_heal(late, healed=50.0, bounds=BOUNDS)[0].text
+    flapped = [*ok, sample(99.0, "recovering")]
+    assert "last seen recovering" in inv.ready_after_the_last_heal(flapped, healed=50.0, bounds=BOUNDS)[0].text
+    spent = [sample(50.0, "backing_off"), sample(99.0, "deleted", spent=True, deleted=True)]
+    assert inv.ready_after_the_last_heal(spent, healed=50.0, bounds=BOUNDS) == []
+
+
+# -- 6. the log and the readers ------------------------------------------------------------------
+
+
+def entry(n: int) -> dict:
+    return {"time": float(n), "machine": "runner", "id": "i1/0", "event": "e", "from": "a", "to": "b", "cause": ""}
+
+
+def test_a_reader_must_be_sent_a_gap_free_prefix_of_the_log():
+    log = [entry(n) for n in range(5)]
+    good = {"r1": [{"seq": n + 1, **entry(n)} for n in range(3)]}
+    assert inv.the_log_replays(None, good, log, start=1) == []
+    gap = {"r1": [{"seq": 1, **entry(0)}, {"seq": 3, **entry(2)}]}
+    assert "seq 3 where 2 was due" in inv.the_log_replays(None, gap, log, start=1)[0].text
+    altered = {"r1": [{"seq": 1, **entry(0)}, {"seq": 2, **entry(7)}]}
+    assert "as seq 2" in inv.the_log_replays(None, altered, log, start=1)[0].text
+    assert "diverges" in inv.the_log_replays("entry 3: …", {}, log, start=1)[0].text
+
+
+def test_leftovers_are_violations():
+    assert [v.invariant for v in inv.nothing_left_behind(["mount /tmp/x", "process 12"])] == [7, 7]
+
+
+# -- the schedule and the report -------------------------------------------------------------------
+
+
+def test_a_seed_draws_the_same_schedule_and_another_seed_another():
+    able = Abilities(namespaces=True, tmpfs=True)
+    assert draw(7, 600, able, ttl=5) == draw(7, 600, able, ttl=5)
+    assert draw(7, 600, able, ttl=5) != draw(8, 600, able, ttl=5)
+    steps = draw(7, 600, able, ttl=5)
+    assert {s.kind.area for s in steps} == set(Area)  # a long campaign reaches every area
+    assert max(s.at for s in steps) < 600 * 0.6  # the faults leave time to recover
+    assert any(b.at == a.at for a, b in itertools.pairwise(steps))  # several at once, now and then
+    assert all(s.hold < 5 for s in steps if s.kind is Kind.ETCD_PAUSE_ALL)  # every member, less than a lease
+
+
+def test_what_the_machine_cannot_do_is_never_drawn_and_says_why():
+    plain = Abilities(namespaces=False, tmpfs=False)
+    kinds = {s.kind for s in draw(3, 900, plain, ttl=5)}
+    assert not {k for k in kinds if k.area is Area.NETWORK} and Kind.STORAGE_FULL not in kinds
+    assert "root" in (plain.why_not(Kind.NETWORK_ALL) or "")
+
+
+def test_recovery_is_measured_from_each_faults_end_to_every_instance_ready():
+    samples = [sample(1.0), sample(2.0, "recovering"), sample(2.0, iid="i2"), sample(4.0), sample(4.0, iid="i2")]
+    fault = FaultRecord("daemon-sigstop", "node-1", 1.5, 2.0, ("node-1",))
+    assert recoveries(samples, [fault]) == [2.0]
+    assert percentile([1.0, 2.0, 3.0], 0.5) == 2.0 and percentile([1.0, 2.0, 3.0], 0.99) == 3.0
+
+
+# -- a short campaign against a real cluster -------------------------------------------------------
+
+CI_SEED = 26
+
+
+def test_a_short_campaign_with_a_fixed_seed_finds_no_violation(tmp_path):
+    """CI's campaign (≈ 3 minutes): a 3-member etcd, 3 nodes (node-1 in a namespace where one can be made),
+    the workload, the faults seed 26 draws; exits 0 only when all seven invariants held."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "exod",
+            "chaos",
+            "--seed",
+            str(CI_SEED),
+            "--duration",
+            "120",
+            "--report",
+            str(tmp_path / "reliability.md"),
+            "--keep",
+            str(tmp_path / "kept"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    assert f"seed {CI_SEED}: no violation" in done.stdout
+    report = (tmp_path / "reliability.md").read_text()
+    assert "**Violations: none**" in report and "### Transitions taken by real processes" in report
+    assert (tmp_path / "kept" / "history.jsonl").stat().st_size > 0
