@@ -140,7 +140,11 @@ def _run(root: Path, settings: Settings, announce: Callable[[str], object]) -> R
 
         for iid, began, ended in placed:  # before t+0
             history.operation(Operation("place", "node-2", began - t0, ended - t0, Outcome.OK, "", iid))
-        with Watcher(history, clock, rig.daemons, rig.etcd.url) as watcher:
+
+        def overlap(text: str) -> None:
+            announce(f"VIOLATION as it happens (invariant 1): {text}")
+
+        with Watcher(history, clock, rig.daemons, rig.etcd.url, overlap=overlap) as watcher:
             injector = Injector(rig, history, clock, lambda: watcher.latest)
             workload = Workload(
                 history,

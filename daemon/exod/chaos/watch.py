@@ -39,11 +39,21 @@ class Watcher:
     """Two threads: one sweeps the process table, one reads etcd's snapshot. ``daemons`` says which pid is
     which node's daemon now (nodes restart), so that a runner is put down to the node that spawned it."""
 
-    def __init__(self, history: History, clock: Callable[[], float], daemons: Callable[[], dict[int, str]], etcd: str):
+    def __init__(
+        self,
+        history: History,
+        clock: Callable[[], float],
+        daemons: Callable[[], dict[int, str]],
+        etcd: str,
+        *,
+        overlap: Callable[[str], object] = lambda _: None,
+    ):
         self.history, self.clock, self.daemons, self.etcd = history, clock, daemons, etcd
+        self.overlap = overlap  # told at once when a sweep sees two generations of one instance alive
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=t, daemon=True) for t in (self._processes, self._state)]
         self.latest: dict[int, ProcessLife] = {}  # the runners alive at the last sweep
+        self._told: set[str] = set()
 
     def __enter__(self) -> Watcher:
         for thread in self._threads:
@@ -72,6 +82,13 @@ class Watcher:
                 self.history.seen(pid, now, life)
                 alive[pid] = life
         self.latest = alive
+        generations: dict[str, set[int]] = {}
+        for life in alive.values():
+            generations.setdefault(life.instance, set()).add(life.generation)
+        for iid, seen in generations.items():
+            if len(seen) > 1 and iid not in self._told:
+                self._told.add(iid)
+                self.overlap(f"t+{now:.2f}s {iid}: generations {sorted(seen)} alive at once")
 
     def _processes(self) -> None:
         while not self._stop.is_set():
