@@ -62,7 +62,7 @@ def read_rows(path: Path) -> set[Row]:
 
 
 def write_rows(path: Path, rows: Iterable[Row]) -> None:
-    path.write_text(json.dumps(sorted(rows), indent=0) + "\n")
+    path.write_text("[\n" + ",\n".join(json.dumps(list(row)) for row in sorted(rows)) + "\n]\n")
 
 
 def percentile(values: Sequence[float], q: float) -> float:
