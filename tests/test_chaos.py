@@ -146,7 +146,7 @@ def test_a_seed_draws_the_same_schedule_and_another_seed_another():
     assert draw(7, 600, able, ttl=5) != draw(8, 600, able, ttl=5)
     steps = draw(7, 600, able, ttl=5)
     assert {s.kind.area for s in steps} == set(Area)  # a long campaign reaches every area
-    assert max(s.at for s in steps) < 600 * 0.6  # the faults leave time to recover
+    assert max(s.at for s in steps) < 600 - 120  # the faults leave time to recover
     assert any(b.at == a.at for a, b in itertools.pairwise(steps))  # several at once, now and then
     assert all(s.hold < 5 for s in steps if s.kind is Kind.ETCD_PAUSE_ALL)  # every member, less than a lease
 

@@ -29,8 +29,8 @@ from exod.chaos import invariants as inv
 from exod.chaos.faults import Injector
 from exod.chaos.history import FaultRecord, History, InstanceSample, Operation, Outcome
 from exod.chaos.rig import API_KEY, TIMEOUTS, Rig, can_mount_tmpfs
-from exod.chaos.schedule import Abilities, Kind, Step, draw
-from exod.chaos.watch import Watcher, runner_processes, wait
+from exod.chaos.schedule import Abilities, Kind, Step, draw, fault_window
+from exod.chaos.watch import STATE_POLL_S, Watcher, runner_processes, wait
 from exod.chaos.workload import Workload
 from exod.cluster import netns
 from exod.cluster.etcd import Etcd
@@ -50,7 +50,7 @@ POLICY = fsm.RetryPolicy()  # the nodes' [retry]: the defaults
 @attrs.frozen
 class Settings:
     seed: int
-    duration: float = 180.0  # seconds of workload; faults in the first 60% of it
+    duration: float = 180.0  # seconds of workload; faults in its `fault_window`
     nodes: int = 3
     members: int = 3
     ttl: int = 5
@@ -92,10 +92,9 @@ def _run(root: Path, settings: Settings, announce: Callable[[str], object]) -> R
     hf_home = root / "hf"
     for n, model in enumerate(MODELS):
         make_tiny_model(model, layers=LAYERS, seed=n, hf_home=hf_home)
-    root_user = os.geteuid() == 0
     abilities = Abilities(
         namespaces=settings.namespaces and netns.unusable() is None,
-        tmpfs=settings.tmpfs and root_user and can_mount_tmpfs(root / "probe"),
+        tmpfs=settings.tmpfs and os.geteuid() == 0 and can_mount_tmpfs(root / "probe"),
         nodes=settings.nodes,
         members=settings.members,
     )
@@ -111,6 +110,7 @@ def _run(root: Path, settings: Settings, announce: Callable[[str], object]) -> R
     rig = Rig(
         root,
         hf_home,
+        MODELS,
         nodes=settings.nodes,
         members=settings.members,
         ttl=settings.ttl,
@@ -124,7 +124,6 @@ def _run(root: Path, settings: Settings, announce: Callable[[str], object]) -> R
             + (f"; node-1 in network namespace {rig.space.name}" if rig.space else "")
         )
         cold, placed = _place_first(rig, settings.nodes)
-        _ready(rig, placed[1][0])
         bounds = inv.Bounds(
             request_s=QUEUE_TIMEOUT_S + TIMEOUTS["generate"] + 20.0,
             recovery_s=2 * settings.ttl + POLICY.backoff.cap + TIMEOUTS["load_progress"] + 3 * cold,
@@ -133,47 +132,11 @@ def _run(root: Path, settings: Settings, announce: Callable[[str], object]) -> R
             f"placed {len(MODELS)} instances (cold start {cold:.1f} s); bounds: a request {bounds.request_s:.0f} s, "
             f"Ready after the last heal {bounds.recovery_s:.0f} s"
         )
-        t0 = time.monotonic()
-
-        def clock() -> float:
-            return time.monotonic() - t0
-
-        for iid, began, ended in placed:  # before t+0
-            history.operation(Operation("place", "node-2", began - t0, ended - t0, Outcome.OK, "", iid))
-
-        def overlap(text: str) -> None:
-            announce(f"VIOLATION as it happens (invariant 1): {text}")
-
-        with Watcher(history, clock, rig.daemons, rig.etcd.url, overlap=overlap) as watcher:
-            injector = Injector(rig, history, clock, lambda: watcher.latest)
-            workload = Workload(
-                history,
-                clock,
-                rig.urls,
-                seed=settings.seed,
-                models=MODELS,
-                api_key=API_KEY,
-                bound=bounds.request_s,
-                placements_until=settings.duration * 0.6,
-            )
-            with workload:
-                for step in steps:
-                    time.sleep(max(0.0, step.at - clock()))
-                    announce(step.text())
-                    injector.start(step)
-                injector.join()
-                healed = max([clock(), *(f.end for f in history.faults)])
-                announce(f"t+{healed:.1f}s healed; waiting for every instance to be Ready again")
-                wait(lambda: _all_ready(history, healed), bounds.recovery_s + 5)
-                time.sleep(max(0.0, settings.duration - clock()))
-                if hung := workload.stop():
-                    leftovers.append(f"clients still waiting at the end: {hung}")
-            time.sleep(2 * 0.25)  # a last sample of etcd's state
-        kept, divergence, log, start, coverage, replay = _read_cluster(rig.etcd.url)
+        injector, healed = _observe(rig, settings, steps, bounds, placed, history, leftovers, announce)
+        cluster = _read_cluster(rig.etcd.url)
         if settings.keep is not None:
             settings.keep.mkdir(parents=True, exist_ok=True)
-            (settings.keep / "log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in log))
-        errors = list(injector.errors)
+            (settings.keep / "log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in cluster.log))
         _armed_faults(history, injector)
     finally:
         rig.stop_nodes()
@@ -182,25 +145,7 @@ def _run(root: Path, settings: Settings, announce: Callable[[str], object]) -> R
         space = rig.space.name if rig.space else None
         rig.close()
     leftovers += _left_behind(root, space, {life.instance for life in history.processes.values()})
-    deletes = {op.instance: op.start for op in history.operations if op.client == "delete"}
-    host = [f for f in history.faults if not f.note and not f.kind.startswith(("runner", "armed"))]
-    violations = [
-        *inv.one_generation_at_a_time(history.processes.values()),
-        *inv.nothing_lost(history.operations, log, kept),
-        *inv.every_request_ends(history, bounds),
-        *inv.retries_charged(
-            history.samples,
-            history.processes.values(),
-            injector.runner_hits,
-            injector.runner_kills,
-            host,
-            deletes,
-            settle=settings.ttl,
-        ),
-        *inv.ready_after_the_last_heal(history.samples, healed, bounds),
-        *inv.the_log_replays(divergence, history.events, log, start),
-        *inv.nothing_left_behind(leftovers),
-    ]
+    violations = _check(history, injector, cluster, bounds, healed, leftovers, settle=settings.ttl)
     return Result(
         settings,
         abilities,
@@ -208,12 +153,95 @@ def _run(root: Path, settings: Settings, announce: Callable[[str], object]) -> R
         history,
         bounds,
         cold,
-        sorted(violations, key=lambda v: v.time),
-        errors,
-        coverage,
-        replay,
+        violations,
+        list(injector.errors),
+        cluster.coverage,
+        cluster.replay,
         healed,
     )
+
+
+def _observe(
+    rig: Rig,
+    settings: Settings,
+    steps: tuple[Step, ...],
+    bounds: inv.Bounds,
+    placed: list[tuple[str, float, float]],
+    history: History,
+    leftovers: list[str],
+    announce: Callable[[str], object],
+) -> tuple[Injector, float]:
+    """t+0 onwards: the watcher and the clients running, the schedule injected, every fault healed and the
+    cluster given its bound to recover; the injector (what it hit) and when the last fault ended."""
+    t0 = time.monotonic()
+
+    def clock() -> float:
+        return time.monotonic() - t0
+
+    for iid, began, ended in placed:  # before t+0
+        history.operation(Operation("place", "node-2", began - t0, ended - t0, Outcome.OK, "", iid))
+
+    def overlap(text: str) -> None:
+        announce(f"VIOLATION as it happens (invariant 1): {text}")
+
+    with Watcher(history, clock, rig.daemons, rig.etcd.url, overlap=overlap) as watcher:
+        injector = Injector(rig, history, clock, lambda: watcher.latest)
+        workload = Workload(
+            history,
+            clock,
+            rig.urls,
+            seed=settings.seed,
+            models=MODELS,
+            api_key=API_KEY,
+            bound=bounds.request_s,
+            placements_until=fault_window(settings.duration),
+        )
+        with workload:
+            for step in steps:
+                time.sleep(max(0.0, step.at - clock()))
+                announce(step.text())
+                injector.start(step)
+            injector.join()
+            healed = _last_heal(history, watcher, clock())
+            announce(f"t+{healed:.1f}s healed; waiting for every instance to be Ready again")
+            wait(lambda: _all_ready(history, healed), bounds.recovery_s + 5)
+            time.sleep(max(0.0, settings.duration - clock()))
+            if (later := _last_heal(history, watcher, healed)) > healed:  # an armed fault fired meanwhile
+                healed = later
+                announce(f"t+{healed:.1f}s an armed runner fault ended a generation; waiting again")
+                wait(lambda: _all_ready(history, healed), bounds.recovery_s + 5)
+            if hung := workload.stop():
+                leftovers.append(f"clients still waiting at the end: {hung}")
+        time.sleep(2 * STATE_POLL_S)  # a last sample of etcd's state
+    return injector, healed
+
+
+def _check(
+    history: History,
+    injector: Injector,
+    cluster: _ClusterRead,
+    bounds: inv.Bounds,
+    healed: float,
+    leftovers: list[str],
+    *,
+    settle: float,
+) -> list[inv.Violation]:
+    """The seven invariants on what was recorded, earliest violation first."""
+    deletes = {op.instance: op.start for op in history.operations if op.client == "delete"}
+    host = [f for f in history.faults if not f.note and not f.kind.startswith(("runner", "armed"))]
+    lives = history.processes.values()
+    found = [
+        *inv.one_generation_at_a_time(lives),
+        *inv.nothing_lost(history.operations, cluster.log, cluster.kept),
+        *inv.every_request_ends(history, bounds),
+        *inv.retries_charged(
+            history.samples, lives, injector.runner_hits, injector.runner_kills, host, deletes, settle=settle
+        ),
+        *inv.ready_after_the_last_heal(history.samples, healed, bounds),
+        *inv.the_log_replays(cluster.divergence, history.events, cluster.log, cluster.start),
+        *inv.nothing_left_behind(leftovers),
+    ]
+    return sorted(found, key=lambda v: v.time)
 
 
 def _place_first(rig: Rig, nodes: int) -> tuple[float, list[tuple[str, float, float]]]:
@@ -223,7 +251,9 @@ def _place_first(rig: Rig, nodes: int) -> tuple[float, list[tuple[str, float, fl
     pinned = {"ranks": nodes, "nodes": [f"node-{n}" for n in range(1, nodes + 1)]}
     placed = [_place(rig, MODELS[0], pinned), _place(rig, MODELS[1], {"ranks": 1})]
     iid, asked, _ = placed[0]
-    return _ready(rig, iid) - asked, placed
+    cold = _ready(rig, iid) - asked
+    _ready(rig, placed[1][0])
+    return cold, placed
 
 
 def _place(rig: Rig, model: str, body: dict[str, Any]) -> tuple[str, float, float]:
@@ -254,6 +284,12 @@ def _all_ready(history: History, since: float) -> bool:
     return bool(fresh) and all(s.state == fsm.InstanceState.READY.value for s in fresh)
 
 
+def _last_heal(history: History, watcher: Watcher, now: float) -> float:
+    """When the last fault ended: the schedule's, or an armed runner's whose process is gone."""
+    armed = [p.last for p in list(history.processes.values()) if p.fault and p.pid not in watcher.latest]
+    return max([now, *(f.end for f in history.faults), *armed])
+
+
 def _armed_faults(history: History, injector: Injector) -> None:
     """The armed runner faults that fired, as faults of the history (seen from their command lines)."""
     for life in list(history.processes.values()):
@@ -262,10 +298,19 @@ def _armed_faults(history: History, injector: Injector) -> None:
             history.fault(FaultRecord(f"armed:{life.fault}", str(life.pid), life.first, life.last))
 
 
-def _read_cluster(url: str) -> tuple[set[str], str | None, list[dict[str, Any]], int, dict, str]:
-    """From etcd, as `exod replay --cluster` reads it: the instances kept, the first divergence of the log (or
-    None), the log's entries and first sequence number, and each machine's coverage."""
+@attrs.frozen
+class _ClusterRead:
+    """The cluster as etcd holds it at the end, read as `exod replay --cluster` reads it."""
 
+    kept: set[str]  # the instances in its state
+    divergence: str | None  # the log's first divergence from the machines, or None
+    log: list[dict[str, Any]]  # the log's entries, as exported
+    start: int  # the first one's sequence number
+    coverage: dict[str, MachineCoverage]
+    replay: str  # what `exod replay` said
+
+
+def _read_cluster(url: str) -> _ClusterRead:
     async def read() -> set[str]:
         etcd = Etcd(url)
         try:
@@ -287,9 +332,8 @@ def _read_cluster(url: str) -> tuple[set[str], str | None, list[dict[str, Any]],
     for line in done.stdout.splitlines():
         if line.startswith("history before seq "):
             start = int(line.split()[3])
-    entries = [LogEntry.from_record(e) for e in log]
-    coverage = dict(replay_log(entries).coverage)
-    return kept, divergence, log, start, coverage, done.stdout.strip()
+    coverage = dict(replay_log([LogEntry.from_record(e) for e in log]).coverage)
+    return _ClusterRead(kept, divergence, log, start, coverage, done.stdout.strip())
 
 
 def _claims(url: str) -> list[str]:

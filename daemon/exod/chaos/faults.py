@@ -92,6 +92,8 @@ class Injector:
             return self._runner(step)
         if kind in (Kind.ETCD_KILL, Kind.ETCD_PAUSE, Kind.ETCD_PAUSE_ALL):
             return self._etcd(step)
+        if kind is Kind.STORAGE_MODEL_GONE:
+            return self._model_gone(step)
         node = self._node(step)
         try:
             return node.name, (node.name,), self._on_node(kind, node)
@@ -170,6 +172,15 @@ class Injector:
                 space.heal_from(address)
 
         return heal
+
+    def _model_gone(self, step: Step) -> tuple[str, tuple[str, ...], Callable[[], None]]:
+        """A model's files moved out of the cache every node reads (`huggingface-cli delete-cache` while it
+        serves), and back after the hold: loads meanwhile find it gone and fetch it again (offline: in vain)."""
+        model = self._claim(list(self.rig.models), step)
+        cache = self.rig.hf_home / "hub" / ("models--" + model.replace("/", "--"))
+        aside = cache.with_name(cache.name + ".chaos-aside")
+        cache.rename(aside)
+        return model, (), lambda: aside.rename(cache)
 
     # -- etcd ---------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import fsm
 from exod.chaos.history import FaultRecord, InstanceSample
-from exod.chaos.schedule import Kind
+from exod.chaos.schedule import Kind, fault_window
 from fsm.conformance import MachineCoverage
 
 TITLE = "# Reliability\n\nWritten by `make reliability` from what the test run observed, not by hand.\n"
@@ -114,12 +114,13 @@ def section(result, matrix: set[Row]) -> str:  # result: exod.chaos.campaign.Res
     missing = sorted(goal - both)
     missed = "\n".join(f"- {m}: {src} → {dst} on `{ev}`" for m, src, ev, dst in missing) or "- none"
     violations = "\n".join(f"- {v.line()}" for v in result.violations) or "none"
+    window = fault_window(s.duration)
     where = "in a network namespace" if result.abilities.namespaces else "on loopback: no namespace here"
     return (
         "## Fault campaign\n\n"
         f"`exod chaos --seed {s.seed} --duration {s.duration:g}` (`make reliability`): a {s.members}-member etcd, "
         f"{s.nodes} nodes (node-1 {where}), "
-        f"lease TTL {s.ttl} s, {len(result.schedule)} faults drawn from the seed over the first 60% of the run, "
+        f"lease TTL {s.ttl} s, {len(result.schedule)} faults drawn from the seed over its first {window:.0f} s, "
         "a client workload throughout (chats in both dialects, streamed and not; placements and deletes; two "
         "`/events` readers resuming with `Last-Event-ID`), runner processes read from the process table every "
         f"30 ms and the state from etcd every 250 ms. Cold start {result.cold_start:.1f} s; bounds: a request "

@@ -96,8 +96,19 @@ def can_mount_tmpfs(where: Path) -> bool:
 
 
 class Rig:
-    def __init__(self, root: Path, hf_home: Path, *, nodes: int, members: int, ttl: int, namespace: bool, tmpfs: bool):
-        self.root, self.hf_home, self.ttl = root, hf_home, ttl
+    def __init__(
+        self,
+        root: Path,
+        hf_home: Path,
+        models: tuple[str, ...],
+        *,
+        nodes: int,
+        members: int,
+        ttl: int,
+        namespace: bool,
+        tmpfs: bool,
+    ):
+        self.root, self.hf_home, self.models, self.ttl = root, hf_home, models, ttl
         self._stack = contextlib.ExitStack()
         self.space: netns.Namespace | None = None
         self.mounts: list[Path] = []

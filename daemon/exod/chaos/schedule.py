@@ -39,6 +39,7 @@ class Kind(enum.Enum):
     ETCD_PAUSE_ALL = "etcd-pause-all"  # every member, for less than the lease TTL
     STORAGE_FULL = "storage-state-dir-full"
     STORAGE_FDS = "storage-fd-limit"
+    STORAGE_MODEL_GONE = "storage-model-removed"  # a model's files gone from the cache for a while (a cleanup)
 
     @property
     def area(self) -> Area:
@@ -73,6 +74,7 @@ class Role(enum.Enum):
     MEMBER = "member"  # an etcd member that is not the leader
     LEADER = "leader"  # etcd's leader
     RANK = "rank"  # a runner of an instance
+    MODEL = "model"  # a model in the cache the nodes share
 
 
 @attrs.frozen
@@ -118,24 +120,31 @@ _ROLES: dict[Area, tuple[Role, ...]] = {
     Area.ETCD: (Role.LEADER, Role.MEMBER),
     Area.STORAGE: (Role.CONTROLLER, Role.AGENT),
 }
+_KIND_ROLES: dict[Kind, tuple[Role, ...]] = {Kind.STORAGE_MODEL_GONE: (Role.MODEL,)}
 
 
 def draw(seed: int, duration: float, abilities: Abilities, *, ttl: float) -> tuple[Step, ...]:
     """The faults of a campaign of ``duration`` seconds: one every few seconds, sometimes two at once, sometimes
     one while the cluster still recovers from the last; holds both shorter and longer than the lease ``ttl``.
-    Faults stop 0.4 × ``duration`` before the end, so the last heal leaves time to recover in."""
+    Faults stop at `fault_window` so the last heal leaves time to recover in."""
     rng = random.Random(seed)
     kinds = abilities.kinds()
     steps: list[Step] = []
     at = rng.uniform(1.0, 3.0)
-    while at < duration * 0.6:
+    while at < fault_window(duration):
         for _ in range(2 if rng.random() < 0.2 else 1):  # several at once, now and then
             kind = rng.choice(kinds)
-            role = rng.choice(_ROLES[kind.area])
+            role = rng.choice(_KIND_ROLES.get(kind, _ROLES[kind.area]))
             steps.append(Step(round(at, 1), kind, role, rng.randrange(1 << 16), round(_hold(rng, kind, ttl), 1)))
         # during recovery from the last one, or after it settled
         at += rng.uniform(0.5, ttl) if rng.random() < 0.4 else rng.uniform(ttl, 2 * ttl)
     return tuple(steps)
+
+
+def fault_window(duration: float) -> float:
+    """Seconds from the start during which faults are drawn: the last 40% of a short run, the last two minutes
+    of a long one, are left to recover in."""
+    return max(0.6 * duration, duration - 120.0)
 
 
 def _hold(rng: random.Random, kind: Kind, ttl: float) -> float:

@@ -19,7 +19,7 @@ AROUND_S = 5.0  # seconds of history shown either side of a violation
     type=click.FloatRange(min=30),
     default=180.0,
     show_default=True,
-    help="Seconds of workload; faults are drawn in the first 60% of it.",
+    help="Seconds of workload; faults stop 40% of it before the end, or two minutes in a long run.",
 )
 @click.option("--nodes", type=click.IntRange(2, 5), default=3, show_default=True)
 @click.option("--ttl", type=click.IntRange(2, 60), default=5, show_default=True, help="The nodes' lease TTL.")
