@@ -34,6 +34,25 @@ def hf_home(tmp_path_factory):
     return home
 
 
+def test_a_controller_deposed_before_it_shuts_down_stops_its_runners_and_ends_quietly(tmp_path, hf_home):
+    """Found by the fault campaign (#26): a SIGTERM to a node whose term had just ended (etcd refused its last
+    write) ended the daemon with a traceback and no `leave`, after its runners were stopped."""
+    from daemon_harness import runner_pids
+    from exod.cluster.election import Deposed
+
+    async def deposed() -> bool:
+        raise Deposed("node node-1 is no longer the controller: etcd refused its write")
+
+    async def body(controller):
+        iid = await controller.place("exod/tiny-qwen2", 1)
+        await wait_for(controller, is_ready(iid))
+        controller.journal.durable = deposed
+        await controller.shutdown()  # no Deposed out of it
+        return runner_pids()
+
+    assert with_controller(config(tmp_path, hf_home), body) == []
+
+
 def reference_text(snapshot, **sampling) -> str:
     import mlx.core as mx
     import mlx_lm
