@@ -5,6 +5,7 @@ lease may expire."""
 
 from __future__ import annotations
 
+import errno
 import json
 
 import pytest
@@ -127,11 +128,11 @@ def request(incarnation: int = 1, stream: int = 1) -> SpawnRequest:
     )
 
 
-def with_agent(tmp_path, body, **overrides) -> None:
+def with_agent(tmp_path, body, process_cls: type[FakeProcess] = FakeProcess, **overrides) -> None:
     etcd, processes = FakeEtcd(), []
 
     def spawn(spec: RunnerSpec, listener: Listener, timeouts: Timeouts) -> FakeProcess:
-        processes.append(FakeProcess(spec, etcd))
+        processes.append(process_cls(spec, etcd))
         return processes[-1]
 
     async def main() -> None:
@@ -217,6 +218,28 @@ def test_a_spawn_delayed_past_the_end_of_its_stream_is_refused_even_when_the_sam
         assert len(processes) == 1
 
     with_agent(tmp_path, body)
+
+
+class NoFds(FakeProcess):
+    async def run(self) -> None:
+        raise OSError(errno.EMFILE, "Too many open files")  # its supervisor's socketpair, on a node out of fds
+
+
+def test_a_runner_whose_node_has_no_fds_left_is_the_hosts_failure_not_the_models(tmp_path):
+    """Found by the fault campaign (#26): an agent's lowered fd limit failed a spawn, reported as the runner's
+    own failure and charged; on one host the same is the host's (exod.reports), and so it is here."""
+
+    async def body(agent, etcd, presence, processes):
+        stream = await agent.connect(TERM)
+        assert json.loads(await stream.__anext__())["kind"] == "hello"
+        await agent.spawn(TERM, request(stream=2))
+        report = json.loads(await stream.__anext__())
+        while report["kind"] != "report":
+            report = json.loads(await stream.__anext__())
+        assert report["report"]["host"] is True and "Too many open files" in report["report"]["message"]
+        assert json.loads(await stream.__anext__())["kind"] == "exit"
+
+    with_agent(tmp_path, body, NoFds)
 
 
 def two_ranks(**changes) -> SpawnRequest:

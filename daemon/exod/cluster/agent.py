@@ -486,7 +486,10 @@ def _key(spec: RunnerSpec) -> dict[str, Any]:
 
 
 def _failed(spec: RunnerSpec, exc: Exception) -> str:
-    report = p.Failed(spec.runner_id, spec.incarnation, type(exc).__name__, str(exc), "", retryable=True)
+    """A supervisor's failure, as the runner's report: out of fds or disk is the host's (uncharged), as on one
+    host (`exod.reports`); found by the fault campaign (#26), an fd limit charged the model a retry."""
+    host = isinstance(exc, OSError) and exc.errno in p.HOST_ERRNOS
+    report = p.Failed(spec.runner_id, spec.incarnation, type(exc).__name__, str(exc), "", retryable=True, host=host)
     return report.to_json()
 
 
