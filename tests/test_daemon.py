@@ -53,6 +53,38 @@ def test_a_controller_deposed_before_it_shuts_down_stops_its_runners_and_ends_qu
     assert with_controller(config(tmp_path, hf_home), body) == []
 
 
+@pytest.mark.parametrize("refused", ["place", "delete"])
+def test_a_placement_or_a_delete_the_store_refuses_is_not_acknowledged(tmp_path, hf_home, refused):
+    """Found by the fault campaign (#26): a controller cut from etcd answered 201 to a placement whose write
+    had just failed, stepped down, and the placement was lost. Now the caller hears it is not stored; once the
+    store is degraded, the next one is refused before anything changes."""
+    from exod.controller import StoreUnavailable
+    from exod.state.store import StateUnavailable
+
+    async def refuse(*args, **kwargs) -> None:
+        raise StateUnavailable("cannot reach etcd at http://10.0.0.1:2379")
+
+    async def body(controller):
+        placed = await controller.place("exod/tiny-qwen2", 1)
+        controller.journal.state.save = refuse
+        first, then = (
+            (controller.place("exod/tiny-qwen2", 1), controller.delete(placed))
+            if refused == "place"
+            else (controller.delete(placed), controller.place("exod/tiny-qwen2", 1))
+        )
+        with pytest.raises(StoreUnavailable, match="not stored yet"):
+            await first
+        def placements() -> dict[str, str | None]:
+            return {i["instance_id"]: i["delete_reason"] for i in controller.status()["instances"]}
+
+        before = placements()
+        with pytest.raises(StoreUnavailable, match="wait until it can be written again"):
+            await then
+        assert placements() == before  # refused up front: nothing placed, nothing deleted
+
+    with_controller(config(tmp_path, hf_home), body)
+
+
 def reference_text(snapshot, **sampling) -> str:
     import mlx.core as mx
     import mlx_lm

@@ -216,7 +216,7 @@ class Controller:
         self.cluster.place(instance_id, model_id, slots, policy=policy or self.config.policy)
         self.cluster.log.append(LogEntry(self.now(), "instance", instance_id, "place", "", "pending"))
         self._changed()
-        await self.journal.durable()  # refused meanwhile: kept, and written once the store takes it (degraded)
+        await self._stored(f"instance {instance_id} is placed but not stored yet")
         return instance_id
 
     def admission(self, model_id: str, ranks: int, nodes: list[str] | None = None) -> fsm.Admission:
@@ -233,9 +233,22 @@ class Controller:
     async def delete(self, instance_id: str) -> None:
         if instance_id not in self.cluster.instances:
             raise InstanceNotFound(f"no instance {instance_id!r}; `exod status` lists them")
+        if self.journal.degraded is not None:
+            raise StoreUnavailable(f"{self.journal.degraded}; deletes wait until it can be written again")
         self.cluster.delete(instance_id, self.now())
         self._changed()
-        await self.journal.durable()
+        await self._stored(f"instance {instance_id} is deleted but not stored yet")
+
+    async def _stored(self, what: str) -> None:
+        """Acknowledge nothing the store has not taken: found by the fault campaign (#26), a controller cut from
+        etcd answered 201 to a placement its write had failed, stepped down, and the placement was lost. What
+        was refused stays queued and is written once the store takes it, unless another node is the
+        controller by then: the caller is told it is not known to be stored (`StoreUnavailable`, HTTP 503)."""
+        if not await self.journal.durable():
+            raise StoreUnavailable(
+                f"{self.journal.degraded}; {what}: it is written once the store takes it, unless another node "
+                "becomes the controller first (ask again in a few seconds what became of it)"
+            )
 
     def status(self) -> dict[str, Any]:
         return {**status_of(self.cluster), "degraded": self.journal.degraded}

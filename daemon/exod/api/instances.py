@@ -144,12 +144,14 @@ def router(controller: Controller, membership: Membership | None) -> APIRouter:
     async def instance(instance_id: str) -> dict[str, Any]:
         return await find(instance_id)
 
-    @api.delete("/instances/{instance_id}", responses=responses(404))
+    @api.delete("/instances/{instance_id}", responses=responses(404, 503))
     async def delete(instance_id: str) -> dict[str, Any]:
         try:
             await controller.delete(instance_id)
         except InstanceNotFound as exc:
             raise ApiError(404, str(exc)) from exc
+        except StoreUnavailable as exc:
+            raise ApiError(503, str(exc), headers={"Retry-After": str(int(RETRY_AFTER))}) from exc
         return await find(instance_id)
 
     return api
