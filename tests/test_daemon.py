@@ -74,6 +74,7 @@ def test_a_placement_or_a_delete_the_store_refuses_is_not_acknowledged(tmp_path,
         )
         with pytest.raises(StoreUnavailable, match="not stored yet"):
             await first
+
         def placements() -> dict[str, str | None]:
             return {i["instance_id"]: i["delete_reason"] for i in controller.status()["instances"]}
 

@@ -102,6 +102,12 @@ def test_once_draining_new_requests_are_503_health_says_draining_and_ready_is_50
                 assert refused.headers["connection"] == "close"
                 error = refused.json()["error"]
                 assert error["type"] == "server_error" and "shutting down" in error["message"]
+            messages = await client.post("/v1/messages")  # Anthropic's clients read Anthropic's shape (#26)
+            assert messages.status_code == 503 and messages.json()["type"] == "error"
+            assert (
+                messages.json()["error"]["type"] == "overloaded_error"
+                and "shutting down" in messages.json()["error"]["message"]
+            )
             health = await client.get("/health")
             assert health.status_code == 200 and health.json() == {"status": "draining", "in_flight": 1}
             assert app.holding == 1  # nothing refused reached the app

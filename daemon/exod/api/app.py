@@ -44,7 +44,9 @@ class _BodyCap:
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body):
-            await ApiError(413, f"request body over {self.max_body} bytes").response()(scope, receive, send)
+            await ApiError(413, f"request body over {self.max_body} bytes").response(scope["path"])(
+                scope, receive, send
+            )
             return
         body, more = b"", True
         while more:  # read it all (bounded) so a chunked body cannot slip past the cap
@@ -52,7 +54,9 @@ class _BodyCap:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.max_body:
-                await ApiError(413, f"request body over {self.max_body} bytes").response()(scope, receive, send)
+                await ApiError(413, f"request body over {self.max_body} bytes").response(scope["path"])(
+                    scope, receive, send
+                )
                 return
         replayed = False
 

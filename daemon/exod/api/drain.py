@@ -6,7 +6,7 @@ progress is cut silently.
 
 Theory of operation. `serve` runs `Drain.run` once, between the signal and stopping the runners:
 
-1. **gate**: from then on `Gate` answers every new HTTP request itself: 503 in OpenAI's shape, with
+1. **gate**: from then on `Gate` answers every new HTTP request itself: 503 in its dialect's shape, with
    ``Retry-After`` and ``Connection: close`` (the client retries, on this daemon once it is back or on
    another). ``/health`` says 200 ``draining``, with the count still in progress (the daemon is alive);
    ``/ready``, like every other path, is a 503.
@@ -117,4 +117,4 @@ class Gate:
         return unavailable(
             "exod is shutting down and takes no new requests; "
             f"retry in {RETRY_AFTER_S} s, once it is back, or on another daemon"
-        ).response()
+        ).response(path)  # in the dialect of the path: found by the fault campaign (#26) on /v1/messages

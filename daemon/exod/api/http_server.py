@@ -109,7 +109,7 @@ class RequestDeadline:
                 f"the request body took over {self.timeout:g} s to arrive; send it whole, at once",
                 headers={"Connection": "close"},
             )
-            await error.response()(scope, receive, send)
+            await error.response(scope["path"])(scope, receive, send)
 
 
 class _Connection(TCPServer):
