@@ -197,3 +197,32 @@ def test_a_short_campaign_with_a_fixed_seed_finds_no_violation(tmp_path):
     report = (tmp_path / "reliability.md").read_text()
     assert "**Violations: none**" in report and "### Transitions taken by real processes" in report
     assert (tmp_path / "kept" / "history.jsonl").stat().st_size > 0
+
+
+# -- how the clients read an answer ------------------------------------------------------------------
+
+
+def test_an_answer_is_ok_an_error_in_its_dialect_or_malformed():
+    import httpx
+
+    from exod.chaos.workload import _broken, _classify_json, _classify_stream
+
+    openai_error = httpx.Response(503, json={"error": {"message": "no Ready instance", "type": "server_error"}})
+    anthropic_error = httpx.Response(503, json={"type": "error", "error": {"type": "overloaded_error", "message": "x"}})
+    assert _classify_json(httpx.Response(200, json={"choices": []}), "openai")[0] is Outcome.OK
+    assert _classify_json(openai_error, "openai")[0] is Outcome.REFUSED
+    assert _classify_json(openai_error, "anthropic")[0] is Outcome.MALFORMED  # the other dialect's shape
+    assert _classify_json(anthropic_error, "anthropic")[0] is Outcome.REFUSED
+    assert _classify_json(httpx.Response(502, text="Bad Gateway"), "openai")[0] is Outcome.MALFORMED
+    done = ['data: {"choices": []}', "data: [DONE]"]
+    failed = ['data: {"choices": []}', 'data: {"error": {"message": "runner failed"}}', "data: [DONE]"]
+    assert _classify_stream(iter(done), "openai") == (Outcome.OK, "")
+    assert _classify_stream(iter(failed), "openai") == (Outcome.REFUSED, "runner failed")
+    assert _classify_stream(iter(failed[:2]), "openai")[0] is Outcome.REFUSED  # its error event is an end
+    assert _classify_stream(iter(done[:1]), "openai")[0] is Outcome.MALFORMED  # it just stopped
+    stop = ["event: message_start", 'data: {"type": "message_start"}', 'data: {"type": "message_stop"}']
+    assert _classify_stream(iter(stop), "anthropic") == (Outcome.OK, "")
+    assert _classify_stream(iter(stop[:2]), "anthropic")[0] is Outcome.MALFORMED
+    assert _broken(httpx.ReadTimeout("slow"))[0] is Outcome.HUNG  # it took the request and said nothing
+    assert _broken(httpx.ConnectTimeout("cut off"))[0] is Outcome.INDETERMINATE  # it could not be reached
+    assert _broken(httpx.RemoteProtocolError("disconnected"))[0] is Outcome.INDETERMINATE

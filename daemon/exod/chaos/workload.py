@@ -20,6 +20,9 @@ import httpx_sse
 from exod.chaos.history import History, Operation, Outcome
 
 CONNECT_S = 3.0  # a node whose port takes longer to answer is counted as unreachable
+# A fresh connection per request: a kept-alive one that the server closes as idle just as a request goes out
+# fails that request ("disconnected without sending a response"), which says nothing about the daemon.
+FRESH = httpx.Limits(max_keepalive_connections=0)
 
 
 class Workload:
@@ -83,7 +86,7 @@ class Workload:
     # -- chats ------------------------------------------------------------------------
 
     def _chats(self, rng: random.Random) -> None:
-        with httpx.Client(timeout=self.timeout, headers=self.headers) as client:
+        with httpx.Client(timeout=self.timeout, headers=self.headers, limits=FRESH) as client:
             while not self._stop.is_set():
                 node, url = self._node(rng)
                 dialect, stream = rng.choice(("openai", "anthropic")), rng.random() < 0.5
@@ -98,7 +101,7 @@ class Workload:
 
     def _placements(self, rng: random.Random) -> None:
         """Place an instance of 1–3 ranks (pinned to nodes, or spread by the placer), keep it a while, delete it."""
-        with httpx.Client(timeout=self.timeout, headers=self.headers) as client:
+        with httpx.Client(timeout=self.timeout, headers=self.headers, limits=FRESH) as client:
             while not self._stop.is_set() and self.clock() < self.placements_until:
                 ranks = rng.randint(1, 3)
                 body: dict[str, Any] = {"model": rng.choice(self.models), "ranks": ranks}
@@ -118,10 +121,8 @@ class Workload:
         started = self.clock()
         try:
             answer = client.request(method, url + path, json=body)
-        except httpx.TimeoutException as exc:
-            outcome, detail = Outcome.HUNG, repr(exc)
-        except httpx.TransportError as exc:
-            outcome, detail = Outcome.INDETERMINATE, repr(exc)
+        except (httpx.TransportError, httpx.TimeoutException) as exc:
+            outcome, detail = _broken(exc)
         else:
             outcome, detail = _classify_json(answer, "openai")
             if outcome is Outcome.OK and method == "POST":
@@ -167,10 +168,15 @@ def _chat(client: httpx.Client, url: str, dialect: str, stream: bool, model: str
                 answer.read()
                 return _classify_json(answer, dialect)
             return _classify_stream(answer.iter_lines(), dialect)
-    except httpx.TimeoutException as exc:
-        return Outcome.HUNG, repr(exc)
-    except httpx.TransportError as exc:
-        return Outcome.INDETERMINATE, repr(exc)
+    except (httpx.TransportError, httpx.TimeoutException) as exc:
+        return _broken(exc)
+
+
+def _broken(exc: Exception) -> tuple[Outcome, str]:
+    """No answer: hung if the node took the request and said nothing within the bound; indeterminate if the
+    connection could not be made (a node cut off or down) or broke."""
+    hung = isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout)
+    return (Outcome.HUNG if hung else Outcome.INDETERMINATE), repr(exc)
 
 
 def _classify_json(answer: httpx.Response, dialect: str) -> tuple[Outcome, str]:
