@@ -161,7 +161,9 @@ def test_what_the_machine_cannot_do_is_never_drawn_and_says_why():
 def test_recovery_is_measured_from_each_faults_end_to_every_instance_ready():
     samples = [sample(1.0), sample(2.0, "recovering"), sample(2.0, iid="i2"), sample(4.0), sample(4.0, iid="i2")]
     fault = FaultRecord("daemon-sigstop", "node-1", 1.5, 2.0, ("node-1",))
-    assert recoveries(samples, [fault]) == [2.0]
+    assert recoveries(samples, [fault], ["i1", "i2"]) == [2.0]
+    late = [*samples, sample(3.0, "recovering", iid="workload")]  # an instance of the workload's: not waited for
+    assert recoveries(late, [fault], ["i1", "i2"]) == [2.0]
     assert percentile([1.0, 2.0, 3.0], 0.5) == 2.0 and percentile([1.0, 2.0, 3.0], 0.99) == 3.0
 
 
@@ -226,3 +228,36 @@ def test_an_answer_is_ok_an_error_in_its_dialect_or_malformed():
     assert _broken(httpx.ReadTimeout("slow"))[0] is Outcome.HUNG  # it took the request and said nothing
     assert _broken(httpx.ConnectTimeout("cut off"))[0] is Outcome.INDETERMINATE  # it could not be reached
     assert _broken(httpx.RemoteProtocolError("disconnected"))[0] is Outcome.INDETERMINATE
+
+
+def test_a_fault_on_an_etcd_member_holds_that_member_alone_and_lets_it_go_when_undone():
+    """A campaign's own bug (its first 30-minute run): picking the member claimed one per member it looked at
+    and let one go, so after the first etcd fault every later one found its targets held."""
+    import signal
+    import types
+
+    from exod.chaos.faults import Injector
+    from exod.chaos.schedule import Role, Step
+
+    members = [
+        types.SimpleNamespace(name=f"m{n}", url="http://127.0.0.1:9", process=subprocess.Popen(["sleep", "60"]))
+        for n in range(3)
+    ]
+    try:
+        rig = types.SimpleNamespace(members=lambda: members)
+        history = History()
+        injector = Injector(rig, history, lambda: 0.0, dict)
+        for pick in range(4):
+            injector.start(Step(0.0, Kind.ETCD_PAUSE, Role.MEMBER, pick, 0.05))
+            injector.join()
+        injector.start(Step(0.0, Kind.ETCD_PAUSE_ALL, Role.LEADER, 0, 0.05))
+        injector.join()
+        assert [f.note for f in history.faults] == [""] * 5 and injector.errors == []
+        assert [f.target for f in history.faults][-1] == "m0+m1+m2"
+        assert all(m.process.poll() is None for m in members)  # paused, then continued
+        assert not injector._busy
+    finally:
+        for m in members:
+            m.process.send_signal(signal.SIGCONT)
+            m.process.kill()
+            m.process.wait()

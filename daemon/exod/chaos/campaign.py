@@ -72,6 +72,7 @@ class Result:
     coverage: dict[str, MachineCoverage]
     replay: str
     healed: float
+    standing: tuple[str, ...]  # the instances placed before the faults began
 
     @property
     def ok(self) -> bool:

@@ -193,7 +193,8 @@ class Injector:
             return "+".join(names), (), lambda: _resume(members)
         leader = _leader(members)
         wanted = [m.name for m in members if (m.name == leader) == (step.role is Role.LEADER) and m.process]
-        member = next(m for m in members if m.name == self._claim(wanted, step))
+        name = self._claim(wanted, step)
+        member = next(m for m in members if m.name == name)
         assert member.process is not None
         if step.kind is Kind.ETCD_PAUSE:
             pid = member.process.pid
