@@ -159,6 +159,7 @@ def _run(root: Path, settings: Settings, announce: Callable[[str], object]) -> R
         cluster.coverage,
         cluster.replay,
         healed,
+        tuple(iid for iid, _, _ in placed),
     )
 
 
