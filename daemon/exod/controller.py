@@ -149,9 +149,11 @@ class Controller:
         self._commit()
         await self.journal.durable()
 
-    def take_over(self, state: StateStore) -> None:
+    async def take_over(self, state: StateStore) -> None:
         """Become the controller of the cluster whose state is in ``state`` (a new term, in a cluster): forget
-        what an earlier term left in memory; `restore` then reads what is stored."""
+        what an earlier term left in memory, once its last write has ended; `restore` then reads what is
+        stored."""
+        await self.journal.retire("this node's earlier term as the controller is over")
         self.journal = Journal(state, self.store)
         self.cluster = Cluster(download_policy=self.config.download_policy)
         self.requests = self._new_book()

@@ -214,7 +214,7 @@ async def _lead(controller: Controller, membership: Membership, config: ServeCon
     while True:
         term = await membership.elected()
         state = _cluster_state(membership, config, term)
-        controller.take_over(state)
+        await controller.take_over(state)
         unreachable = False
         try:
             await _restore(controller, state)

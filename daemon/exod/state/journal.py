@@ -46,11 +46,21 @@ class Journal:
         self._done = 0  # … and how many of them a write covered
         self._wake = trio.Event()
         self._lock = trio.Lock()  # one write at a time: the writer's, or a `durable` caller's
+        self._retired: str | None = None  # why this journal writes nothing more (`retire`)
 
     @property
     def degraded(self) -> str | None:
         """Why the state cannot be written now; None: it can."""
-        return self._state_error or self._book.error
+        return self._retired or self._state_error or self._book.error
+
+    async def retire(self, why: str) -> None:
+        """Write nothing more, and wait for a write in flight to end: whoever reads the state next (the next
+        term, another node's or this one's again) must read it after this journal's last write. Found by the
+        fault campaign (#26): a controller that stepped down and took its term back restored from the stored
+        state while a write of its previous turn was still to come; the log then went on from two states."""
+        self._retired = why
+        async with self._lock:
+            pass
 
     # -- the controller's side ------------------------------------------------------------------
 
@@ -99,6 +109,8 @@ class Journal:
     async def flush(self) -> bool:
         """Write what is queued now; True once nothing is."""
         async with self._lock:
+            if self._retired is not None:
+                return False
             self._book.retry()
             if self._done == self._asked:
                 return self._book.error is None
