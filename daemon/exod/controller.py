@@ -45,7 +45,7 @@ from exod.reports import Reports
 from exod.requests import InstanceNotFound, RequestBook
 from exod.runner import protocol as p
 from exod.state import retention
-from exod.state.journal import WRITE_RETRY, Journal
+from exod.state.journal import WRITE_RETRY, Journal, StoreUnavailable
 from exod.state.sqlite import ProcessRecord, Store
 from exod.state.store import SqliteState, StateStore, StateUnavailable
 from exod.status import NODE, status_of
@@ -59,10 +59,6 @@ SHUTDOWN_WRITE_S = 5.0  # how long a stopping daemon tries to write its last sta
 MAX_PLAN_ROUNDS = 64  # one change rarely needs more than a handful of plan → execute rounds
 KEEP_DELETED = 32  # deleted instances kept for `status` before they are forgotten
 RETRY_AFTER = WRITE_RETRY  # seconds: a degraded daemon tries to write its state again this often
-
-
-class StoreUnavailable(Exception):
-    """The state cannot be written now (degraded: new placements wait until it can), or read (etcd is away)."""
 
 
 class PlacementRefused(Exception):
@@ -205,8 +201,7 @@ class Controller:
             raise fsm.InvalidConfig(
                 f"{model_id}: local model directories are placed from the config file or `exod serve --place` only"
             )
-        if self.journal.degraded is not None:  # the caller would be told of a placement a crash could lose
-            raise StoreUnavailable(f"{self.journal.degraded}; new placements wait until it can be written again")
+        self.journal.writable("new placements")  # the caller would be told of a placement a crash could lose
         if self.fleet is not None:
             await self.fleet.refresh()
         answer = self.admission(model_id, ranks, nodes)
@@ -218,7 +213,7 @@ class Controller:
         self.cluster.place(instance_id, model_id, slots, policy=policy or self.config.policy)
         self.cluster.log.append(LogEntry(self.now(), "instance", instance_id, "place", "", "pending"))
         self._changed()
-        await self._stored(f"instance {instance_id} is placed but not stored yet")
+        await self.journal.stored(f"instance {instance_id} is placed")
         return instance_id
 
     def admission(self, model_id: str, ranks: int, nodes: list[str] | None = None) -> fsm.Admission:
@@ -235,22 +230,10 @@ class Controller:
     async def delete(self, instance_id: str) -> None:
         if instance_id not in self.cluster.instances:
             raise InstanceNotFound(f"no instance {instance_id!r}; `exod status` lists them")
-        if self.journal.degraded is not None:
-            raise StoreUnavailable(f"{self.journal.degraded}; deletes wait until it can be written again")
+        self.journal.writable("deletes")
         self.cluster.delete(instance_id, self.now())
         self._changed()
-        await self._stored(f"instance {instance_id} is deleted but not stored yet")
-
-    async def _stored(self, what: str) -> None:
-        """Acknowledge nothing the store has not taken: found by the fault campaign (#26), a controller cut from
-        etcd answered 201 to a placement its write had failed, stepped down, and the placement was lost. What
-        was refused stays queued and is written once the store takes it, unless another node is the
-        controller by then: the caller is told it is not known to be stored (`StoreUnavailable`, HTTP 503)."""
-        if not await self.journal.durable():
-            raise StoreUnavailable(
-                f"{self.journal.degraded}; {what}: it is written once the store takes it, unless another node "
-                "becomes the controller first (ask again in a few seconds what became of it)"
-            )
+        await self.journal.stored(f"instance {instance_id} is deleted")
 
     def status(self) -> dict[str, Any]:
         return {**status_of(self.cluster), "degraded": self.journal.degraded}

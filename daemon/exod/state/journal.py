@@ -33,6 +33,10 @@ log = logging.getLogger("exod.journal")
 WRITE_RETRY = 2.0  # seconds between attempts to write the state again while the store refuses it
 
 
+class StoreUnavailable(Exception):
+    """The state cannot be written now (degraded: new placements wait until it can), or read (etcd is away)."""
+
+
 class Journal:
     def __init__(self, state: StateStore, local: Store) -> None:
         self.state, self.local = state, local
@@ -52,6 +56,23 @@ class Journal:
     def degraded(self) -> str | None:
         """Why the state cannot be written now; None: it can."""
         return self._retired or self._state_error or self._book.error
+
+    def writable(self, what: str) -> None:
+        """`StoreUnavailable` if the store refuses writes now: ``what`` (a placement …) would be acknowledged
+        while a crash could lose it."""
+        if self.degraded is not None:
+            raise StoreUnavailable(f"{self.degraded}; {what} wait until it can be written again")
+
+    async def stored(self, what: str) -> None:
+        """Until every save so far is written; `StoreUnavailable` if the store refused it, so that nothing it
+        has not taken is acknowledged. Found by the fault campaign (#26): a controller cut from etcd answered
+        201 to a placement whose write had failed, stepped down, and the placement was lost. What was refused
+        stays queued and is written once the store takes it, unless another node is the controller by then."""
+        if not await self.durable():
+            raise StoreUnavailable(
+                f"{self.degraded}; {what} but not stored yet: it is written once the store takes it, unless "
+                "another node becomes the controller first (ask again in a few seconds what became of it)"
+            )
 
     async def retire(self, why: str) -> None:
         """Write nothing more, and wait for a write in flight to end: whoever reads the state next (the next
