@@ -25,6 +25,7 @@ from fsm.actions import (
 )
 from fsm.admit import Admission, Limits, ModelFacts, Refusal, UnknownModel, admit, place_again
 from fsm.backoff import Backoff, KeyedBackoff
+from fsm.cluster import Cluster, LogEntry
 from fsm.desired import to_place
 from fsm.download import DEFAULT_DOWNLOAD_BACKOFF, DownloadLifecycle, DownloadState
 from fsm.errors import (
@@ -38,6 +39,7 @@ from fsm.errors import (
 )
 from fsm.failure import Failure, FailureKind
 from fsm.instance import DeleteReason, InstanceRetry, InstanceState, RetryPolicy, budget_exhausted
+from fsm.owed import Owed, Report, owed, owed_after
 from fsm.placement import NodeRoom, NoFit, place
 from fsm.plan import next_deadline, plan
 from fsm.runner import RunnerLifecycle, RunnerPhase, RunnerState
@@ -58,6 +60,7 @@ __all__ = [
     "Admission",
     "Backoff",
     "CancelRequest",
+    "Cluster",
     "ClusterView",
     "ConnectRunner",
     "CreateRunner",
@@ -80,12 +83,15 @@ __all__ = [
     "KeyedBackoff",
     "Limits",
     "LoadModel",
+    "LogEntry",
     "ModelFacts",
     "NoFit",
     "NodeRoom",
     "Outcome",
+    "Owed",
     "PendingRequest",
     "Refusal",
+    "Report",
     "RetryPolicy",
     "RetryStatus",
     "RunnerLifecycle",
@@ -109,6 +115,8 @@ __all__ = [
     "download",
     "instance",
     "next_deadline",
+    "owed",
+    "owed_after",
     "place",
     "place_again",
     "plan",

@@ -1,4 +1,9 @@
-"""What the planner asks a node to do. Plain data: the daemon executes them."""
+"""What the planner asks a node to do. Plain data: the caller executes them.
+
+Executing an action is two halves: ``Cluster.execute(action, now)`` moves the machines, then the caller
+does the work in the world and reports how it ended (each class says which report; `fsm.owed` tabulates
+them and lists what is still owed).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ from fsm.instance import DeleteReason
 
 
 class StopReason(enum.Enum):
+    """Why a runner is stopped: for logs and metrics; every reason is stopped the same way."""
+
     INSTANCE_GONE = "instance_gone"  # deleted, or no longer in the desired state
     RUNNER_FAILED = "runner_failed"  # Failed is terminal: stop it, never revive it
     SIBLING_FAILED = "sibling_failed"  # one_for_all: a rank of the same generation failed
@@ -19,6 +26,8 @@ class StopReason(enum.Enum):
 
 @attrs.frozen
 class CancelRequest:
+    """End the request with an error carrying ``reason`` (its instance is gone). Owes nothing back."""
+
     request_id: str
     instance_id: str
     reason: str
@@ -26,6 +35,9 @@ class CancelRequest:
 
 @attrs.frozen
 class StopRunner:
+    """End the process of this incarnation (ask, then kill if it lingers); report ``runner.Exited``
+    once it is reaped, whoever ended it."""
+
     runner_id: str
     incarnation: int
     reason: StopReason
@@ -33,18 +45,26 @@ class StopRunner:
 
 @attrs.frozen
 class DeleteInstance:
+    """Machines only: the instance is Deleted (``reason``). Its runners are stopped by later StopRunner
+    actions; drop what the instance held outside the machines (requests are cancelled by CancelRequest)."""
+
     instance_id: str
     reason: DeleteReason
 
 
 @attrs.frozen
 class StartGeneration:
+    """Machines only: generation ``generation`` begins; CreateRunner actions for its ranks follow."""
+
     instance_id: str
     generation: int
 
 
 @attrs.frozen
 class CreateRunner:
+    """Start the process of rank ``rank`` of ``world_size`` on ``node_id`` (it starts Idle). With two
+    ranks or more, report its ring endpoint with ``Cluster.publish``: ConnectRunner waits for every rank's."""
+
     instance_id: str
     runner_id: str
     node_id: str
@@ -56,18 +76,27 @@ class CreateRunner:
 
 @attrs.frozen
 class StartDownload:
+    """Fetch ``model_id`` onto ``node_id``; report ``download.Complete`` or ``download.DownloadFailed``
+    (a failed one is retried after its backoff by a later StartDownload)."""
+
     node_id: str
     model_id: str
 
 
 @attrs.frozen
 class ConnectRunner:
+    """Tell the runner to join its ring (every rank's endpoint is published); report
+    ``runner.Connected`` once it has."""
+
     runner_id: str
     incarnation: int
 
 
 @attrs.frozen
 class LoadModel:
+    """Tell the runner to read ``model_id``'s weights; report ``runner.Progress`` as layers load (a
+    watchdog resets on it) and ``runner.WeightsLoaded`` at the end."""
+
     runner_id: str
     incarnation: int
     model_id: str
@@ -75,12 +104,17 @@ class LoadModel:
 
 @attrs.frozen
 class WarmUp:
+    """Tell the runner to run its warm-up; report ``runner.Warmed``: the runner is then Ready."""
+
     runner_id: str
     incarnation: int
 
 
 @attrs.frozen
 class ForwardRequest:
+    """Send the request to this rank (every rank of the instance gets it); report
+    ``runner.RequestFinished`` when it ends, however it ends."""
+
     request_id: str
     runner_id: str
     incarnation: int

@@ -78,10 +78,11 @@ from fsm.cluster import Cluster, RunnerEntry
 from fsm.download import DownloadLifecycle
 from fsm.failure import Failure
 from fsm.instance import InstanceRetry, InstanceState, RetryPolicy
+from fsm.owed import Owed, Report
 from fsm.plan import plan as default_plan
 from fsm.runner import RunnerLifecycle, RunnerPhase, RunnerState
 from fsm.view import Slot
-from fsm.world import Completion, InvariantViolated, Pending, World, applies, check_runners, complete
+from fsm.world import InvariantViolated, World, applies, check_runners, complete
 
 INSTANCE = "i"
 MODEL = "org/model"
@@ -331,7 +332,7 @@ class _State:
     instance: Any
     runners: tuple[tuple[str, Any], ...]
     downloads: tuple[tuple[str, Any], ...]
-    pending: tuple[Pending, ...]
+    pending: tuple[Owed, ...]
     now: float
     streak_delay: float  # the last backoff delay of the current streak (invariant 3)
     streak_starts: int  # charged generations started in the current streak (invariant 4)
@@ -472,7 +473,7 @@ class _System:
                 machine.reload(snap)
             c.pool[rid] = machine
             node = self.placement.slots[snap.rank].node_id
-            unpublished = Pending(Completion.PUBLISHED, rid, snap.incarnation) in state.pending
+            unpublished = Owed(Report.PUBLISHED, rid, snap.incarnation) in state.pending
             c.runners[rid] = RunnerEntry(machine, INSTANCE, node, None if unpublished else f"{node}:{snap.rank}")
         c.downloads.clear()
         for node, snap in state.downloads:
@@ -525,7 +526,7 @@ class _System:
 
     def events(self, state: _State) -> Iterator[Event]:
         """Every event enabled in ``state`` (progress events first); coarse ticks are `successors`' to add."""
-        downloads = [i for i, op in enumerate(state.pending) if op.kind is Completion.DOWNLOAD]
+        downloads = [i for i, op in enumerate(state.pending) if op.report is Report.DOWNLOAD]
         if self.config.coarse:
             yield Plan()
             if state.pending:
@@ -623,7 +624,7 @@ class _System:
                 label = "complete " + ", ".join(str(op) for op in world.pending)
                 world.deliver_all()
             case FailDownloads():
-                for op in [op for op in world.pending if op.kind is Completion.DOWNLOAD]:
+                for op in [op for op in world.pending if op.report is Report.DOWNLOAD]:
                     world.pending.remove(op)
                     complete(c, op, world.now, ok=False)
             case Deliver(index, ok):

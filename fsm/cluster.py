@@ -37,6 +37,7 @@ from fsm._machine import Lifecycle, Outcome, converter, describe_structure_error
 from fsm._validate import show
 from fsm.backoff import Backoff
 from fsm.errors import InvalidConfig, InvalidEvent, SnapshotError
+from fsm.owed import Owed, owed
 from fsm.view import ClusterView, DownloadStatus, InstanceView, PendingRequest, RetryStatus, RunnerStatus, Slot
 
 
@@ -320,6 +321,11 @@ class Cluster:
             return False
         self.runners[runner_id] = attrs.evolve(entry, endpoint=endpoint)
         return True
+
+    def owed(self, node_id: str | None = None) -> list[Owed]:
+        """The reports the cluster waits for from its caller (`fsm.owed`): when `plan` returns nothing and
+        `next_deadline` None, these are why."""
+        return owed(self.view(), node_id)
 
     def runner(self, runner_id: str) -> rn.RunnerLifecycle:
         return self.runners[runner_id].machine

@@ -54,7 +54,12 @@ _TEARDOWN = (InstanceState.RECOVERING, InstanceState.BACKING_OFF)
 
 
 def plan(view: ClusterView, node_id: str, now: float) -> list[Action]:
-    """Every action ``node_id`` should take at ``now``, highest priority first."""
+    """Every action ``node_id`` should take at ``now``, highest priority first.
+
+    Nothing to do and no `next_deadline` means the cluster waits on its caller: a report owed for work an
+    action started (`fsm.owed`, `Cluster.owed`), a placement, or a request. Each action's docstring says what
+    executing it owes.
+    """
     return [
         *_cancel_requests(view, node_id),
         *_stop_runners(view, node_id),

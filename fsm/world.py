@@ -1,7 +1,7 @@
 """A simulated world around `fsm.cluster.Cluster`: the plan → execute → settle loop, once.
 
 An action that starts real work (connect, load, warm-up, stop, a download, a
-request) leaves a `Pending` completion; whoever drives the simulation decides
+request) leaves an `fsm.owed.Owed` report; whoever drives the simulation decides
 when it completes — at once (a demo, `World.settle`), in a random order
 (Hypothesis), or in every order (the model checker). All three use `World`.
 
@@ -12,10 +12,7 @@ like the rest of `fsm`.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
-
-import attrs
 
 from fsm import actions as act
 from fsm import download as dl
@@ -23,101 +20,57 @@ from fsm import instance as inst
 from fsm import runner as rn
 from fsm.cluster import Cluster
 from fsm.download import DownloadState
+from fsm.owed import Owed, Report, owed_after
 from fsm.plan import next_deadline
 from fsm.plan import plan as default_plan
 from fsm.runner import RunnerPhase, RunnerState
 from fsm.view import ClusterView, PendingRequest
 
-
-class Completion(enum.Enum):
-    """What the world owes after an action: the report that ends the work it started."""
-
-    CONNECTED = "connected"
-    LOADED = "loaded"
-    WARMED = "warmed"
-    EXITED = "exited"
-    FINISHED = "finished"
-    DOWNLOAD = "download"
-    PUBLISHED = "published"  # a rank's ring endpoint is known (its node reserved the port)
-
-
-@attrs.frozen(order=True)
-class Pending:
-    kind: Completion = attrs.field(order=lambda kind: kind.value)
-    key: str  # runner id, or node id for downloads
-    incarnation: int = 0
-    model_id: str = ""
-
-    def __str__(self) -> str:
-        what = f"{self.model_id}@{self.key}" if self.kind is Completion.DOWNLOAD else f"{self.key}#{self.incarnation}"
-        return f"{self.kind.value} {what}"
-
-
 # The phase a runner must still be in for its completion to mean something.
 _EXPECTED_PHASE = {
-    Completion.CONNECTED: RunnerPhase.JOINING,
-    Completion.LOADED: RunnerPhase.WEIGHTS,
-    Completion.WARMED: RunnerPhase.WARMING_UP,
-    Completion.FINISHED: RunnerPhase.BUSY,
+    Report.CONNECTED: RunnerPhase.JOINING,
+    Report.LOADED: RunnerPhase.WEIGHTS,
+    Report.WARMED: RunnerPhase.WARMING_UP,
+    Report.FINISHED: RunnerPhase.BUSY,
 }
 
 
-def pending_for(action: act.Action) -> Pending | None:
-    """The completion the world owes after ``action`` was executed."""
-    match action:
-        case act.CreateRunner(_, rid, _, _, world_size, inc, _) if world_size > 1:
-            return Pending(Completion.PUBLISHED, rid, inc)
-        case act.ConnectRunner(rid, inc):
-            return Pending(Completion.CONNECTED, rid, inc)
-        case act.LoadModel(rid, inc, _):
-            return Pending(Completion.LOADED, rid, inc)
-        case act.WarmUp(rid, inc):
-            return Pending(Completion.WARMED, rid, inc)
-        case act.StopRunner(rid, inc, _):
-            return Pending(Completion.EXITED, rid, inc)
-        case act.ForwardRequest(_, rid, inc):
-            return Pending(Completion.FINISHED, rid, inc)
-        case act.StartDownload(node, model):
-            return Pending(Completion.DOWNLOAD, node, model_id=model)
-    return None
-
-
-def applies(cluster: Cluster, op: Pending) -> bool:
+def applies(cluster: Cluster, op: Owed) -> bool:
     """Whether ``op`` still means something (its runner may have moved on or died meanwhile)."""
-    if op.kind is Completion.DOWNLOAD:
+    if op.report is Report.DOWNLOAD:
         machine = cluster.downloads.get((op.key, op.model_id))
         return machine is not None and machine.download_state is DownloadState.ONGOING
     entry = cluster.runners.get(op.key)
     if entry is None or entry.machine.incarnation != op.incarnation or not entry.machine.alive:
         return False
-    if op.kind is Completion.PUBLISHED:
+    if op.report is Report.PUBLISHED:
         return entry.endpoint is None
-    return op.kind is Completion.EXITED or entry.machine.phase is _EXPECTED_PHASE[op.kind]
+    return op.report is Report.EXITED or entry.machine.phase is _EXPECTED_PHASE[op.report]
 
 
-def complete(cluster: Cluster, op: Pending, now: float, *, ok: bool = True) -> bool:
+def complete(cluster: Cluster, op: Owed, now: float, *, ok: bool = True) -> bool:
     """Deliver ``op`` (a download may fail with ``ok=False``); False if it no longer applies."""
     if not applies(cluster, op):
         return False
-    if op.kind is Completion.DOWNLOAD:
+    if op.report is Report.DOWNLOAD:
         event = dl.Complete(op.model_id, now) if ok else dl.DownloadFailed(op.model_id, now, "offline")
         cluster.download_event(op.key, event)
         return True
     rid, inc = op.key, op.incarnation
-    match op.kind:
-        case Completion.PUBLISHED:
+    match op.report:
+        case Report.PUBLISHED:
             entry = cluster.runners[rid]
             cluster.publish(rid, inc, f"{entry.node_id}:{entry.machine.rank}")
-        case Completion.EXITED:
+        case Report.EXITED:
             cluster.runner_event(rn.Exited(rid, inc, exit_code=0), now)
-        case Completion.CONNECTED:
+        case Report.CONNECTED:
             cluster.runner_event(rn.Connected(rid, inc), now)
-        case Completion.LOADED:
+        case Report.LOADED:
             cluster.runner_event(rn.Progress(rid, inc, layers_loaded=2, layers_total=4), now)
             cluster.runner_event(rn.WeightsLoaded(rid, inc), now)
-        case Completion.WARMED:
+        case Report.WARMED:
             cluster.runner_event(rn.Warmed(rid, inc), now)
-        case Completion.FINISHED:
+        case Report.FINISHED:
             cluster.runner_event(rn.RequestFinished(rid, inc), now)
     return True
 
@@ -214,7 +167,7 @@ class World:
         self.nodes = list(nodes)
         self.now = now
         self.plan = plan
-        self.pending: list[Pending] = []
+        self.pending: list[Owed] = []
         self.requests: dict[str, PendingRequest] = {}  # the request book: waiting to be forwarded or cancelled
         self.executed: list[tuple[float, act.Action]] = []
         # what the driver does before an action is executed (the checker's controller: a generation's ranks
@@ -239,7 +192,7 @@ class World:
             self.executed.append((self.now, action))
             if isinstance(action, (act.ForwardRequest, act.CancelRequest)):
                 self.requests.pop(action.request_id, None)
-            if (op := pending_for(action)) is not None:
+            if (op := owed_after(action)) is not None:
                 self.pending.append(op)
         return actions
 

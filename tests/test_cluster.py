@@ -459,3 +459,44 @@ def test_move_puts_the_ranks_elsewhere_between_generations_only():
     assert [s.node_id for s in cluster.instances["i"].slots] == ["c", "b"]
     assert cluster.runners["i/0"].node_id == "c"  # the reaped runner's entry follows its slot
     assert Cluster.from_dict(cluster.to_dict()).to_dict() == cluster.to_dict()  # still a cluster that can be
+
+
+def test_a_stall_on_the_caller_names_what_is_owed():
+    """Two ranks created and no endpoint published: nothing to plan, no deadline, and `owed` says why."""
+    cluster = Cluster()
+    cluster.place("i", "org/m", SLOTS)
+    world = World(cluster, ["a", "b"])
+    world.step("a")  # generation 1, and the model's download on each node
+    world.step("b")
+    assert cluster.owed() == [fsm.Owed(fsm.Report.DOWNLOAD, n, model_id="org/m") for n in ("a", "b")]
+    world.deliver_all()
+    world.step("a")  # the runners are created; nobody publishes their endpoints
+    world.step("b")
+    view = cluster.view()
+    assert [fsm.plan(view, node, 0.0) for node in ("a", "b")] == [[], []]
+    assert fsm.next_deadline(view, "a", 0.0) is None and fsm.next_deadline(view, "b", 0.0) is None
+    assert cluster.owed() == [fsm.Owed(fsm.Report.PUBLISHED, "i/0", 1), fsm.Owed(fsm.Report.PUBLISHED, "i/1", 1)]
+    assert cluster.owed("b") == [fsm.Owed(fsm.Report.PUBLISHED, "i/1", 1)]
+    assert "Cluster.publish" in cluster.owed()[0].explain()
+    cluster.publish("i/0", 1, "a:1")
+    cluster.publish("i/1", 1, "b:1")
+    assert [type(a) for a in fsm.plan(cluster.view(), "a", 0.0)] == [fsm.ConnectRunner]
+    assert cluster.owed() == []  # the connect is still to be executed: the planner's turn, not the caller's
+
+
+def test_owed_after_each_action_is_what_the_contract_says():
+    table = {
+        fsm.CreateRunner("i", "i/0", "a", 0, 2, 1, "m"): fsm.Owed(fsm.Report.PUBLISHED, "i/0", 1),
+        fsm.CreateRunner("i", "i/0", "a", 0, 1, 1, "m"): None,  # one rank: no ring to publish
+        fsm.ConnectRunner("i/0", 1): fsm.Owed(fsm.Report.CONNECTED, "i/0", 1),
+        fsm.LoadModel("i/0", 1, "m"): fsm.Owed(fsm.Report.LOADED, "i/0", 1),
+        fsm.WarmUp("i/0", 1): fsm.Owed(fsm.Report.WARMED, "i/0", 1),
+        fsm.StopRunner("i/0", 1, fsm.StopReason.RUNNER_FAILED): fsm.Owed(fsm.Report.EXITED, "i/0", 1),
+        fsm.ForwardRequest("r", "i/0", 1): fsm.Owed(fsm.Report.FINISHED, "i/0", 1),
+        fsm.StartDownload("a", "m"): fsm.Owed(fsm.Report.DOWNLOAD, "a", model_id="m"),
+        fsm.StartGeneration("i", 1): None,
+        fsm.DeleteInstance("i", fsm.DeleteReason.REQUESTED): None,
+        fsm.CancelRequest("r", "i", "gone"): None,
+    }
+    assert {action: fsm.owed_after(action) for action in table} == table
+    assert str(fsm.Owed(fsm.Report.DOWNLOAD, "a", model_id="m")) == "download m@a"

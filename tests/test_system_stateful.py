@@ -14,7 +14,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import fsm
 from fsm import runner as rn
 from fsm.cluster import Cluster
-from fsm.world import World, check_runners
+from fsm.owed import Owed, Report
+from fsm.world import World, applies, check_runners
 
 POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(1.0, 2.0, 8.0), max_retries=4, reset_after=40.0)
 MODEL = "org/model"
@@ -151,6 +152,25 @@ class System(RuleBasedStateMachine):
             self.creations_in_streak += machine.generation - self.generation_seen
         self.generation_seen = machine.generation
         assert self.creations_in_streak <= POLICY.max_retries + 1
+
+    @invariant()
+    def owed_is_read_from_the_state(self):
+        """`Cluster.owed`, derived from the state alone, names exactly the reports the world holds that still
+        mean something (a publish stops being owed once its runner failed or is being stopped)."""
+        cluster = self.world.cluster
+
+        def meant(op: Owed) -> bool:
+            if not applies(cluster, op):
+                return False
+            if op.report is Report.PUBLISHED:
+                machine = cluster.runner(op.key)
+                return not machine.stop_requested and machine.runner_state in (
+                    fsm.RunnerState.IDLE,
+                    fsm.RunnerState.CONNECTING,
+                )
+            return True
+
+        assert set(cluster.owed()) == {op for op in self.world.pending if meant(op)}
 
     @invariant()
     def budget_bounded(self):
