@@ -25,6 +25,7 @@ from fsm.actions import (
 )
 from fsm.admit import Admission, Limits, ModelFacts, Refusal, UnknownModel, admit, place_again
 from fsm.backoff import Backoff, KeyedBackoff
+from fsm.clock import Clock, ClockKind
 from fsm.cluster import Cluster, LogEntry
 from fsm.desired import to_place
 from fsm.download import DEFAULT_DOWNLOAD_BACKOFF, DownloadLifecycle, DownloadState
@@ -60,6 +61,8 @@ __all__ = [
     "Admission",
     "Backoff",
     "CancelRequest",
+    "Clock",
+    "ClockKind",
     "Cluster",
     "ClusterView",
     "ConnectRunner",

@@ -450,6 +450,7 @@ class _System:
 
     def load(self, state: _State) -> None:
         c = self.cluster
+        c.now_seen = None  # re-pointed at a state of another history: its clock is the state's own
         self.placement.machine.reload(state.instance)
         if state.placement:
             self.placement.slots = tuple(

@@ -17,8 +17,9 @@ Shutdown.stopped          ``rank_stopped``
 `execute` applies the *machine side* of a planner action (a created runner
 gets its machine, a stop is recorded …); whoever owns the I/O (the daemon, or
 a test's fake world) does the rest and reports back with events. Still pure:
-no I/O, and time is the caller's ``now``. Every accepted step is appended to
-``log`` — the transition log the daemon persists and replays.
+no I/O, and time is the caller's ``now``: one clock's readings (`fsm.clock`), never
+earlier than one already seen. Every accepted step is appended to ``log`` — the
+transition log the daemon persists and replays.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from fsm import runner as rn
 from fsm._machine import Lifecycle, Outcome, converter, describe_structure_error
 from fsm._validate import show
 from fsm.backoff import Backoff
+from fsm.clock import Clock, ClockKind
 from fsm.errors import InvalidConfig, InvalidEvent, SnapshotError
 from fsm.owed import Owed, owed
 from fsm.view import ClusterView, DownloadStatus, InstanceView, PendingRequest, RetryStatus, RunnerStatus, Slot
@@ -105,8 +107,11 @@ class Cluster:
         runner_cls: type[rn.RunnerLifecycle] = rn.RunnerLifecycle,
         instance_cls: type[inst.InstanceRetry] = inst.InstanceRetry,
         download_cls: type[dl.DownloadLifecycle] = dl.DownloadLifecycle,
+        clock: Clock | None = None,
     ) -> None:
         self.runner_cls, self.instance_cls, self.download_cls = runner_cls, instance_cls, download_cls
+        self.clock = clock or Clock.wall()
+        self.now_seen: float | None = None  # the latest ``now`` fed: time never goes back
         self.instances: dict[str, _Placement] = {}
         self.runners: dict[str, RunnerEntry] = {}
         self.downloads: dict[tuple[str, str], dl.DownloadLifecycle] = {}
@@ -165,6 +170,7 @@ class Cluster:
     # -- events -------------------------------------------------------------------------
 
     def instance_event(self, event: inst.InstanceEvent) -> Outcome:
+        self._check_time(event.now)
         placement = self._placement(event.instance_id)
         outcome = placement.machine.apply(event)
         self._record("instance", event.instance_id, event.now, outcome)
@@ -172,6 +178,7 @@ class Cluster:
 
     def runner_event(self, event: rn.RunnerEvent, now: float) -> Outcome:
         """Apply a runner event and forward what it means to the runner's instance."""
+        self._check_time(now)
         if event.runner_id not in self.runners:
             raise InvalidEvent(f"no runner {event.runner_id!r}")
         entry = self.runners[event.runner_id]
@@ -199,6 +206,7 @@ class Cluster:
         return outcome
 
     def download_event(self, node_id: str, event: dl.DownloadEvent) -> Outcome:
+        self._check_time(event.now)
         machine = self._download(node_id, event.model_id)
         outcome = machine.apply(event)
         self._record("download", f"{node_id}:{event.model_id}", event.now, outcome, getattr(event, "reason", ""))
@@ -212,6 +220,7 @@ class Cluster:
         same, followed by a restart resumes once, not twice); then every runner that was alive is stopped
         and reaped, which a Recovering instance counts as reaped ranks.
         """
+        self._check_time(now)
         for instance_id, placement in self.instances.items():
             m = placement.machine
             had_runners = any(
@@ -230,6 +239,7 @@ class Cluster:
 
     def execute(self, action: act.Action, now: float) -> Outcome:
         """Apply what ``action`` means to the machines; returns what the machine said."""
+        self._check_time(now)
         match action:
             case act.StartGeneration(instance_id, generation):
                 return self.instance_event(inst.Start(instance_id, now, generation))
@@ -353,22 +363,41 @@ class Cluster:
                 for rid, e in self.runners.items()
             },
             "downloads": [{"node_id": node, "machine": m.to_dict()} for (node, _), m in self.downloads.items()],
-        }
+            "clock": self.clock.to_dict(),
+        } | ({"now": self.now_seen} if self.now_seen is not None and self.clock.kind is ClockKind.MONOTONIC else {})
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], download_policy: Backoff | None = None) -> Cluster:
+    def from_dict(
+        cls, data: dict[str, Any], download_policy: Backoff | None = None, *, clock: Clock | None = None
+    ) -> Cluster:
         """Restore what `to_dict` wrote; raises `SnapshotError` naming the field, and builds nothing, on bad input.
+
+        The snapshot's times are on its ``clock`` (wall time if it names none); a ``clock`` given must be that
+        one, or its deadlines would mean nothing here (a monotonic clock of another boot): the snapshot is
+        refused. On a monotonic clock, time goes on from the snapshot's ``now``; wall time may step back across
+        a restart or a host (NTP, skew), so there it starts afresh.
 
         Beyond each machine's own checks, the machines must agree: slots list ranks 0..N-1 of one
         instance each, a runner belongs to a slot of an existing instance and matches it, a download
         appears once. (A top-level ``requests`` key, written before requests left the snapshot, is ignored.)
         """
-        body = _fields(data, "", ("instances", "runners", "downloads"), ignored=("requests",))
+        body = _fields(data, "", ("instances", "runners", "downloads"), ignored=("requests", "clock", "now"))
+        stored = Clock.from_dict(data["clock"]) if "clock" in data else Clock.wall()
+        if clock is not None and clock != stored:
+            raise SnapshotError(
+                f"clock: the snapshot's times are on {stored}, not on {clock}: its deadlines mean nothing on this "
+                "clock (restore it where it was written, or keep times on wall time)"
+            )
+        now = data.get("now")
+        if now is not None and (isinstance(now, bool) or not isinstance(now, (int, float))):
+            raise SnapshotError(f"now: expected a number, got {show(now)}")
         placements = _restore_placements(body["instances"])
         runners = _restore_runners(body["runners"], placements)
         downloads = _restore_downloads(body["downloads"])
-        cluster = cls(download_policy)
+        cluster = cls(download_policy, clock=stored)
         cluster.instances, cluster.runners, cluster.downloads = placements, runners, downloads
+        if stored.kind is ClockKind.MONOTONIC and now is not None:
+            cluster.now_seen = float(now)
         return cluster
 
     # -- internals -----------------------------------------------------------------------
@@ -385,7 +414,17 @@ class Cluster:
             self.downloads[key] = self.download_cls(model_id, policy=self.download_policy)
         return self.downloads[key]
 
+    def _check_time(self, now: float) -> None:
+        """Refuse a ``now`` earlier than one seen (`_record` remembers the latest: a refused event moves nothing,
+        not even time)."""
+        if self.now_seen is not None and now < self.now_seen:
+            raise InvalidEvent(
+                f"time went backwards: now={now!r} after now={self.now_seen!r}; feed readings of one clock "
+                f"({self.clock}) in the order they were read"
+            )
+
     def _record(self, machine: str, key: str, now: float, outcome: Outcome, cause: str = "") -> None:
+        self.now_seen = now if self.now_seen is None else max(self.now_seen, now)
         for step in outcome.steps:
             self.log.append(LogEntry(now, machine, key, step.event, step.source, step.target, cause))
 

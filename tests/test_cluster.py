@@ -500,3 +500,62 @@ def test_owed_after_each_action_is_what_the_contract_says():
     }
     assert {action: fsm.owed_after(action) for action in table} == table
     assert str(fsm.Owed(fsm.Report.DOWNLOAD, "a", model_id="m")) == "download m@a"
+
+
+@pytest.mark.parametrize(
+    "feed",
+    [
+        lambda c: c.instance_event(fsm.instance.Tick("i", 4.0)),
+        lambda c: c.runner_event(rn.Connect("i/0", 1), 4.0),
+        lambda c: c.download_event("a", dl.Begin("org/m", 4.0)),
+        lambda c: c.execute(fsm.StopRunner("i/0", 1, fsm.StopReason.INSTANCE_GONE), 4.0),
+        lambda c: c.delete("i", 4.0),
+        lambda c: c.recover(4.0),
+    ],
+    ids=["instance", "runner", "download", "execute", "delete", "recover"],
+)
+def test_time_going_backwards_is_refused_and_changes_nothing(feed):
+    cluster = two_rank_cluster()
+    cluster.instance_event(fsm.instance.Tick("i", 5.0))
+    before, log = cluster.to_dict(), list(cluster.log)
+    with pytest.raises(fsm.InvalidEvent, match=r"time went backwards: now=4\.0 after now=5\.0"):
+        feed(cluster)
+    assert (cluster.to_dict(), cluster.log, cluster.now_seen) == (before, log, 5.0)
+    cluster.instance_event(fsm.instance.Tick("i", 5.0))  # the same moment again is fine
+
+
+def test_a_refused_event_does_not_move_time():
+    cluster = two_rank_cluster()
+    with pytest.raises(fsm.InvalidEvent, match="no runner"):
+        cluster.runner_event(rn.Connect("nobody", 1), 1e18)
+    cluster.runner_event(rn.Connect("i/0", 1), 1.0)  # a bogus far-future time did not lock the cluster out
+    assert cluster.now_seen == 1.0
+
+
+def test_a_snapshot_says_its_clock_and_is_refused_on_another():
+    boot1, boot2 = fsm.Clock.monotonic("boot-1"), fsm.Clock.monotonic("boot-2")
+    cluster = Cluster(clock=boot1)
+    cluster.place("i", "org/m", SLOTS)
+    cluster.execute(fsm.StartGeneration("i", 1), 100.0)
+    data = cluster.to_dict()
+    assert (data["clock"], data["now"]) == ({"kind": "monotonic", "epoch": "boot-1"}, 100.0)
+    with pytest.raises(fsm.SnapshotError, match="epoch 'boot-1', not on the monotonic clock of epoch 'boot-2'"):
+        Cluster.from_dict(data, clock=boot2)  # a reboot: its deadlines would lie anywhere
+    with pytest.raises(fsm.SnapshotError, match="not on wall time"):
+        Cluster.from_dict(data, clock=fsm.Clock.wall())
+    restored = Cluster.from_dict(data, clock=boot1)  # the same boot: time goes on from the snapshot's
+    with pytest.raises(fsm.InvalidEvent, match="backwards"):
+        restored.recover(5.0)  # a supervisor that restarted its clock from 0 on the same boot
+    restored.recover(101.0)
+    old = {k: v for k, v in two_rank_cluster().to_dict().items() if k != "clock"}  # written before clocks
+    assert Cluster.from_dict(old).clock == fsm.Clock.wall()
+    with pytest.raises(fsm.SnapshotError, match=r"^clock: "):
+        Cluster.from_dict({**data, "clock": {"kind": "sundial"}})
+
+
+def test_a_clock_says_what_it_lacks():
+    with pytest.raises(fsm.InvalidConfig, match="needs its epoch"):
+        fsm.Clock(fsm.ClockKind.MONOTONIC)
+    with pytest.raises(fsm.InvalidConfig, match="no epoch"):
+        fsm.Clock(fsm.ClockKind.WALL, "boot-1")
+    assert fsm.Clock.from_dict(fsm.Clock.monotonic("b").to_dict()) == fsm.Clock.monotonic("b")

@@ -1,0 +1,65 @@
+"""Which clock a cluster's times are read from: every ``now`` fed to it and every deadline it stores.
+
+`fsm` never reads a clock; it compares the numbers it is given. So the caller
+must feed one clock's readings, in order (a `Cluster` refuses a ``now`` earlier
+than one it has seen), and a snapshot's deadlines mean something only on the
+clock they were read from. Wall time means the same on every boot (a restarted
+supervisor waits out what is left of a backoff); a monotonic clock means
+something only within its epoch — the boot it counts from — so a snapshot says
+which, and restoring it under another epoch is refused rather than waiting out
+deadlines that may lie days in the future.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import attrs
+
+from fsm.errors import InvalidConfig, SnapshotError
+
+
+class ClockKind(enum.Enum):
+    """What the numbers count from."""
+
+    WALL = "wall"  # seconds since the Unix epoch: comparable across restarts and hosts (within their skew)
+    MONOTONIC = "monotonic"  # seconds since an arbitrary origin, fixed only within its epoch (a boot)
+
+
+@attrs.frozen
+class Clock:
+    """The clock of a cluster's times; ``epoch`` names a monotonic clock's origin (a boot id), so that times of
+    another origin are recognised."""
+
+    kind: ClockKind = ClockKind.WALL
+    epoch: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
+
+    def __attrs_post_init__(self) -> None:
+        if self.kind is ClockKind.MONOTONIC and not self.epoch:
+            raise InvalidConfig("a monotonic clock needs its epoch (e.g. the boot id): Clock.monotonic(epoch)")
+        if self.kind is ClockKind.WALL and self.epoch:
+            raise InvalidConfig("wall time has no epoch of its own: Clock.wall()")
+
+    @classmethod
+    def wall(cls) -> Clock:
+        return cls(ClockKind.WALL)
+
+    @classmethod
+    def monotonic(cls, epoch: str) -> Clock:
+        return cls(ClockKind.MONOTONIC, epoch)
+
+    def __str__(self) -> str:
+        return "wall time" if self.kind is ClockKind.WALL else f"the monotonic clock of epoch {self.epoch!r}"
+
+    def to_dict(self) -> dict[str, str]:
+        return {"kind": self.kind.value} | ({"epoch": self.epoch} if self.epoch else {})
+
+    @classmethod
+    def from_dict(cls, value: Any, where: str = "clock") -> Clock:
+        if not isinstance(value, dict) or set(value) - {"kind", "epoch"} or "kind" not in value:
+            raise SnapshotError(f"{where}: expected {{'kind': 'wall' | 'monotonic', 'epoch': str}}, got {value!r}")
+        try:
+            return cls(ClockKind(value["kind"]), value.get("epoch", ""))
+        except (ValueError, TypeError, InvalidConfig) as exc:
+            raise SnapshotError(f"{where}: {exc}") from None
