@@ -7,7 +7,7 @@ feeds events to the machines and executes what `plan` returns.
 # Events live in their machine's module, to be imported from there:
 #   from fsm import runner, instance, download
 #   runner.Connect(...), instance.RankFailed(...), download.Begin(...)
-from fsm import diagram, download, instance, runner
+from fsm import diagram, download, instance, log, runner
 from fsm._machine import Outcome, Step
 from fsm.actions import (
     Action,
@@ -26,7 +26,7 @@ from fsm.actions import (
 from fsm.admit import Admission, Limits, ModelFacts, Refusal, UnknownModel, admit, place_again
 from fsm.backoff import Backoff, KeyedBackoff
 from fsm.clock import Clock, ClockKind
-from fsm.cluster import Cluster, LogEntry
+from fsm.cluster import Cluster
 from fsm.desired import to_place
 from fsm.download import DEFAULT_DOWNLOAD_BACKOFF, DownloadLifecycle, DownloadState
 from fsm.errors import (
@@ -40,6 +40,7 @@ from fsm.errors import (
 )
 from fsm.failure import Failure, FailureKind
 from fsm.instance import DeleteReason, InstanceRetry, InstanceState, RetryPolicy, budget_exhausted
+from fsm.log import LogEntry
 from fsm.owed import Owed, Report, owed, owed_after
 from fsm.placement import NodeRoom, NoFit, place
 from fsm.plan import next_deadline, plan
@@ -117,6 +118,7 @@ __all__ = [
     "diagram",
     "download",
     "instance",
+    "log",
     "next_deadline",
     "owed",
     "owed_after",

@@ -39,45 +39,9 @@ from fsm._validate import show
 from fsm.backoff import Backoff
 from fsm.clock import Clock, ClockKind
 from fsm.errors import InvalidConfig, InvalidEvent, SnapshotError
+from fsm.log import LogEntry
 from fsm.owed import Owed, owed
 from fsm.view import ClusterView, DownloadStatus, InstanceView, PendingRequest, RetryStatus, RunnerStatus, Slot
-
-
-@attrs.frozen
-class LogEntry:
-    """One transition: ``machine`` is runner/instance/download, ``key`` its id."""
-
-    time: float
-    machine: str
-    key: str
-    event: str
-    source: str
-    target: str
-    cause: str = ""
-
-    def as_record(self) -> dict[str, Any]:
-        """The public shape (event stream, JSONL export): ``id``, ``from``, ``to`` for key, source, target."""
-        return {
-            "time": self.time,
-            "machine": self.machine,
-            "id": self.key,
-            "event": self.event,
-            "from": self.source,
-            "to": self.target,
-            "cause": self.cause,
-        }
-
-    @classmethod
-    def from_record(cls, record: dict[str, Any]) -> LogEntry:
-        return cls(
-            float(record["time"]),
-            record["machine"],
-            record["id"],
-            record["event"],
-            record["from"],
-            record["to"],
-            record.get("cause", ""),
-        )
 
 
 @attrs.frozen

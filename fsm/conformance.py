@@ -24,8 +24,8 @@ from collections.abc import Iterable, Mapping
 import attrs
 from statemachine import State, StateMachine
 
-from fsm.cluster import LogEntry
 from fsm.diagram import Transition, transition_table
+from fsm.log import LogEntry
 
 MARKERS = ("create", "place", "forget")
 

@@ -182,16 +182,13 @@ def replay(state_dir, jsonl, export, cluster_url, **etcd) -> None:
 
     A log that [retention] pruned is replayed from its oldest entry kept, and says so.
     """
-    import json
-
-    from fsm.cluster import LogEntry
+    import fsm
     from fsm.conformance import replay as run_replay
 
     if jsonl is not None:
         try:
-            lines = jsonl.read_text().splitlines()
-            entries = [LogEntry.from_record(json.loads(line)) for line in lines if line.strip()]
-        except (ValueError, KeyError, TypeError) as exc:
+            entries = fsm.log.loads(jsonl.read_text())
+        except (OSError, UnicodeDecodeError, fsm.SnapshotError) as exc:
             raise click.ClickException(f"{jsonl} is not a transition log (JSON lines): {exc}") from exc
     elif cluster_url is not None:
         start, entries = _cluster_log(cluster_url, etcd_security(**etcd))
@@ -219,7 +216,7 @@ def replay(state_dir, jsonl, export, cluster_url, **etcd) -> None:
             "replaying from there"
         )
     if export is not None:
-        export.write_text("".join(json.dumps(e.as_record()) + "\n" for e in entries))
+        export.write_text(fsm.log.dumps(entries))
     report = run_replay(entries)
     click.echo(report.text())
     if not report.ok:
