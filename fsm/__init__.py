@@ -29,6 +29,7 @@ from fsm.clock import Clock, ClockKind
 from fsm.cluster import Cluster
 from fsm.desired import to_place
 from fsm.download import DEFAULT_DOWNLOAD_BACKOFF, DownloadLifecycle, DownloadState
+from fsm.driver import Adapter, Driver, Round, Skipped
 from fsm.errors import (
     FsmError,
     IllegalTransition,
@@ -59,6 +60,7 @@ __all__ = [
     "DEFAULT_DOWNLOAD_BACKOFF",
     "MACHINES",
     "Action",
+    "Adapter",
     "Admission",
     "Backoff",
     "CancelRequest",
@@ -73,6 +75,7 @@ __all__ = [
     "DownloadLifecycle",
     "DownloadState",
     "DownloadStatus",
+    "Driver",
     "Failure",
     "FailureKind",
     "ForwardRequest",
@@ -98,10 +101,12 @@ __all__ = [
     "Report",
     "RetryPolicy",
     "RetryStatus",
+    "Round",
     "RunnerLifecycle",
     "RunnerPhase",
     "RunnerState",
     "RunnerStatus",
+    "Skipped",
     "Slot",
     "SnapshotError",
     "StartDownload",

@@ -20,6 +20,7 @@ from fsm import instance as inst
 from fsm import runner as rn
 from fsm.cluster import Cluster
 from fsm.download import DownloadState
+from fsm.driver import Driver
 from fsm.owed import Owed, Report, owed_after
 from fsm.plan import next_deadline
 from fsm.plan import plan as default_plan
@@ -154,6 +155,25 @@ def check_runners(cluster: Cluster) -> None:
 # -- the loop -------------------------------------------------------------------------------
 
 
+class _Simulated:
+    """The world's side of the driver: every handler notes what its action owes, delivered when the world
+    says (`World.deliver`)."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+
+    def _owe(self, action: act.Action) -> None:
+        if (op := owed_after(action)) is not None:
+            self.world.pending.append(op)
+
+    def _answer(self, action: act.ForwardRequest | act.CancelRequest) -> None:
+        self.world.requests.pop(action.request_id, None)
+        self._owe(action)
+
+    create_runner = stop_runner = start_download = connect_runner = load_model = warm_up = _owe
+    forward_request = cancel_request = _answer
+
+
 Planner = Callable[..., list[act.Action]]
 
 
@@ -182,19 +202,29 @@ class World:
         return self.cluster.view(self.requests.values())
 
     def step(self, node_id: str) -> list[act.Action]:
-        """Plan on ``node_id`` and execute every action; their completions become pending."""
-        actions = self.plan(self.view(), node_id, self.now)
-        for action in actions:
-            if self.before is not None:
-                self.before(action)
-            check_action(self.cluster, action, self.now)
-            self.cluster.execute(action, self.now)
-            self.executed.append((self.now, action))
-            if isinstance(action, (act.ForwardRequest, act.CancelRequest)):
-                self.requests.pop(action.request_id, None)
-            if (op := owed_after(action)) is not None:
-                self.pending.append(op)
-        return actions
+        """Plan on ``node_id`` once and execute every action (an `fsm.driver.Driver` of this one node, the
+        simulated world its adapter); what each owes becomes pending. A refusal of the machines is raised."""
+        driver = Driver(
+            self.cluster,
+            _Simulated(self),
+            lambda: self.now,
+            nodes=[node_id],
+            plan=self.plan,
+            before=self._look,
+            requests=self.requests.values,
+            max_rounds=1,
+        )
+        done = driver.reconcile()
+        if errors := [s.error for s in done.skipped if s.error is not None]:
+            raise errors[0]
+        return [*done.taken, *(s.action for s in done.skipped)]
+
+    def _look(self, action: act.Action) -> bool:
+        if self.before is not None:
+            self.before(action)
+        check_action(self.cluster, action, self.now)
+        self.executed.append((self.now, action))
+        return True
 
     def deliver(self, index: int, *, ok: bool = True) -> bool:
         return complete(self.cluster, self.pending.pop(index), self.now, ok=ok)

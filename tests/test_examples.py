@@ -88,3 +88,21 @@ def test_the_openai_client_example_without_a_daemon_says_so_in_one_line():
     )
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip() == "no exod daemon answers there: start one with `make run` (or pass --url)"
+
+
+def test_supervise_processes_restarts_a_killed_rank_on_the_public_driver():
+    """The newcomer's supervisor (#27): real processes on `fsm.Driver` in asyncio, no daemon code."""
+    import psutil
+
+    out = _run("supervise_processes.py")
+    first = re.search(r"^generation 1 ready, attempts 0, pids \[(\d+), (\d+)\]$", out, re.M)
+    killed = re.search(r"^killed rank 1 \(pid (\d+)\)$", out, re.M)
+    second = re.search(r"^generation 2 ready, attempts 1, pids \[(\d+), (\d+)\]$", out, re.M)
+    assert first and killed and second, out
+    assert killed.group(1) == first.group(2)
+    assert not {first.group(1), first.group(2)} & {second.group(1), second.group(2)}  # a new generation
+    assert "deleted; every process reaped: True" in out
+    assert "instance ready → recovering (rank_failed)" in out and "instance backing_off → starting (start)" in out
+    assert out.rstrip().endswith("log replays: ok")
+    pids = [int(p) for m in (first, second) for p in m.groups()]
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]

@@ -35,7 +35,8 @@ from exod.cluster.election import Deposed
 from exod.cluster.remote import Fleet
 from exod.config import DaemonConfig
 from exod.downloads import Downloads
-from exod.host.models import ModelFiles, ModelNotFound
+from exod.executor import Executor
+from exod.host.models import ModelFiles
 from exod.host.orphans import reap_orphans, start_ticks
 from exod.host.supervisor import RunnerSpec, Spawn, Supervisor
 from exod.narrate import narrate
@@ -43,7 +44,6 @@ from exod.placer import Placer
 from exod.processes import Processes
 from exod.reports import Reports
 from exod.requests import InstanceNotFound, RequestBook
-from exod.runner import protocol as p
 from exod.state import retention
 from exod.state.journal import WRITE_RETRY, Journal, StoreUnavailable
 from exod.state.sqlite import ProcessRecord, Store
@@ -96,6 +96,17 @@ class Controller:
         self.requests = self._new_book()
         self._downloads = Downloads(self.models, fleet, lambda: self.cluster, self.now, self._changed)
         self._placer = Placer(lambda: self.cluster, self.models, config, fleet)
+        self._executor = Executor(
+            lambda: self.cluster,
+            lambda: self.requests,
+            self._running_nursery,
+            self.now,
+            processes=self.processes,
+            downloads=self._downloads,
+            models=self.models,
+            placer=self._placer,
+            node_id=self.node_id,
+        )
         self._wake = trio.Event()
         self._stopping = False
         self._nursery: trio.Nursery | None = None
@@ -165,9 +176,7 @@ class Controller:
             task_status.started()
             while True:
                 self._act()
-                view = self._view()
-                deadlines = [d for node in self._nodes() if (d := fsm.next_deadline(view, node, self.now()))]
-                deadline = min(deadlines, default=None)
+                deadline = self._driver().next_wakeup()
                 with trio.move_on_at(math.inf if deadline is None else deadline - self._wall_offset):
                     await self._wake.wait()
                 self._wake = trio.Event()
@@ -289,27 +298,34 @@ class Controller:
             self.journal.save(self.cluster.to_dict, self.cluster.log, self.now())
             self.cluster.log.clear()
 
+    def _driver(self) -> fsm.Driver:
+        """The library's loop over this term's cluster, planning for this node and every node a rank is on."""
+        return fsm.Driver(
+            self.cluster,
+            self._executor,
+            self.now,
+            nodes=self._nodes,
+            before=self._executor.before,
+            requests=self.requests.pending,
+            max_rounds=MAX_PLAN_ROUNDS,
+        )
+
     def _act(self) -> None:
         if self._stopping:
             return
-        now = self.now()
-        for iid in list(self.cluster.instances):
-            self.cluster.instance_event(fsm.instance.Tick(iid, now))
-        for _ in range(MAX_PLAN_ROUNDS):
-            view = self._view()
-            actions = [action for node in self._nodes() for action in fsm.plan(view, node, now)]
-            if not actions:
-                break
-            for action in actions:
-                try:
-                    self._execute(action, now)
-                except fsm.FsmError as exc:  # the view moved under a later action of the same batch
-                    log.warning("action %s not taken: %s", action, exc)
-        else:
+        done = self._driver().reconcile()
+        for skipped in done.skipped:
+            if skipped.error is not None:  # the view moved under a later action of the same batch
+                log.warning("action %s not taken: %s", skipped.action, skipped.reason)
+        if not done.settled:
             log.error("plan did not settle after %d rounds; will retry on the next change", MAX_PLAN_ROUNDS)
         self.requests.fail_orphaned()
-        self._forget_old_deleted(now)
+        self._forget_old_deleted(done.now)
         self._commit()
+
+    def _running_nursery(self) -> trio.Nursery:
+        assert self._nursery is not None, "actions are executed only while the controller runs"
+        return self._nursery
 
     def _published(self, runner_id: str, incarnation: int, endpoint: str) -> None:
         if self.cluster.publish(runner_id, incarnation, endpoint):
@@ -331,45 +347,6 @@ class Controller:
             self.cluster.forget(iid)
             retention.forget_instance(self.config.state_dir, iid)
             self.cluster.log.append(LogEntry(now, "instance", iid, "forget", "deleted", ""))
-
-    def _execute(self, action: fsm.Action, now: float) -> None:
-        """The machines first; the I/O only for what they accepted."""
-        assert self._nursery is not None
-        model_path = None
-        if isinstance(action, fsm.LoadModel) and self.processes.is_local(
-            self.cluster.runners[action.runner_id].node_id
-        ):
-            try:  # the I/O that can fail comes before the machines move
-                model_path = self.models.path(action.model_id)
-            except ModelNotFound as exc:  # gone from the cache since it was downloaded: fetch it again
-                log.warning("model %s vanished from the cache: %s", action.model_id, exc)
-                self.models.forget(action.model_id)
-                self.cluster.download_event(self.node_id, dl.Invalidate(action.model_id, now))
-                return
-        if isinstance(action, fsm.StartGeneration):
-            self._placer.place_again(action.instance_id)
-        if not self.cluster.execute(action, now).accepted:
-            return
-        match action:
-            case fsm.CancelRequest(request_id, _, reason):
-                self.requests.cancel(request_id, reason)
-            case fsm.StopRunner(runner_id, incarnation, _):
-                self.processes.stop(runner_id, incarnation)
-            case fsm.CreateRunner(instance_id=instance_id):
-                nodes = [slot.node_id for slot in self.cluster.instances[instance_id].slots]
-                self.processes.start(self._nursery, action, nodes)
-            case fsm.StartDownload(node_id, model_id):
-                self._nursery.start_soon(self._downloads.fetch, node_id, model_id)
-            case fsm.ConnectRunner(runner_id, incarnation):
-                self.processes.post(runner_id, incarnation, p.Connect())
-            case fsm.LoadModel(runner_id, incarnation, model_id):
-                self.processes.load(runner_id, incarnation, model_id, model_path)
-            case fsm.WarmUp(runner_id, incarnation):
-                self.processes.post(runner_id, incarnation, p.WarmUp())
-            case fsm.ForwardRequest(_, runner_id, incarnation):
-                command = self.requests.forwarded(action, self.cluster.runner(runner_id).rank)
-                if command is not None:
-                    self.processes.post(runner_id, incarnation, command)
 
     # -- exod.reports.Sink: what the runners' reports became ------------------------------------
 

@@ -9,8 +9,8 @@ from fastapi.responses import Response
 
 import fsm
 from exod.api.errors import ApiError, responses
+from exod.api.render import MEDIA_TYPES, Format, GraphvizMissing, render
 from exod.controller import Controller
-from exod.render import MEDIA_TYPES, Format, GraphvizMissing, render
 from exod.requests import InstanceNotFound
 
 

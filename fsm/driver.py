@@ -1,0 +1,209 @@
+"""The loop every supervisor of these machines writes, written once: plan → execute → hand over → take reports.
+
+A `Driver` owns a `Cluster` and runs its loop with no I/O and no event loop of
+its own, so that asyncio, trio and threads use it alike. `reconcile` reads the
+caller's clock, lets time reach the machines, plans for its nodes, moves the
+machines for each action (`Cluster.execute`) and then calls the matching handler
+of the caller's `Adapter`, which *starts* the work (spawns a task, sends a
+message, submits to a pool) and returns at once. How the work ends comes back
+as reports, through the driver's methods (`report`, `published`, `downloaded`):
+the contract of `fsm.owed`, which `owed` lists while it is outstanding.
+
+A handler may return an awaitable (an ``async def`` handler): `reconcile` hands
+those back for the caller to await or schedule (``asyncio.create_task``,
+``nursery.start_soon``); anything else a handler returns is ignored, but for
+`Adapter.create_runner`, whose string return is the rank's ring endpoint.
+
+The caller calls `reconcile` after every report and at `next_wakeup`, and never
+from two threads at once (the driver is not locked: one owner, like the machines).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+import attrs
+
+from fsm import actions as act
+from fsm import download as dl
+from fsm import instance as inst
+from fsm import runner as rn
+from fsm._machine import Outcome
+from fsm.cluster import Cluster
+from fsm.errors import FsmError
+from fsm.owed import Owed
+from fsm.plan import next_deadline
+from fsm.plan import plan as default_plan
+from fsm.view import ClusterView, PendingRequest
+
+Planner = Callable[[ClusterView, str, float], list[act.Action]]
+
+
+class Adapter(Protocol):
+    """The caller's side: one handler per action that starts work in the world. Each returns at once (or an
+    awaitable); what it owes back is in the action's docstring and `fsm.owed`."""
+
+    def create_runner(self, action: act.CreateRunner) -> str | Awaitable[Any] | None:
+        """Start the process; return its ring endpoint if it is known at once (else report it by
+        `Driver.published`)."""
+
+    def stop_runner(self, action: act.StopRunner) -> Awaitable[Any] | None: ...
+
+    def start_download(self, action: act.StartDownload) -> Awaitable[Any] | None: ...
+
+    def connect_runner(self, action: act.ConnectRunner) -> Awaitable[Any] | None: ...
+
+    def load_model(self, action: act.LoadModel) -> Awaitable[Any] | None: ...
+
+    def warm_up(self, action: act.WarmUp) -> Awaitable[Any] | None: ...
+
+    def forward_request(self, action: act.ForwardRequest) -> Awaitable[Any] | None: ...
+
+    def cancel_request(self, action: act.CancelRequest) -> Awaitable[Any] | None: ...
+
+
+_HANDLER: dict[type, str] = {
+    act.CreateRunner: "create_runner",
+    act.StopRunner: "stop_runner",
+    act.StartDownload: "start_download",
+    act.ConnectRunner: "connect_runner",
+    act.LoadModel: "load_model",
+    act.WarmUp: "warm_up",
+    act.ForwardRequest: "forward_request",
+    act.CancelRequest: "cancel_request",
+}  # StartGeneration and DeleteInstance move only the machines
+
+
+@attrs.frozen
+class Skipped:
+    """An action the machines refused after it was planned (an earlier action of the same round moved them)."""
+
+    action: act.Action
+    reason: str
+    error: FsmError | None = None  # the refusal, if the machines raised one
+
+
+@attrs.frozen
+class Round:
+    """What one `Driver.reconcile` did: the actions taken, those skipped, the handlers' awaitables, and whether
+    the plan came out empty (False: ``max_rounds`` ran out first; the next call goes on)."""
+
+    now: float
+    taken: tuple[act.Action, ...] = ()
+    skipped: tuple[Skipped, ...] = ()
+    work: tuple[Awaitable[Any], ...] = ()
+    settled: bool = True
+
+
+class Driver:
+    """Plan for ``nodes`` (a list, or a function giving them as they are now; every node a slot names, if not
+    given) and execute through ``adapter``.
+
+    ``before(action)``, if given, is the caller's last look before the machines move: it may change the
+    cluster (move a generation's ranks off a dead node) or return False to skip the action this round.
+    ``requests`` gives the requests waiting in the caller's request book (forwarded or cancelled by the plan).
+    """
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        adapter: Adapter,
+        clock: Callable[[], float],
+        *,
+        nodes: Sequence[str] | Callable[[], Iterable[str]] | None = None,
+        plan: Planner = default_plan,
+        before: Callable[[act.Action], bool] | None = None,
+        requests: Callable[[], Iterable[PendingRequest]] = tuple,
+        max_rounds: int = 16,
+    ) -> None:
+        self.cluster, self.adapter, self.clock = cluster, adapter, clock
+        self._nodes = nodes
+        self._plan, self._before, self._requests, self._max_rounds = plan, before, requests, max_rounds
+
+    @property
+    def nodes(self) -> list[str]:
+        if callable(self._nodes):
+            return list(self._nodes())
+        if self._nodes is not None:
+            return list(self._nodes)
+        return sorted({slot.node_id for p in self.cluster.instances.values() for slot in p.slots})
+
+    def view(self) -> ClusterView:
+        return self.cluster.view(self._requests())
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def reconcile(self) -> Round:
+        """Plan and act until the plan is empty (or ``max_rounds`` rounds); see the module docstring."""
+        now = self.clock()
+        for instance_id, placement in list(self.cluster.instances.items()):
+            if not placement.machine.is_deleted:  # a backoff's end or a budget reset is seen when it comes
+                self.cluster.instance_event(inst.Tick(instance_id, now))
+        taken: list[act.Action] = []
+        skipped: dict[act.Action, Skipped] = {}  # each once, however many rounds planned it again
+        work: list[Awaitable[Any]] = []
+        stalled: list[act.Action] | None = None  # the last plan, if none of it was taken
+        for _ in range(self._max_rounds):
+            view = self.view()
+            actions = [action for node in self.nodes for action in self._plan(view, node, now)]
+            if not actions or actions == stalled:  # done, or nothing taken and nothing changed since
+                break
+            took = False
+            for action in actions:
+                if self._before is not None and not self._before(action):
+                    skipped[action] = Skipped(action, "held back by the caller")
+                    continue
+                try:
+                    outcome = self.cluster.execute(action, self.clock())  # the caller's last look took time
+                except FsmError as exc:
+                    skipped[action] = Skipped(action, str(exc), exc)
+                    continue
+                if not outcome.accepted:
+                    skipped[action] = Skipped(action, outcome.note or "not accepted")
+                    continue
+                took = True
+                taken.append(action)
+                if (done := self._dispatch(action)) is not None:
+                    work.append(done)
+            stalled = None if took else actions  # a caller's last look may have changed the cluster: plan again
+        else:
+            return Round(now, tuple(taken), tuple(skipped.values()), tuple(work), settled=False)
+        return Round(now, tuple(taken), tuple(skipped.values()), tuple(work))
+
+    def _dispatch(self, action: act.Action) -> Awaitable[Any] | None:
+        name = _HANDLER.get(type(action))
+        if name is None:
+            return None
+        result = getattr(self.adapter, name)(action)
+        if isinstance(action, act.CreateRunner) and isinstance(result, str):
+            self.cluster.publish(action.runner_id, action.incarnation, result)
+            return None
+        return result if inspect.isawaitable(result) else None
+
+    def next_wakeup(self) -> float | None:
+        """When to call `reconcile` again if no report comes first (None: only a report or a placement will)."""
+        view = self.view()
+        now = self.clock()
+        return min((t for n in self.nodes if (t := next_deadline(view, n, now)) is not None), default=None)
+
+    def owed(self) -> list[Owed]:
+        """The reports the cluster waits for (`fsm.owed`)."""
+        return self.cluster.owed()
+
+    # -- reports -------------------------------------------------------------------------
+
+    def report(self, event: rn.RunnerEvent) -> Outcome:
+        """A runner's report (``runner.Connected``, ``Exited``, ``Fail`` …), at the clock's now."""
+        return self.cluster.runner_event(event, self.clock())
+
+    def published(self, runner_id: str, incarnation: int, endpoint: str) -> bool:
+        """A rank's ring endpoint (HOST:PORT); False if that incarnation is gone."""
+        return self.cluster.publish(runner_id, incarnation, endpoint)
+
+    def downloaded(self, node_id: str, model_id: str, *, error: str | None = None) -> Outcome:
+        """A download ended: complete, or failed with ``error`` (retried after its backoff)."""
+        now = self.clock()
+        event = dl.Complete(model_id, now) if error is None else dl.DownloadFailed(model_id, now, error)
+        return self.cluster.download_event(node_id, event)

@@ -1,0 +1,182 @@
+"""fsm.Driver: the library's loop, with adapters as a runtime would write them (synchronous and async)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import fsm
+from fsm import runner as rn
+
+SLOTS = [fsm.Slot(0, "a", "i/0"), fsm.Slot(1, "b", "i/1")]
+POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(2.0, 2.0, 8.0), max_retries=2)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Recorder:
+    """Starts nothing: records each call, and publishes ring endpoints at once (``create_runner``'s answer)."""
+
+    def __init__(self) -> None:
+        self.calls: list[fsm.Action] = []
+
+    def create_runner(self, action):
+        self.calls.append(action)
+        return f"{action.node_id}:{7000 + action.rank}"
+
+    def __getattr__(self, name):
+        return self.calls.append
+
+
+def answer_everything(driver: fsm.Driver) -> None:
+    """The world keeps its side of the contract for everything owed, then the driver goes on."""
+    for op in driver.owed():
+        match op.report:
+            case fsm.Report.DOWNLOAD:
+                driver.downloaded(op.key, op.model_id)
+            case fsm.Report.CONNECTED:
+                driver.report(rn.Connected(op.key, op.incarnation))
+            case fsm.Report.LOADED:
+                driver.report(rn.WeightsLoaded(op.key, op.incarnation))
+            case fsm.Report.WARMED:
+                driver.report(rn.Warmed(op.key, op.incarnation))
+            case fsm.Report.EXITED:
+                driver.report(rn.Exited(op.key, op.incarnation, exit_code=0))
+
+
+def settle(driver: fsm.Driver, clock: Clock, until=lambda: False) -> None:
+    for _ in range(50):
+        driver.reconcile()
+        if until():
+            return
+        if driver.owed():
+            answer_everything(driver)
+        elif (wake := driver.next_wakeup()) is not None:
+            clock.now = wake
+        else:
+            return
+    raise AssertionError(f"not settled: {driver.cluster.view()}")
+
+
+def test_a_driver_brings_two_ranks_up_and_owes_nothing_once_ready():
+    cluster, clock, world = fsm.Cluster(), Clock(), Recorder()
+    cluster.place("i", "org/m", SLOTS, policy=POLICY)
+    driver = fsm.Driver(cluster, world, clock)
+    first = driver.reconcile()
+    assert [type(a) for a in first.taken] == [fsm.StartGeneration, fsm.StartDownload, fsm.StartDownload]
+    assert driver.owed() == [fsm.Owed(fsm.Report.DOWNLOAD, n, model_id="org/m") for n in ("a", "b")]
+    settle(driver, clock)
+    assert cluster.instance("i").instance_state is fsm.InstanceState.READY
+    assert {e.endpoint for e in cluster.runners.values()} == {"a:7000", "b:7001"}  # create_runner's answer
+    kinds = [type(a).__name__ for a in world.calls]
+    assert kinds.count("CreateRunner") == kinds.count("ConnectRunner") == kinds.count("WarmUp") == 2
+    assert "StartGeneration" not in kinds  # it moves only the machines: no handler is called for it
+    assert driver.owed() == [] and driver.next_wakeup() is None and driver.reconcile().taken == ()
+
+
+def test_a_failure_is_stopped_backed_off_and_restarted_at_the_wakeup():
+    cluster, clock, world = fsm.Cluster(), Clock(), Recorder()
+    cluster.place("i", "org/m", SLOTS, policy=POLICY)
+    driver = fsm.Driver(cluster, world, clock)
+    settle(driver, clock)
+    clock.now = 10.0
+    driver.report(rn.Exited("i/1", 1, exit_code=-9))  # rank 1 killed
+    stop = driver.reconcile().taken
+    assert stop == (fsm.StopRunner("i/0", 1, fsm.StopReason.RECOVERING),)  # one_for_all
+    assert driver.owed() == [fsm.Owed(fsm.Report.EXITED, "i/0", 1)]
+    driver.report(rn.Exited("i/0", 1, exit_code=0))
+    assert driver.reconcile().taken == ()  # backing off
+    assert driver.next_wakeup() == 12.0
+    machine = cluster.instance("i")
+    settle(driver, clock, until=lambda: machine.instance_state is fsm.InstanceState.READY)
+    assert (machine.generation, machine.attempts, clock.now) == (2, 1, 12.0)
+    assert driver.next_wakeup() == 12.0 + POLICY.reset_after  # the budget's reset, seen when it comes
+    settle(driver, clock)
+    assert (machine.attempts, clock.now) == (0, 12.0 + POLICY.reset_after)
+
+
+def test_the_callers_last_look_may_hold_an_action_back():
+    cluster, clock, world = fsm.Cluster(), Clock(), Recorder()
+    cluster.place("i", "org/m", SLOTS[:1])
+    driver = fsm.Driver(cluster, world, clock, before=lambda a: not isinstance(a, fsm.StartDownload))
+    done = driver.reconcile()
+    assert done.taken == (fsm.StartGeneration("i", 1),)
+    assert [s.action for s in done.skipped] == [fsm.StartDownload("a", "org/m")]
+    assert world.calls == [] and cluster.downloads == {}  # held back: the machines did not move either
+
+
+def test_a_refusal_of_the_machines_is_skipped_with_its_error_and_the_rest_goes_on():
+    cluster, clock, world = fsm.Cluster(), Clock(), Recorder()
+    cluster.place("i", "org/m", SLOTS[:1])
+    bogus = fsm.ConnectRunner("nobody", 1)
+    driver = fsm.Driver(cluster, world, clock, plan=lambda view, node, now: [bogus, *fsm.plan(view, node, now)])
+    done = driver.reconcile()
+    assert done.skipped[0].action == bogus and isinstance(done.skipped[0].error, fsm.InvalidEvent)
+    assert fsm.StartGeneration("i", 1) in done.taken
+
+
+def test_a_plan_that_never_empties_says_it_did_not_settle():
+    cluster, clock = fsm.Cluster(), Clock()
+    cluster.place("i", "org/m", SLOTS[:1])
+    again = fsm.CancelRequest("r", "gone", "instance does not exist")  # accepted every round
+    driver = fsm.Driver(cluster, Recorder(), clock, plan=lambda *_: [again], max_rounds=3)
+    done = driver.reconcile()
+    assert (done.settled, len(done.taken)) == (False, 3)
+
+
+def test_async_handlers_are_handed_back_to_the_caller_to_await():
+    started: list[str] = []
+
+    class Async(Recorder):
+        async def start_download(self, action):
+            await asyncio.sleep(0)
+            started.append(action.node_id)
+            driver.downloaded(action.node_id, action.model_id)
+
+    cluster, clock = fsm.Cluster(), Clock()
+    cluster.place("i", "org/m", SLOTS[:1])
+    driver = fsm.Driver(cluster, Async(), clock)
+
+    async def main() -> None:
+        done = driver.reconcile()
+        assert len(done.work) == 1 and started == []  # nothing ran inside the driver
+        await asyncio.gather(*done.work)
+
+    asyncio.run(main())
+    assert started == ["a"] and cluster.downloads[("a", "org/m")].download_state is fsm.DownloadState.COMPLETED
+
+
+@pytest.mark.parametrize("nodes", [["a"], lambda: ["a"]])
+def test_a_driver_plans_only_for_its_nodes(nodes):
+    cluster, clock, world = fsm.Cluster(), Clock(), Recorder()
+    cluster.place("i", "org/m", SLOTS)
+    fsm.Driver(cluster, world, clock, nodes=nodes).reconcile()
+    assert fsm.StartDownload("b", "org/m") not in world.calls and fsm.StartDownload("a", "org/m") in world.calls
+
+
+def test_a_last_look_that_changes_the_cluster_is_planned_again_in_the_same_reconcile():
+    """exod's model gone from the cache: the load is held back and the download invalidated, and the download
+    that this calls for is taken at once, not at the next report (which would never come)."""
+    cluster, clock, world = fsm.Cluster(), Clock(), Recorder()
+    cluster.place("i", "org/m", SLOTS[:1])
+    before = fsm.Driver(cluster, world, clock, before=lambda a: not isinstance(a, fsm.LoadModel))
+    settle(before, clock)  # downloaded, its runner created and waiting to load
+    assert [type(a) for a in fsm.plan(before.view(), "a", 0.0)] == [fsm.LoadModel]
+
+    def gone(action: fsm.Action) -> bool:
+        if isinstance(action, fsm.LoadModel):
+            cluster.download_event("a", fsm.download.Invalidate("org/m", clock.now))
+            return False
+        return True
+
+    driver = fsm.Driver(cluster, world, clock, before=gone)
+    done = driver.reconcile()
+    assert [type(s.action) for s in done.skipped] == [fsm.LoadModel]
+    assert done.taken == (fsm.StartDownload("a", "org/m"),) and done.settled
