@@ -79,8 +79,8 @@ class Failure:
         return self.kind is not FailureKind.HOST
 
     @classmethod
-    def host(cls, message: str, detail: str = "") -> Failure:
-        return cls(FailureKind.HOST, message, detail=detail)
+    def host(cls, message: str, detail: str = "", exception_type: str | None = None) -> Failure:
+        return cls(FailureKind.HOST, message, detail=detail, exception_type=exception_type)
 
     @classmethod
     def peer_failed(cls, rank: int) -> Failure:

@@ -263,6 +263,9 @@ class FakeFleet:
         return max(t for t in times if t is not None)
 
 
+FAKE_MODEL_FILES = frozenset({"config.json", "model.safetensors"})  # what every fake model has
+
+
 class FakeModels(ModelFiles):
     """`ModelFiles` with no hub and no cache: a fetch takes ``delay`` virtual seconds; no thread, no file.
 
@@ -296,6 +299,7 @@ class FakeModels(ModelFiles):
         progress(100, 100)
         self.fetches.append((started, model_id, "ok"))
         self._paths[model_id] = FAKE_MODEL_ROOT / model_id
+        self._manifest[model_id] = FAKE_MODEL_FILES  # found whole: `ModelFiles.lost` judges by these
         return self._paths[model_id]
 
     def path(self, model_id: str) -> Path:
@@ -304,8 +308,7 @@ class FakeModels(ModelFiles):
         return self._paths[model_id]
 
     def vanished(self, model_id: str) -> bool:
-        fetched = {m for _, m, outcome in self.fetches if outcome == "ok"}
-        return model_id in fetched and model_id not in self._paths
+        return model_id in self._manifest and model_id not in self._paths
 
     def facts(self, model_id: str) -> fsm.ModelFacts | None:
         """Every model is on the fake hub: fetchable, its facts unknown (admission checks the limits alone)."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import errno
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import trio
@@ -18,6 +20,7 @@ from exod.cluster.election import election_key
 from exod.cluster.etcd import EtcdUnavailable, KeyValue
 from exod.cluster.nodes import FENCE_MARGIN, NodeRecord, runner_key
 from exod.host.supervisor import Listener, RunnerSpec, Timeouts
+from exod.runner import protocol as p
 from exod.runner.faults import Fault, FaultSpec
 from exod.state.sqlite import Store
 
@@ -133,6 +136,7 @@ def with_agent(tmp_path, body, process_cls: type[FakeProcess] = FakeProcess, **o
 
     def spawn(spec: RunnerSpec, listener: Listener, timeouts: Timeouts) -> FakeProcess:
         processes.append(process_cls(spec, etcd))
+        processes[-1].listener = listener  # what the runner reports goes there
         return processes[-1]
 
     async def main() -> None:
@@ -495,5 +499,55 @@ def test_a_renewal_extends_the_runners_deadlines_at_once_not_at_the_next_beat(tm
         presence.renew()
         await trio.sleep(0.01)
         assert processes[0].deadlines[-1] == presence.authority_until and not processes[0].killed
+
+    with_agent(tmp_path, body)
+
+
+def cached_model(hf_home, model_id: str = "org/m") -> Path:
+    """A model whole in the Hugging Face cache layout (config and weights), as a finished download leaves it."""
+    repo = hf_home / "hub" / f"models--{model_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    (snapshot / "config.json").write_text("{}")
+    (snapshot / "model.safetensors").write_bytes(b"weights")
+    return snapshot
+
+
+def test_files_of_a_model_that_go_missing_while_it_loads_are_the_hosts_failure_not_the_models(tmp_path):
+    """Found by the fault campaign (#26, seed 1452815653): a model's files removed from a node's cache for a few
+    seconds while a rank loaded charged the instance retries (ModelNotFound) or, back before the runner's
+    FileNotFoundError was, deleted the instance as a defect of the model. The node judges its own files: a
+    file the model had when it was found whole is the host's loss; a file it never had is the model's."""
+    from exod.cluster.agent import CommandRequest
+
+    snapshot = cached_model(tmp_path / "hf")
+    load = CommandRequest(command={"type": "load", "model_path": ""}, model_id="org/m")
+
+    async def next_report(stream) -> dict:
+        while (event := json.loads(await stream.__anext__()))["kind"] != "report":
+            pass
+        return event["report"]
+
+    async def body(agent, etcd, presence, processes):
+        stream = await agent.connect(TERM)
+        await stream.__anext__()
+        await agent.spawn(TERM, request(stream=2))
+        agent.post(TERM, "i/0", 1, load)
+        assert processes[0].posted[0].model_path == str(snapshot)  # found whole: its files are known
+        runner, spec = processes[0], processes[0].spec
+        for missing, host in ((snapshot / "model.safetensors", True), (snapshot / "tokenizer.json", False)):
+            message = f"[Errno 2] No such file or directory: '{missing}'"
+            runner.listener.on_report(spec, p.Failed("i/0", 1, "FileNotFoundError", message, "", retryable=False))
+            assert (await next_report(stream))["host"] is host, missing.name  # tokenizer.json: never there
+        runner.listener.on_report(spec, p.Failed("i/0", 1, "ValueError", "bad config", "", retryable=False))
+        assert (await next_report(stream))["host"] is False  # not a missing file: the model's
+        shutil.rmtree(tmp_path / "hf" / "hub")  # the whole model gone from the cache (a cleanup)
+        await agent.spawn(TERM, request(incarnation=2, stream=2))
+        agent.post(TERM, "i/0", 2, load)
+        report = await next_report(stream)
+        assert (report["exception_type"], report["host"]) == ("ModelNotFound", True)
+        assert processes[1].posted == []
 
     with_agent(tmp_path, body)

@@ -354,8 +354,8 @@ class Controller:
         if self._stopping:  # the machines keep their state as of the shutdown; `restore` takes it from there
             return
         entry = self.cluster.runners.get(event.runner_id)
-        if isinstance(event, rn.Fail) and not event.failure.retryable and entry is not None:
-            event = self._downloads.unless_vanished(
+        if isinstance(event, rn.Fail) and entry is not None and entry.instance_id in self.cluster.instances:
+            event = self._downloads.unless_lost(
                 event, self.cluster.instances[entry.instance_id].model_id, entry.node_id
             )
         failed_before = entry is not None and entry.machine.failure is not None

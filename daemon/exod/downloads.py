@@ -14,7 +14,7 @@ import attrs
 
 import fsm
 from exod.cluster.remote import AgentUnavailable, Fleet
-from exod.host.models import ModelFiles, ModelNotFound
+from exod.host.models import MISSING, ModelFiles, ModelNotFound
 from fsm import download as dl
 from fsm import runner as rn
 from fsm.cluster import Cluster
@@ -50,17 +50,28 @@ class Downloads:
             self._cluster().download_event(node_id, dl.Complete(model_id, self._now()))
         self._changed()
 
-    def unless_vanished(self, event: rn.Fail, model_id: str, node_id: str) -> rn.Fail:
-        """A non-retryable failure is the model's defect, unless its files are gone from this node's cache:
-        then it is fetched again (the download back to Pending) and the failure retried like any other."""
-        if (self.fleet is not None and node_id != self.fleet.local) or not self.models.vanished(model_id):
+    def unless_lost(self, event: rn.Fail, model_id: str, node_id: str) -> rn.Fail:
+        """A runner that cannot find its model's files: the host's failure (uncharged), and the model fetched
+        again on that node, if the files were there once (`ModelFiles.lost`); the model's defect otherwise. A
+        node's agent judges its own files, and says so with a host's failure naming what was missing."""
+        failure = event.failure
+        if self.fleet is not None and node_id != self.fleet.local:
+            if failure.kind is fsm.FailureKind.HOST and failure.exception_type in MISSING:
+                self._invalidate(node_id, model_id)
             return event
-        log.warning("the files of %s vanished while it ran: fetching it again", model_id)
+        if not self.models.lost(model_id, failure.exception_type, failure.message):
+            return event
+        log.warning("the files of %s went missing while it ran: fetching it again", model_id)
         self.models.forget(model_id)
+        self._invalidate(node_id, model_id)
+        message = f"{failure.message} (the model's files went missing from this node's cache: fetching it again)"
+        return attrs.evolve(
+            event, failure=fsm.Failure.host(message, detail=failure.detail, exception_type=failure.exception_type)
+        )
+
+    def _invalidate(self, node_id: str, model_id: str) -> None:
         with contextlib.suppress(fsm.FsmError):  # already being fetched again
             self._cluster().download_event(node_id, dl.Invalidate(model_id, self._now()))
-        message = f"{event.failure.message} (the model's files vanished from the cache: fetching it again)"
-        return attrs.evolve(event, failure=attrs.evolve(event.failure, message=message, retryable=True))
 
     def _bytes(self, node_id: str, model_id: str, done: int, total: int | None) -> None:
         try:

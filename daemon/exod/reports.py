@@ -73,7 +73,8 @@ class Reports:
                 event(rn.Progress(rid, inc, layers_loaded=done, layers_total=total))
             case p.Failed(host=True):
                 message = f"{report.exception_type}: {report.message}"
-                event(rn.Fail(rid, inc, failure=fsm.Failure.host(message, detail=report.traceback)))
+                failure = fsm.Failure.host(message, detail=report.traceback, exception_type=report.exception_type)
+                event(rn.Fail(rid, inc, failure=failure))
             case p.Failed(peer=True):
                 message = f"{report.exception_type}: {report.message}"
                 event(rn.Fail(rid, inc, failure=fsm.Failure.peer_lost(message, detail=report.traceback)))

@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any, Protocol
 
+import attrs
 import trio
 from fastapi import APIRouter, Header, HTTPException
 from fastapi.responses import StreamingResponse
@@ -147,6 +148,7 @@ class Agent:
             hf_home=config.hf_home, offline=config.offline, timeout=config.download_timeout
         )
         self._running: dict[tuple[str, int], FencedProcess] = {}
+        self._loading: dict[tuple[str, int], str] = {}  # the model each runner was told to load
         self._scopes: dict[tuple[str, int], trio.CancelScope] = {}  # cancelling one kills its runner at once
         self._stream: trio.MemorySendChannel[bytes] | None = None
         self._session = 0  # the stream's number: runners belong to the stream open when they were spawned
@@ -356,11 +358,13 @@ class Agent:
                 validate_model_id(request.model_id)
             except InvalidModelId as exc:
                 raise Refused(400, str(exc)) from exc
+            self._loading[(runner_id, incarnation)] = request.model_id
             try:
                 command = p.Load(str(self.models.path(request.model_id)), command.layers_total)
-            except Exception as exc:  # ModelNotFound: the runner fails the load, retryably
-                failed = {"kind": "report", **_key(process.spec), "report": json.loads(_failed(process.spec, exc))}
-                self._send(self._session, failed)
+            except Exception as exc:  # ModelNotFound: the runner fails the load (the host's, if it was here)
+                lost = self.models.lost(request.model_id, type(exc).__name__, str(exc))
+                report = json.loads(_failed(process.spec, exc, host=lost))
+                self._send(self._session, {"kind": "report", **_key(process.spec), "report": report})
                 return
         process.post(command)
 
@@ -450,6 +454,7 @@ class Agent:
             self._send(self._session, {"kind": "exit", **_key(spec), "exit_code": 1, "tail": "", "stopped": False})
         finally:
             self._running.pop(key, None)
+            self._loading.pop(key, None)
             self._scopes.pop(key, None)
             self._generations.ended(instance_id, spec.incarnation)
             self.book.forget(*key)  # killed by fencing, it never said its exit
@@ -470,6 +475,15 @@ class _Forward:
         self.agent._send(self.session, {"kind": "spawned", **_key(spec), "pid": pid})
 
     def on_report(self, spec: RunnerSpec, report: p.Report) -> None:
+        key = (spec.runner_id, spec.incarnation)
+        model_id = self.agent._loading.get(key)
+        if (
+            isinstance(report, p.Failed)
+            and not report.host
+            and model_id is not None
+            and self.agent.models.lost(model_id, report.exception_type, report.message)  # this node's to judge
+        ):
+            report = attrs.evolve(report, host=True)
         self.agent._send(self.session, {"kind": "report", **_key(spec), "report": json.loads(report.to_json())})
 
     def on_stall(self, spec: RunnerSpec, phase: str, seconds: float) -> None:
@@ -485,10 +499,10 @@ def _key(spec: RunnerSpec) -> dict[str, Any]:
     return {"runner_id": spec.runner_id, "incarnation": spec.incarnation}
 
 
-def _failed(spec: RunnerSpec, exc: Exception) -> str:
+def _failed(spec: RunnerSpec, exc: Exception, *, host: bool = False) -> str:
     """A supervisor's failure, as the runner's report: out of fds or disk is the host's (uncharged), as on one
     host (`exod.reports`); found by the fault campaign (#26), an fd limit charged the model a retry."""
-    host = isinstance(exc, OSError) and exc.errno in p.HOST_ERRNOS
+    host = host or (isinstance(exc, OSError) and exc.errno in p.HOST_ERRNOS)
     report = p.Failed(spec.runner_id, spec.incarnation, type(exc).__name__, str(exc), "", retryable=True, host=host)
     return report.to_json()
 

@@ -7,6 +7,7 @@ module reads the environment itself at call time and passes ``cache_dir``/``loca
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -14,7 +15,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import attrs
@@ -45,6 +46,10 @@ class InvalidModelId(ValueError):
 
 class ModelNotFound(Exception):
     """A model is neither in the local cache nor obtainable from the hub."""
+
+
+# what a runner (or this node, resolving the path) raises when a model's files are not where they were
+MISSING = frozenset({"FileNotFoundError", "ModelNotFound"})
 
 
 @attrs.frozen
@@ -300,7 +305,7 @@ class ModelFiles:
         self.local: dict[str, Path] = {}  # "local/NAME" -> directory
         self._paths: dict[str, Path] = {}
         self._facts: dict[str, fsm.ModelFacts | None] = {}  # read once per model directory
-        self._was_whole: set[str] = set()  # models found with every file: a later gap means files vanished
+        self._manifest: dict[str, frozenset[str]] = {}  # the files of each model found whole here
 
     def register_local(self, directory: Path) -> str:
         """Name a local model directory ``local/NAME`` so it can be placed."""
@@ -361,12 +366,28 @@ class ModelFiles:
         """Whether files of the model were removed since it was found whole: not a defect of the model (one
         that was never whole, a repository without config.json, say, is, and stays non-retryable)."""
         path = self._paths.get(model_id) or self.local.get(model_id)
-        return model_id in self._was_whole and (path is None or not is_complete(path))
+        return model_id in self._manifest and (path is None or not is_complete(path))
+
+    def lost(self, model_id: str, exception_type: str | None, message: str) -> bool:
+        """Whether a runner's failure to find a file of the model is this host's loss, not the model's defect:
+        the model was found whole here with that file, so it went missing since (a cache cleanup, a full
+        disk's), whether or not it is back by now. A file that never was is the model's, and stays so.
+
+        Found by the fault campaign (#26): files removed for a few seconds while a rank loaded charged the
+        instance retries, or deleted it as a defect of the model if they were back before the failure was.
+        """
+        files = self._manifest.get(model_id)
+        if files is None or exception_type not in MISSING:
+            return False
+        if exception_type == ModelNotFound.__name__:  # the whole directory gone from the cache
+            return True
+        return any(PurePath(named).name in files for named in re.findall(r"'([^']+)'", message))
 
     def _found(self, model_id: str, path: Path) -> Path:
         self._paths[model_id] = path
         if is_complete(path):
-            self._was_whole.add(model_id)
+            with contextlib.suppress(OSError):
+                self._manifest[model_id] = frozenset(f.name for f in path.iterdir())
         return path
 
     def facts(self, model_id: str) -> fsm.ModelFacts | fsm.UnknownModel | None:
