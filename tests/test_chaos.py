@@ -261,3 +261,24 @@ def test_a_fault_on_an_etcd_member_holds_that_member_alone_and_lets_it_go_when_u
             m.process.send_signal(signal.SIGCONT)
             m.process.kill()
             m.process.wait()
+
+
+def test_an_events_reader_of_a_quiet_log_sees_the_stop_at_the_next_keepalive():
+    """Found by the 30-min campaign (seed 1452815653): `iter_sse` swallows comments, so a reader of a log with
+    nothing new (the daemon sending only keepalives) never looked at the stop, and was left waiting."""
+    import threading
+
+    from exod.chaos.workload import until_stopped
+
+    stop = threading.Event()
+    seen: list[str] = []
+
+    def lines():
+        yield from ("id: 7", "event: transition", 'data: {"seq": 7}', "")
+        stop.set()  # the campaign ends while the log is quiet
+        while True:  # the daemon's keepalives, forever
+            yield from (": keepalive", "")
+
+    for event in until_stopped(lines(), stop):
+        seen.append(event.event)
+    assert seen == ["transition"]
