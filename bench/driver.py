@@ -4,7 +4,8 @@ Both bring ``--instances`` instances of 2 ranks each (on 2 nodes) from placement
 world answering every report at once, then fail rank 1 of each and bring the next generation up. The hand
 loop is what exod's controller ran before it used the driver: a tick per instance, then rounds of plan on
 every node → execute → the handler, until the plan is empty. Time is per action taken; the goal is the
-driver ≤ 1.2× the hand loop's. The two alternate, ``--repeats`` times each, and the medians are compared.
+driver ≤ 1.2× the hand loop's. The two alternate (in turn first), ``--repeats`` times each, each after a
+garbage collection, and the medians are compared.
 
 Run: ``.venv/bin/python bench/driver.py [--smoke]``; writes bench/results/driver.json.
 """
@@ -12,6 +13,7 @@ Run: ``.venv/bin/python bench/driver.py [--smoke]``; writes bench/results/driver
 from __future__ import annotations
 
 import argparse
+import gc
 import platform
 import statistics
 import sys
@@ -140,8 +142,10 @@ def main() -> None:
 
     per_action: dict[str, list[float]] = {"by hand": [], "driver": []}
     counts: dict[str, int] = {}
-    for _ in range(args.repeats):
-        for name, loop in (("by hand", by_hand), ("driver", with_driver)):
+    contestants = [("by hand", by_hand), ("driver", with_driver)]
+    for repeat in range(args.repeats):
+        for name, loop in contestants if repeat % 2 == 0 else contestants[::-1]:  # neither always goes second
+            gc.collect()  # the other's garbage is not collected on this one's time
             actions, seconds = run(loop, args.instances)
             counts[name] = actions
             per_action[name].append(seconds / actions)
