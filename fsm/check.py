@@ -17,7 +17,7 @@ checker takes every event there is:
 * ``submit`` — a chat request arrives (up to ``requests`` of them): it must be forwarded to Ready
   runners of the current generation, or cancelled with a Deleted instance, and never left waiting.
 
-With ``hosts`` set, the ranks live on a cluster of that many nodes (DESIGN §5), and the adversary also
+With ``hosts`` set, the ranks live on a cluster of that many nodes (a node per host, as on etcd), and the adversary also
 hits whole nodes (up to ``node_failures`` times):
 
 * ``kill N`` — the node dies with its runners; ``cut N`` — it is cut off (a partition), its runners
@@ -36,7 +36,7 @@ A new generation is placed again off nodes whose lease expired (`fsm.place_again
 nodes stay, the others go where the fewest ranks are).
 
 It explores breadth-first, so the first violation found has a shortest trace,
-and checks the invariants of DESIGN §3.5 on every transition and state:
+and checks these invariants (numbered as the specs number them) on every transition and state:
 
 1. Shutdown and Deleted are absorbing; no runner is created for a Deleted instance.
 2. Failed is left only to Shutdown.
@@ -238,6 +238,11 @@ def _faults(values: Any) -> tuple[Fault, ...]:
 
 @attrs.frozen
 class CheckConfig:
+    """What `check` explores: one instance of ``ranks`` ranks under ``policy``, the adversary's ``faults`` (and
+    ``deletes``, ``download_failures``, ``requests``), bounded by ``depth`` events and ``max_states``; the
+    planner and machine classes to check (a variant with a bug planted plugs in here); ``hosts`` and
+    ``node_failures`` put the ranks on a cluster whose nodes fail."""
+
     ranks: int = 2
     policy: RetryPolicy = attrs.field(factory=RetryPolicy)
     depth: int = 200

@@ -5,7 +5,7 @@ Theory of operation
 `fsm.check` drives the real machines of one controller that never fails. What broke the cluster was the
 controller itself: cut off, cut from etcd alone, paused, deposed while its commands were still in flight.
 This module models that control plane, abstractly and small enough to explore every state, with every
-actor able to fail (DESIGN §5):
+actor able to fail (the several hosts of exod's cluster on etcd):
 
 * **etcd** holds the election key (its holder and the term, its create revision), one lease per node (time
   left by etcd's clock; the node's runner keys go with it), the runner keys, and the highest generation

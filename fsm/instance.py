@@ -70,6 +70,8 @@ from fsm.failure import Failure, FailureKind
 
 
 class InstanceState(enum.Enum):
+    """Where an instance is in its retry lifecycle (the states of `InstanceRetry`)."""
+
     PENDING = "pending"
     STARTING = "starting"
     READY = "ready"
@@ -79,6 +81,8 @@ class InstanceState(enum.Enum):
 
 
 class DeleteReason(enum.Enum):
+    """Why an instance reached Deleted: asked by its user, out of retries, or a failure no retry can mend."""
+
     REQUESTED = "requested"
     RETRIES_EXHAUSTED = "retries_exhausted"
     NON_RETRYABLE = "non_retryable"

@@ -373,7 +373,8 @@ class RunnerLifecycle(Lifecycle):
         if event.incarnation > self.incarnation:
             raise IncarnationMismatch(
                 f"runner {self.runner_id!r} is incarnation {self.incarnation}; "
-                f"event names {event.incarnation}: create a new RunnerLifecycle for it"
+                f"event names {event.incarnation}: a newer incarnation is a new process, created by a CreateRunner "
+                "action (Cluster.execute), or as a new RunnerLifecycle by a caller driving this machine alone"
             )
         return self._fire(event.name, **event.payload())
 

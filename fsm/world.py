@@ -5,7 +5,7 @@ request) leaves an `fsm.owed.Owed` report; whoever drives the simulation decides
 when it completes — at once (a demo, `World.settle`), in a random order
 (Hypothesis), or in every order (the model checker). All three use `World`.
 
-The invariants that must hold *at the moment an action is taken* (DESIGN §3.5:
+The invariants that must hold *at the moment an action is taken* (numbered as in `fsm.check`:
 1, 5 and 6) are checked here, in `check_action`, for every driver alike. Pure,
 like the rest of `fsm`.
 """
@@ -80,7 +80,7 @@ def complete(cluster: Cluster, op: Owed, now: float, *, ok: bool = True) -> bool
 
 
 class InvariantViolated(AssertionError):
-    """An invariant of DESIGN §3.5 does not hold; ``invariant`` names it as the specs do."""
+    """An invariant of `fsm.check`'s list does not hold; ``invariant`` names it as the specs do."""
 
     def __init__(self, invariant: str, message: str) -> None:
         super().__init__(f"{invariant}: {message}")
