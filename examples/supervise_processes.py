@@ -87,9 +87,6 @@ class Processes:
         except TimeoutError:
             proc.kill()
 
-    def start_download(self, action: fsm.StartDownload) -> None:
-        self._tell(lambda: self.driver.downloaded(action.node_id, action.model_id))  # nothing to fetch
-
     def forward_request(self, action: fsm.ForwardRequest) -> None:
         raise NotImplementedError("this example sends no requests")
 
@@ -131,7 +128,7 @@ async def main() -> None:
     world = Processes()
     driver = world.driver = fsm.Driver(cluster, world, time.time)
     slots = [fsm.Slot(rank, "local", f"web/{rank}") for rank in range(2)]
-    cluster.place("web", "local/http.server", slots, policy=POLICY)
+    cluster.place("web", "local/http.server", slots, policy=POLICY, local=True)  # nothing to download
     machine = cluster.instance("web")
 
     def ready(gen: int):

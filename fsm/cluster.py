@@ -59,6 +59,7 @@ class _Placement:
     model_id: str
     slots: tuple[Slot, ...]
     machine: inst.InstanceRetry
+    local: bool = False  # the model's files are on its nodes already (the caller answers for them)
 
 
 class Cluster:
@@ -92,7 +93,10 @@ class Cluster:
         *,
         policy: inst.RetryPolicy | None = None,
         seed: int = 0,
+        local: bool = False,
     ) -> None:
+        """A new instance of ``model_id`` on ``slots``; ``local``: its files are on each node already (a model
+        directory the caller owns), so nothing is downloaded and no download is owed."""
         if instance_id in self.instances:
             raise InvalidConfig(f"instance {instance_id!r} already exists; delete it first or pick another id")
         view = InstanceView(instance_id, model_id, tuple(slots))  # validates the slots
@@ -100,7 +104,7 @@ class Cluster:
         if clash := taken & {s.runner_id for s in view.slots}:
             raise InvalidConfig(f"runner ids already used by another instance: {sorted(clash)}")
         machine = self.instance_cls(instance_id, world_size=view.world_size, policy=policy, seed=seed)
-        self.instances[instance_id] = _Placement(model_id, view.slots, machine)
+        self.instances[instance_id] = _Placement(model_id, view.slots, machine, local)
 
     def move(self, instance_id: str, nodes: Sequence[str]) -> None:
         """Put the ranks of ``instance_id`` on ``nodes`` (rank 0 first) from its next generation on: only
@@ -254,8 +258,12 @@ class Cluster:
 
     def _load_model(self, action: act.LoadModel, now: float) -> Outcome:
         """The download's backoff resets only when the runner really starts loading (the files proved good)."""
-        node_id = self.runners[action.runner_id].node_id if action.runner_id in self.runners else ""
+        entry = self.runners.get(action.runner_id)
+        node_id = "" if entry is None else entry.node_id
+        placement = None if entry is None else self.instances.get(entry.instance_id)
         download = self.downloads.get((node_id, action.model_id))
+        if placement is not None and placement.local:
+            return self.runner_event(rn.Load(action.runner_id, action.incarnation), now)
         if download is None or download.download_state is not dl.DownloadState.COMPLETED:
             raise InvalidEvent(f"cannot load {action.model_id!r} on {node_id!r}: its download is not complete")
         outcome = self.runner_event(rn.Load(action.runner_id, action.incarnation), now)
@@ -274,7 +282,8 @@ class Cluster:
         """The planner's input; ``requests`` come from whoever keeps the request book (the daemon, a `World`)."""
         return ClusterView.build(
             instances=[
-                InstanceView(iid, p.model_id, p.slots, RetryStatus.of(p.machine)) for iid, p in self.instances.items()
+                InstanceView(iid, p.model_id, p.slots, RetryStatus.of(p.machine), p.local)
+                for iid, p in self.instances.items()
             ],
             runners=[
                 RunnerStatus.of(e.machine, instance_id=e.instance_id, node_id=e.node_id, endpoint=e.endpoint)
@@ -319,6 +328,7 @@ class Cluster:
                     "slots": [attrs.asdict(s) for s in p.slots],
                     "machine": p.machine.to_dict(),
                 }
+                | ({"local": True} if p.local else {})
                 for iid, p in self.instances.items()
             },
             "runners": {
@@ -403,7 +413,10 @@ def _restore_placements(value: object) -> dict[str, _Placement]:
     owner: dict[str, str] = {}  # runner id -> the instance whose slot it is
     for iid, raw in _mapping(value, "instances").items():
         where = f"instances.{iid}"
-        p = _fields(raw, where, ("model_id", "slots", "machine"))
+        p = _fields(raw, where, ("model_id", "slots", "machine"), ignored=("local",))
+        local = raw.get("local", False)
+        if not isinstance(local, bool):
+            raise SnapshotError(f"{where}.local: expected a bool, got {show(local)}")
         if not isinstance(p["model_id"], str):
             raise SnapshotError(f"{where}.model_id: expected a str, got {show(p['model_id'])}")
         slots = _slots(p["slots"], f"{where}.slots")
@@ -418,7 +431,7 @@ def _restore_placements(value: object) -> dict[str, _Placement]:
             raise SnapshotError(f"{where}.machine.instance_id: {machine.instance_id!r} is not {iid!r}")
         if machine.world_size != len(slots):
             raise SnapshotError(f"{where}.machine.world_size: {machine.world_size}, but {len(slots)} slots")
-        placements[iid] = _Placement(p["model_id"], slots, machine)
+        placements[iid] = _Placement(p["model_id"], slots, machine, local)
     return placements
 
 

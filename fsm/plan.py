@@ -24,7 +24,8 @@ The rules carried over from exo's two fixes, by function:
   neither waits for the other); nor before the backoff deadline; nor while any
   runner of an older generation is still alive.
 * ``_download_models`` — a failed download is retried once its per-model
-  backoff has elapsed.
+  backoff has elapsed; a local placement (its files on its nodes already)
+  downloads nothing.
 """
 
 from __future__ import annotations
@@ -99,8 +100,10 @@ def _current(view: ClusterView, inst: InstanceView) -> list[RunnerStatus | None]
     return [r if r is not None and r.incarnation == gen else None for _, r in view.slot_runners(inst)]
 
 
-def _model_on(view: ClusterView, node_id: str, model_id: str) -> bool:
-    download = view.download(node_id, model_id)
+def _model_on(view: ClusterView, node_id: str, inst: InstanceView) -> bool:
+    if inst.local:
+        return True
+    download = view.download(node_id, inst.model_id)
     return download is not None and download.state is DownloadState.COMPLETED
 
 
@@ -194,7 +197,7 @@ def _create_runners(view: ClusterView, node_id: str, now: float) -> Iterator[Act
         statuses = dict(view.slot_runners(inst))
         if any(r is not None and r.alive and r.incarnation < retry.generation for r in statuses.values()):
             continue  # never two generations alive at once
-        if not _model_on(view, node_id, inst.model_id):
+        if not _model_on(view, node_id, inst):
             continue  # the instance waits for its download; `_download_models` is fetching it
         for slot, ours in statuses.items():
             if slot.node_id != node_id or (ours is not None and ours.incarnation >= retry.generation):
@@ -221,7 +224,7 @@ def _download_models(view: ClusterView, node_id: str, now: float) -> Iterator[Ac
         {
             inst.model_id
             for inst in view.instances.values()
-            if node_id in inst.nodes and inst.retry.state is not InstanceState.DELETED
+            if node_id in inst.nodes and inst.retry.state is not InstanceState.DELETED and not inst.local
         }
     )
     for model_id in wanted:
@@ -262,7 +265,7 @@ def _load_models(view: ClusterView, node_id: str) -> Iterator[Action]:
     for inst in view.instances.values():
         if inst.retry.state is not InstanceState.STARTING:
             continue
-        if not all(_model_on(view, node, inst.model_id) for node in inst.nodes):
+        if not all(_model_on(view, node, inst) for node in inst.nodes):
             continue
         current = _current(view, inst)
         all_joined = all(

@@ -123,6 +123,7 @@ class InstanceView:
     model_id: str
     slots: tuple[Slot, ...] = attrs.field(converter=_slots)
     retry: RetryStatus = RetryStatus(InstanceState.PENDING)
+    local: bool = False  # its model's files are on each of its nodes already: nothing to download
 
     @property
     def world_size(self) -> int:

@@ -109,7 +109,8 @@ def check_action(cluster: Cluster, action: act.Action, now: float) -> None:
             if older:
                 raise InvariantViolated("6 one generation at a time", f"{action} while {older[0].runner_id} is alive")
             download = cluster.downloads.get((action.node_id, action.model_id))
-            if download is None or download.download_state is not DownloadState.COMPLETED:
+            local = cluster.instances[instance_id].local
+            if not local and (download is None or download.download_state is not DownloadState.COMPLETED):
                 state = "never started" if download is None else download.leaf
                 raise InvariantViolated(
                     "runners only for a model on their node", f"{action} while its download is {state}"

@@ -180,3 +180,19 @@ def test_a_last_look_that_changes_the_cluster_is_planned_again_in_the_same_recon
     done = driver.reconcile()
     assert [type(s.action) for s in done.skipped] == [fsm.LoadModel]
     assert done.taken == (fsm.StartDownload("a", "org/m"),) and done.settled
+
+
+def test_a_local_placement_downloads_nothing_and_owes_no_download():
+    """A model already on its nodes (a directory the caller owns) is a placement option, not a fake download."""
+    cluster, clock, world = fsm.Cluster(), Clock(), Recorder()
+    cluster.place("i", "local/m", SLOTS, policy=POLICY, local=True)
+    driver = fsm.Driver(cluster, world, clock)
+    settle(driver, clock, until=lambda: cluster.instance("i").instance_state is fsm.InstanceState.READY)
+    assert not [a for a in world.calls if isinstance(a, fsm.StartDownload)]
+    assert cluster.downloads == {} and cluster.instance("i").generation == 1
+    restored = fsm.Cluster.from_dict(cluster.to_dict())
+    assert restored.to_dict() == cluster.to_dict() and restored.view().instances["i"].local
+    bad = cluster.to_dict()
+    bad["instances"]["i"]["local"] = "yes"
+    with pytest.raises(fsm.SnapshotError, match=r"instances\.i\.local: expected a bool"):
+        fsm.Cluster.from_dict(bad)

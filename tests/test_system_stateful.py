@@ -31,21 +31,18 @@ class System(RuleBasedStateMachine):
         self.deleted = False
         self.stopped: set[tuple[str, int]] = set()
 
-    @initialize(ranks=st.integers(1, 3), spread=st.booleans())
-    def place(self, ranks, spread):
-        nodes = [f"n{r}" for r in range(ranks)] if spread else ["n0"]
-        slots = [fsm.Slot(r, nodes[r] if spread else "n0", f"i/{r}") for r in range(ranks)]
-        self.world = self._fresh_world(ranks, spread)
-        self.inputs.append(("place", ranks, spread))
-        assert slots and nodes
+    @initialize(ranks=st.integers(1, 3), spread=st.booleans(), local=st.booleans())
+    def place(self, ranks, spread, local):
+        self.world = self._fresh_world(ranks, spread, local)
+        self.inputs.append(("place", ranks, spread, local))
 
     @staticmethod
-    def _fresh_world(ranks: int, spread: bool) -> World:
+    def _fresh_world(ranks: int, spread: bool, local: bool) -> World:
+        """``local``: the model is on its nodes already (nothing downloaded)."""
         nodes = [f"n{r}" for r in range(ranks)] if spread else ["n0"]
         cluster = Cluster()
-        cluster.place(
-            "i", MODEL, [fsm.Slot(r, nodes[r] if spread else "n0", f"i/{r}") for r in range(ranks)], policy=POLICY
-        )
+        slots = [fsm.Slot(r, nodes[r] if spread else "n0", f"i/{r}") for r in range(ranks)]
+        cluster.place("i", MODEL, slots, policy=POLICY, local=local)
         return World(cluster, nodes)
 
     # -- inputs --------------------------------------------------------------------
@@ -181,8 +178,8 @@ class System(RuleBasedStateMachine):
         """9: replaying the same inputs gives the same states."""
         if not self.inputs:
             return
-        _, ranks, spread = self.inputs[0]
-        replay = self._fresh_world(ranks, spread)
+        _, ranks, spread, local = self.inputs[0]
+        replay = self._fresh_world(ranks, spread, local)
         for entry in self.inputs[1:]:
             apply_input(replay, entry)
         assert replay.cluster.log == self.world.cluster.log
