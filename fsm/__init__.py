@@ -15,7 +15,9 @@ from fsm.actions import (
     ConnectRunner,
     CreateRunner,
     DeleteInstance,
+    FailStalled,
     ForwardRequest,
+    KillRunner,
     LoadModel,
     StartDownload,
     StartGeneration,
@@ -47,6 +49,7 @@ from fsm.placement import NodeRoom, NoFit, place
 from fsm.plan import next_deadline, plan
 from fsm.runner import RunnerLifecycle, RunnerPhase, RunnerState
 from fsm.view import ClusterView, DownloadStatus, InstanceView, PendingRequest, RetryStatus, RunnerStatus, Slot
+from fsm.watchdog import PhaseLimits
 
 __version__ = "0.1.0"
 
@@ -76,6 +79,7 @@ __all__ = [
     "DownloadState",
     "DownloadStatus",
     "Driver",
+    "FailStalled",
     "Failure",
     "FailureKind",
     "ForwardRequest",
@@ -88,6 +92,7 @@ __all__ = [
     "InvalidConfig",
     "InvalidEvent",
     "KeyedBackoff",
+    "KillRunner",
     "Limits",
     "LoadModel",
     "LogEntry",
@@ -97,6 +102,7 @@ __all__ = [
     "Outcome",
     "Owed",
     "PendingRequest",
+    "PhaseLimits",
     "Refusal",
     "Report",
     "RetryPolicy",

@@ -111,6 +111,26 @@ class WarmUp:
 
 
 @attrs.frozen
+class FailStalled:
+    """Machines only: the runner sat in ``phase`` past its limit (`fsm.watchdog`), a failure of its own. Its
+    process is then stopped like any Failed runner's (a StopRunner follows)."""
+
+    runner_id: str
+    incarnation: int
+    phase: str
+    seconds: float
+
+
+@attrs.frozen
+class KillRunner:
+    """The runner was asked to stop and outlived its grace (`fsm.watchdog`): kill its process (SIGKILL);
+    ``runner.Exited`` is still owed, as for the stop."""
+
+    runner_id: str
+    incarnation: int
+
+
+@attrs.frozen
 class ForwardRequest:
     """Send the request to this rank (every rank of the instance gets it); report
     ``runner.RequestFinished`` when it ends, however it ends."""
@@ -131,4 +151,6 @@ Action = (
     | LoadModel
     | WarmUp
     | ForwardRequest
+    | FailStalled
+    | KillRunner
 )

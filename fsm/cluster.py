@@ -39,9 +39,11 @@ from fsm._validate import show
 from fsm.backoff import Backoff
 from fsm.clock import Clock, ClockKind
 from fsm.errors import InvalidConfig, InvalidEvent, SnapshotError
+from fsm.failure import Failure
 from fsm.log import LogEntry
 from fsm.owed import Owed, owed
 from fsm.view import ClusterView, DownloadStatus, InstanceView, PendingRequest, RetryStatus, RunnerStatus, Slot
+from fsm.watchdog import PhaseLimits
 
 
 @attrs.frozen
@@ -52,6 +54,8 @@ class RunnerEntry:
     instance_id: str
     node_id: str
     endpoint: str | None = None  # its ring's HOST:PORT, once published
+    since: float | None = None  # when it entered its phase, or last reported progress (`fsm.watchdog`)
+    killed: bool = False  # its stop's grace ran out and a kill was asked (`KillRunner`)
 
 
 @attrs.define
@@ -73,9 +77,11 @@ class Cluster:
         instance_cls: type[inst.InstanceRetry] = inst.InstanceRetry,
         download_cls: type[dl.DownloadLifecycle] = dl.DownloadLifecycle,
         clock: Clock | None = None,
+        limits: PhaseLimits | None = None,
     ) -> None:
         self.runner_cls, self.instance_cls, self.download_cls = runner_cls, instance_cls, download_cls
         self.clock = clock or Clock.wall()
+        self.limits = limits or PhaseLimits()  # the watchdogs (`fsm.watchdog`); none by default
         self.now_seen: float | None = None  # the latest ``now`` fed: time never goes back
         self.instances: dict[str, _Placement] = {}
         self.runners: dict[str, RunnerEntry] = {}
@@ -154,7 +160,11 @@ class Cluster:
         was_ready = machine.runner_state is rn.RunnerState.READY
         was_failed = machine.failure is not None
         was_stopping = machine.runner_state is rn.RunnerState.SHUTDOWN
+        leaf, asked = machine.leaf, machine.stop_requested
         outcome = machine.apply(event)
+        news = machine.leaf != leaf or machine.stop_requested != asked or isinstance(event, rn.Progress)
+        if outcome.accepted and news:  # the watchdog's clock starts again (`fsm.watchdog`)
+            self.runners[event.runner_id] = attrs.evolve(self.runners[event.runner_id], since=now)
         cause = machine.failure.message if machine.failure and not was_failed else ""
         self._record("runner", event.runner_id, now, outcome, cause)
         if not outcome.accepted:
@@ -232,6 +242,17 @@ class Cluster:
                 return self.runner_event(rn.RequestStarted(runner_id, incarnation), now)
             case act.CancelRequest(_request_id, _instance_id, reason):
                 return Outcome(accepted=True, note=reason)  # no machine moves: the request book ends it
+            case act.FailStalled(runner_id, incarnation, phase, seconds):
+                machine = self.runner(runner_id)
+                if machine.incarnation != incarnation or machine.phase is None or machine.phase.value != phase:
+                    return Outcome.ignored(f"runner {runner_id!r} left phase {phase} meanwhile")
+                return self.runner_event(rn.Fail(runner_id, incarnation, failure=Failure.stalled(phase, seconds)), now)
+            case act.KillRunner(runner_id, incarnation):
+                entry = self.runners[runner_id]
+                if entry.machine.incarnation != incarnation or not entry.machine.alive:
+                    return Outcome.ignored(f"runner {runner_id!r} incarnation {incarnation} is gone")
+                self.runners[runner_id] = attrs.evolve(entry, killed=True)
+                return Outcome(accepted=True, note="kill")
         raise InvalidEvent(f"unknown action {action!r}")
 
     def _create_runner(self, action: act.CreateRunner, now: float) -> Outcome:
@@ -252,7 +273,7 @@ class Cluster:
                 f"runner {action.runner_id!r} incarnation {previous.machine.incarnation} is still alive or newer"
             )
         machine = self._new_runner(action)
-        self.runners[action.runner_id] = RunnerEntry(machine, action.instance_id, action.node_id)
+        self.runners[action.runner_id] = RunnerEntry(machine, action.instance_id, action.node_id, since=now)
         self.log.append(LogEntry(now, "runner", action.runner_id, "create", "", machine.leaf))
         return self.instance_event(inst.RankCreated(action.instance_id, now, action.incarnation, action.rank))
 
@@ -286,11 +307,19 @@ class Cluster:
                 for iid, p in self.instances.items()
             ],
             runners=[
-                RunnerStatus.of(e.machine, instance_id=e.instance_id, node_id=e.node_id, endpoint=e.endpoint)
+                RunnerStatus.of(
+                    e.machine,
+                    instance_id=e.instance_id,
+                    node_id=e.node_id,
+                    endpoint=e.endpoint,
+                    since=e.since,
+                    killed=e.killed,
+                )
                 for e in self.runners.values()
             ],
             downloads=[DownloadStatus.of(m, node_id=node) for (node, _), m in self.downloads.items()],
             requests=list(requests),
+            limits=self.limits,
         )
 
     def instance(self, instance_id: str) -> inst.InstanceRetry:
@@ -334,6 +363,8 @@ class Cluster:
             "runners": {
                 rid: {"instance_id": e.instance_id, "node_id": e.node_id, "machine": e.machine.to_dict()}
                 | ({} if e.endpoint is None else {"endpoint": e.endpoint})
+                | ({} if e.since is None else {"since": e.since})
+                | ({"killed": True} if e.killed else {})
                 for rid, e in self.runners.items()
             },
             "downloads": [{"node_id": node, "machine": m.to_dict()} for (node, _), m in self.downloads.items()],
@@ -342,7 +373,12 @@ class Cluster:
 
     @classmethod
     def from_dict(
-        cls, data: dict[str, Any], download_policy: Backoff | None = None, *, clock: Clock | None = None
+        cls,
+        data: dict[str, Any],
+        download_policy: Backoff | None = None,
+        *,
+        clock: Clock | None = None,
+        limits: PhaseLimits | None = None,
     ) -> Cluster:
         """Restore what `to_dict` wrote; raises `SnapshotError` naming the field, and builds nothing, on bad input.
 
@@ -368,7 +404,7 @@ class Cluster:
         placements = _restore_placements(body["instances"])
         runners = _restore_runners(body["runners"], placements)
         downloads = _restore_downloads(body["downloads"])
-        cluster = cls(download_policy, clock=stored)
+        cluster = cls(download_policy, clock=stored, limits=limits)  # limits are configuration, not state
         cluster.instances, cluster.runners, cluster.downloads = placements, runners, downloads
         if stored.kind is ClockKind.MONOTONIC and now is not None:
             cluster.now_seen = float(now)
@@ -439,10 +475,14 @@ def _restore_runners(value: object, placements: dict[str, _Placement]) -> dict[s
     runners: dict[str, RunnerEntry] = {}
     for rid, raw in _mapping(value, "runners").items():
         where = f"runners.{rid}"
-        r = _fields(raw, where, ("instance_id", "node_id", "machine"), ignored=("endpoint",))
-        endpoint = raw.get("endpoint")
+        r = _fields(raw, where, ("instance_id", "node_id", "machine"), ignored=("endpoint", "since", "killed"))
+        endpoint, since, killed = raw.get("endpoint"), raw.get("since"), raw.get("killed", False)
         if endpoint is not None and not isinstance(endpoint, str):
             raise SnapshotError(f"{where}.endpoint: expected a str, got {show(endpoint)}")
+        if since is not None and (isinstance(since, bool) or not isinstance(since, (int, float))):
+            raise SnapshotError(f"{where}.since: expected a number, got {show(since)}")
+        if not isinstance(killed, bool):
+            raise SnapshotError(f"{where}.killed: expected a bool, got {show(killed)}")
         for key in ("instance_id", "node_id"):
             if not isinstance(r[key], str):
                 raise SnapshotError(f"{where}.{key}: expected a str, got {show(r[key])}")
@@ -467,7 +507,9 @@ def _restore_runners(value: object, placements: dict[str, _Placement]) -> dict[s
                 f"{where}.machine.incarnation: {machine.incarnation} is beyond its instance's "
                 f"generation {placement.machine.generation}"
             )
-        runners[rid] = RunnerEntry(machine, r["instance_id"], r["node_id"], endpoint)
+        runners[rid] = RunnerEntry(
+            machine, r["instance_id"], r["node_id"], endpoint, None if since is None else float(since), killed
+        )
     return runners
 
 

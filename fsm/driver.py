@@ -63,6 +63,9 @@ class Adapter(Protocol):
 
     def cancel_request(self, action: act.CancelRequest) -> Awaitable[Any] | None: ...
 
+    def kill_runner(self, action: act.KillRunner) -> Awaitable[Any] | None:
+        """Only with a ``stop_grace`` limit (`fsm.watchdog`): SIGKILL the process a stop did not end."""
+
 
 _HANDLER: dict[type, str] = {
     act.CreateRunner: "create_runner",
@@ -73,7 +76,8 @@ _HANDLER: dict[type, str] = {
     act.WarmUp: "warm_up",
     act.ForwardRequest: "forward_request",
     act.CancelRequest: "cancel_request",
-}  # StartGeneration and DeleteInstance move only the machines
+    act.KillRunner: "kill_runner",
+}  # StartGeneration, DeleteInstance and FailStalled move only the machines
 
 
 @attrs.frozen

@@ -3,7 +3,7 @@
 ``plan(view, node_id, now)`` looks at a snapshot of the whole cluster and
 returns every action this node should take now, in priority order::
 
-    cancel requests → stop runners → give up at the cap → start generations
+    cancel requests → stop runners → watch phases → give up at the cap → start generations
     → downloads → create runners → connect → load → warm up → forward requests
 
 Each rule is one function, named after the rule, that reads the view and
@@ -38,7 +38,9 @@ from fsm.actions import (
     ConnectRunner,
     CreateRunner,
     DeleteInstance,
+    FailStalled,
     ForwardRequest,
+    KillRunner,
     LoadModel,
     StartDownload,
     StartGeneration,
@@ -64,6 +66,7 @@ def plan(view: ClusterView, node_id: str, now: float) -> list[Action]:
     return [
         *_cancel_requests(view, node_id),
         *_stop_runners(view, node_id),
+        *_watch_phases(view, node_id, now),
         *_give_up_at_cap(view, node_id),
         *_start_generations(view, node_id, now),
         *_download_models(view, node_id, now),
@@ -87,6 +90,7 @@ def next_deadline(view: ClusterView, node_id: str, now: float) -> float | None:
     times += [
         d.retry_at for (node, _), d in view.downloads.items() if node == node_id and d.state is DownloadState.FAILED
     ]
+    times += [deadline for r in view.runners.values() if r.node_id == node_id and (deadline := _watched(view, r))]
     future = [t for t in times if t is not None and t > now]
     return min(future, default=None)
 
@@ -162,6 +166,35 @@ def _stop_runners(view: ClusterView, node_id: str) -> Iterator[Action]:
         reason = _stop_reason(view, runner)
         if reason is not None:
             yield StopRunner(runner.runner_id, runner.incarnation, reason)
+
+
+def _watched(view: ClusterView, runner: RunnerStatus) -> float | None:
+    """When the runner's time in its phase runs out (`fsm.watchdog`); None if it is not watched now."""
+    if runner.stop_requested:
+        limit = view.limits.stop_grace
+    elif runner.state is RunnerState.FAILED:
+        return None  # `_stop_runners` stops it now
+    else:
+        limit = view.limits.for_phase(runner.phase)
+    if limit is None or runner.since is None or runner.killed:
+        return None
+    return runner.since + limit
+
+
+def _watch_phases(view: ClusterView, node_id: str, now: float) -> Iterator[Action]:
+    """A runner silent in its phase past the limit fails as stalled; one outliving its stop's grace is killed."""
+    for runner in view.runners.values():
+        if runner.node_id != node_id or not runner.alive:
+            continue
+        deadline = _watched(view, runner)
+        if deadline is None or now < deadline:
+            continue
+        assert runner.since is not None
+        if runner.stop_requested:
+            yield KillRunner(runner.runner_id, runner.incarnation)
+        else:
+            assert runner.phase is not None
+            yield FailStalled(runner.runner_id, runner.incarnation, runner.phase.value, deadline - runner.since)
 
 
 def _give_up_at_cap(view: ClusterView, node_id: str) -> Iterator[Action]:

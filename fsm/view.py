@@ -18,6 +18,7 @@ from fsm.errors import InvalidConfig
 from fsm.failure import Failure
 from fsm.instance import DeleteReason, InstanceRetry, InstanceState
 from fsm.runner import RunnerLifecycle, RunnerPhase, RunnerState
+from fsm.watchdog import PhaseLimits
 
 
 @attrs.frozen
@@ -35,6 +36,8 @@ class RunnerStatus:
     stop_requested: bool = False
     failure: Failure | None = None
     endpoint: str | None = None  # HOST:PORT of its ring, once its node published it (one rank: not needed)
+    since: float | None = None  # when it entered its phase, or last reported progress (`fsm.watchdog`)
+    killed: bool = False  # a kill was asked once its stop's grace ran out
 
     @property
     def alive(self) -> bool:
@@ -48,10 +51,19 @@ class RunnerStatus:
 
     @classmethod
     def of(
-        cls, machine: RunnerLifecycle, *, instance_id: str, node_id: str, endpoint: str | None = None
+        cls,
+        machine: RunnerLifecycle,
+        *,
+        instance_id: str,
+        node_id: str,
+        endpoint: str | None = None,
+        since: float | None = None,
+        killed: bool = False,
     ) -> RunnerStatus:
         return cls(
             endpoint=endpoint,
+            since=since,
+            killed=killed,
             runner_id=machine.runner_id,
             instance_id=instance_id,
             node_id=node_id,
@@ -164,6 +176,7 @@ class ClusterView:
     runners: Mapping[str, RunnerStatus] = attrs.field(factory=dict, converter=dict)
     downloads: Mapping[tuple[str, str], DownloadStatus] = attrs.field(factory=dict, converter=dict)
     requests: tuple[PendingRequest, ...] = attrs.field(default=(), converter=tuple)
+    limits: PhaseLimits = attrs.field(factory=PhaseLimits)  # the watchdogs the planner keeps (`fsm.watchdog`)
 
     @classmethod
     def build(
@@ -172,6 +185,7 @@ class ClusterView:
         runners: list[RunnerStatus] | tuple[RunnerStatus, ...] = (),
         downloads: list[DownloadStatus] | tuple[DownloadStatus, ...] = (),
         requests: list[PendingRequest] | tuple[PendingRequest, ...] = (),
+        limits: PhaseLimits | None = None,
     ) -> ClusterView:
         """Key the lists the way the planner looks them up."""
         return cls(
@@ -179,6 +193,7 @@ class ClusterView:
             {r.runner_id: r for r in runners},
             {(d.node_id, d.model_id): d for d in downloads},
             requests,
+            limits or PhaseLimits(),
         )
 
     def slot_runners(self, instance: InstanceView) -> Iterator[tuple[Slot, RunnerStatus | None]]:

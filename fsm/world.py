@@ -171,7 +171,7 @@ class _Simulated:
         self.world.requests.pop(action.request_id, None)
         self._owe(action)
 
-    create_runner = stop_runner = start_download = connect_runner = load_model = warm_up = _owe
+    create_runner = stop_runner = start_download = connect_runner = load_model = warm_up = kill_runner = _owe
     forward_request = cancel_request = _answer
 
 

@@ -196,3 +196,63 @@ def test_a_local_placement_downloads_nothing_and_owes_no_download():
     bad["instances"]["i"]["local"] = "yes"
     with pytest.raises(fsm.SnapshotError, match=r"instances\.i\.local: expected a bool"):
         fsm.Cluster.from_dict(bad)
+
+
+LIMITS = fsm.PhaseLimits(connect=5.0, load_progress=3.0, warm_up=4.0, stop_grace=2.0)
+
+
+def test_watchdogs_are_deadlines_the_planner_keeps():
+    """A rank silent in a phase past its limit fails as stalled (charged); a stop outliving its grace is killed;
+    progress while loading moves the deadline on. No watchdog of the caller's own."""
+    cluster, clock, world = fsm.Cluster(limits=LIMITS), Clock(), Recorder()
+    cluster.place("i", "org/m", SLOTS, policy=POLICY)
+    driver = fsm.Driver(cluster, world, clock)
+    for _ in range(3):  # downloads, creations, connects: then rank 0 joins and rank 1 says nothing
+        driver.reconcile()
+        for op in driver.owed():
+            if op.report is fsm.Report.DOWNLOAD:
+                driver.downloaded(op.key, op.model_id)
+    driver.report(rn.Connected("i/0", 1))
+    assert driver.next_wakeup() == 5.0  # rank 1's connect limit, from when it began to join
+    clock.now = 5.0
+    done = driver.reconcile()
+    assert fsm.FailStalled("i/1", 1, "joining", 5.0) in done.taken
+    machine = cluster.instance("i")
+    assert machine.attempts == 1 and machine.last_failure == fsm.Failure.stalled("joining", 5.0)
+    assert fsm.StopRunner("i/0", 1, fsm.StopReason.RECOVERING) in done.taken
+    assert driver.next_wakeup() == 7.0  # rank 0's stop grace (and rank 1, Failed, is being stopped too)
+    clock.now = 7.0
+    kills = [a for a in driver.reconcile().taken if isinstance(a, fsm.KillRunner)]
+    assert kills == [fsm.KillRunner("i/0", 1), fsm.KillRunner("i/1", 1)] and world.calls[-2:] == kills
+    assert driver.reconcile().taken == () and driver.next_wakeup() is None  # killed once, then Exited is owed
+    assert {op.report for op in driver.owed()} == {fsm.Report.EXITED}
+
+
+def test_progress_while_loading_moves_the_watchdog_on():
+    cluster, clock, world = fsm.Cluster(limits=LIMITS), Clock(), Recorder()
+    cluster.place("i", "org/m", SLOTS[:1], policy=POLICY)
+    driver = fsm.Driver(cluster, world, clock)
+    driver.reconcile()
+    driver.downloaded("a", "org/m")
+    driver.reconcile()  # created and told to load
+    assert cluster.runner("i/0").phase is fsm.RunnerPhase.WEIGHTS and driver.next_wakeup() == 3.0
+    clock.now = 2.5
+    driver.report(rn.Progress("i/0", 1, layers_loaded=1, layers_total=4))
+    assert driver.next_wakeup() == 5.5
+    restored = fsm.Cluster.from_dict(cluster.to_dict(), limits=LIMITS)  # `since` is state, the limits configuration
+    assert fsm.next_deadline(restored.view(), "a", 2.5) == 5.5
+    clock.now = 5.5
+    assert [type(a) for a in driver.reconcile().taken][:1] == [fsm.FailStalled]
+
+
+def test_no_limits_no_watchdog():
+    cluster, clock, world = fsm.Cluster(), Clock(), Recorder()
+    cluster.place("i", "org/m", SLOTS[:1], policy=POLICY)
+    driver = fsm.Driver(cluster, world, clock)
+    driver.reconcile()
+    driver.downloaded("a", "org/m")
+    driver.reconcile()
+    clock.now = 1e6
+    assert driver.reconcile().taken == () and driver.next_wakeup() is None
+    with pytest.raises(fsm.InvalidConfig, match="connect must be a finite number > 0"):
+        fsm.PhaseLimits(connect=0.0)

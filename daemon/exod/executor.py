@@ -83,6 +83,11 @@ class Executor:
         path = self._paths.pop((action.runner_id, action.incarnation), None)
         self.processes.load(action.runner_id, action.incarnation, action.model_id, path)
 
+    def kill_runner(self, action: fsm.KillRunner) -> None:
+        """Never asked: the daemon keeps its watchdogs in its supervisors (no `fsm.PhaseLimits`), whose stop
+        escalates to SIGKILL by itself; a stop again is what it would take."""
+        self.processes.stop(action.runner_id, action.incarnation)
+
     def warm_up(self, action: fsm.WarmUp) -> None:
         self.processes.post(action.runner_id, action.incarnation, p.WarmUp())
 
