@@ -28,7 +28,7 @@ from fsm.actions import (
 from fsm.admit import Admission, Limits, ModelFacts, Refusal, UnknownModel, admit, place_again
 from fsm.backoff import Backoff, KeyedBackoff
 from fsm.clock import Clock, ClockKind
-from fsm.cluster import Cluster
+from fsm.cluster import Cluster, Handle
 from fsm.desired import to_place
 from fsm.download import DEFAULT_DOWNLOAD_BACKOFF, DownloadLifecycle, DownloadState
 from fsm.driver import Adapter, Driver, Round, Skipped
@@ -84,6 +84,7 @@ __all__ = [
     "FailureKind",
     "ForwardRequest",
     "FsmError",
+    "Handle",
     "IllegalTransition",
     "IncarnationMismatch",
     "InstanceRetry",

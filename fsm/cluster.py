@@ -47,6 +47,16 @@ from fsm.watchdog import PhaseLimits
 
 
 @attrs.frozen
+class Handle:
+    """The caller's handle on a runner's process, kept with its machine (and in snapshots) so that a restarted
+    supervisor knows which process was which: its ``pid`` and ``started`` (the process's start time, as the
+    caller reads it: a pid alone may have been reused)."""
+
+    pid: int = attrs.field(validator=attrs.validators.instance_of(int))
+    started: float = attrs.field(converter=float)
+
+
+@attrs.frozen
 class RunnerEntry:
     """The latest incarnation of a runner slot, and where it belongs."""
 
@@ -56,6 +66,7 @@ class RunnerEntry:
     endpoint: str | None = None  # its ring's HOST:PORT, once published
     since: float | None = None  # when it entered its phase, or last reported progress (`fsm.watchdog`)
     killed: bool = False  # its stop's grace ran out and a kill was asked (`KillRunner`)
+    handle: Handle | None = None  # the caller's process handle (`Cluster.attach`)
 
 
 @attrs.define
@@ -190,25 +201,52 @@ class Cluster:
         self._record("download", f"{node_id}:{event.model_id}", event.now, outcome, getattr(event, "reason", ""))
         return outcome
 
-    def recover(self, now: float) -> None:
-        """After a daemon restart whose orphaned runners were all killed: make the machines say so.
+    def recover(self, now: float, adopt: Iterable[str] = ()) -> None:
+        """After a supervisor restart: make the machines say what became of the runners it had.
+
+        By default every runner is taken as killed with the old supervisor (exod kills its orphans). Runners
+        named in ``adopt`` are ones the caller found still alive and healthy (its `Handle` says which process):
+        a Ready instance whose current generation is adopted whole carries on as it was (the requests it
+        was serving went with the old supervisor: each adopted runner is left idle); anything less is not
+        enough to serve, and the instance resumes as below, its adopted runners then stopped by the plan.
 
         Starting/Ready instances whose generation had runners resume with a new generation (no retry
         charged; one with none yet lost nothing, and keeps its generation: a graceful stop, which says the
-        same, followed by a restart resumes once, not twice); then every runner that was alive is stopped
-        and reaped, which a Recovering instance counts as reaped ranks.
+        same, followed by a restart resumes once, not twice); then every runner that was alive and is not
+        kept is stopped and reaped, which a Recovering instance counts as reaped ranks.
         """
         self._check_time(now)
+        adopted = set(adopt)
+        if unknown := adopted - {rid for rid, e in self.runners.items() if e.machine.alive}:
+            raise InvalidConfig(f"cannot adopt {sorted(unknown)}: no live runner of that id")
+        kept: set[str] = set()
         for instance_id, placement in self.instances.items():
             m = placement.machine
+            current = [self.runners.get(s.runner_id) for s in placement.slots]
+            whole = m.instance_state is inst.InstanceState.READY and all(
+                e is not None
+                and e.machine.incarnation == m.generation
+                and e.machine.runner_state is rn.RunnerState.READY
+                and e.machine.runner_id in adopted
+                for e in current
+            )
+            if whole:
+                kept.update(s.runner_id for s in placement.slots)
+                continue
             had_runners = any(
                 e.instance_id == instance_id and e.machine.incarnation == m.generation for e in self.runners.values()
             )
             if m.instance_state in (inst.InstanceState.STARTING, inst.InstanceState.READY) and had_runners:
                 self.instance_event(inst.Resume(instance_id, now))
+        for rid in sorted(kept):
+            machine = self.runners[rid].machine
+            for _ in range(machine.in_flight):  # its requests ended with the old supervisor
+                self.runner_event(rn.RequestFinished(rid, machine.incarnation), now)
         for machine in [entry.machine for entry in self.runners.values()]:
-            if not machine.alive:
+            if not machine.alive or machine.runner_id in kept:
                 continue
+            if machine.runner_id in adopted:
+                continue  # alive, but its instance could not keep it: the plan stops it (a stale generation)
             if machine.runner_state not in (rn.RunnerState.FAILED, rn.RunnerState.SHUTDOWN):
                 self.runner_event(rn.Stop(machine.runner_id, machine.incarnation), now)
             self.runner_event(rn.Exited(machine.runner_id, machine.incarnation, exit_code=-9), now)
@@ -339,6 +377,15 @@ class Cluster:
         `next_deadline` None, these are why."""
         return owed(self.view(), node_id)
 
+    def attach(self, runner_id: str, incarnation: int, handle: Handle) -> bool:
+        """Keep the caller's ``handle`` on the process of a runner's incarnation; False if that incarnation is
+        not the runner's any more (or is reaped)."""
+        entry = self.runners.get(runner_id)
+        if entry is None or entry.machine.incarnation != incarnation or not entry.machine.alive:
+            return False
+        self.runners[runner_id] = attrs.evolve(entry, handle=handle)
+        return True
+
     def runner(self, runner_id: str) -> rn.RunnerLifecycle:
         return self.runners[runner_id].machine
 
@@ -365,6 +412,7 @@ class Cluster:
                 | ({} if e.endpoint is None else {"endpoint": e.endpoint})
                 | ({} if e.since is None else {"since": e.since})
                 | ({"killed": True} if e.killed else {})
+                | ({} if e.handle is None else {"handle": attrs.asdict(e.handle)})
                 for rid, e in self.runners.items()
             },
             "downloads": [{"node_id": node, "machine": m.to_dict()} for (node, _), m in self.downloads.items()],
@@ -475,7 +523,16 @@ def _restore_runners(value: object, placements: dict[str, _Placement]) -> dict[s
     runners: dict[str, RunnerEntry] = {}
     for rid, raw in _mapping(value, "runners").items():
         where = f"runners.{rid}"
-        r = _fields(raw, where, ("instance_id", "node_id", "machine"), ignored=("endpoint", "since", "killed"))
+        r = _fields(
+            raw, where, ("instance_id", "node_id", "machine"), ignored=("endpoint", "since", "killed", "handle")
+        )
+        handle = None
+        if "handle" in raw:
+            try:
+                handle = converter.structure(raw["handle"], Handle)
+            except (cattrs.BaseValidationError, ValueError, TypeError) as exc:
+                why = describe_structure_error(exc) if isinstance(exc, cattrs.BaseValidationError) else str(exc)
+                raise SnapshotError(f"{where}.handle: {why}") from exc
         endpoint, since, killed = raw.get("endpoint"), raw.get("since"), raw.get("killed", False)
         if endpoint is not None and not isinstance(endpoint, str):
             raise SnapshotError(f"{where}.endpoint: expected a str, got {show(endpoint)}")
@@ -508,7 +565,7 @@ def _restore_runners(value: object, placements: dict[str, _Placement]) -> dict[s
                 f"generation {placement.machine.generation}"
             )
         runners[rid] = RunnerEntry(
-            machine, r["instance_id"], r["node_id"], endpoint, None if since is None else float(since), killed
+            machine, r["instance_id"], r["node_id"], endpoint, None if since is None else float(since), killed, handle
         )
     return runners
 

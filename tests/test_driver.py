@@ -256,3 +256,52 @@ def test_no_limits_no_watchdog():
     assert driver.reconcile().taken == () and driver.next_wakeup() is None
     with pytest.raises(fsm.InvalidConfig, match="connect must be a finite number > 0"):
         fsm.PhaseLimits(connect=0.0)
+
+
+def ready_cluster() -> tuple[fsm.Cluster, Clock, fsm.Driver]:
+    cluster, clock, world = fsm.Cluster(), Clock(), Recorder()
+    cluster.place("i", "org/m", SLOTS, policy=POLICY)
+    driver = fsm.Driver(cluster, world, clock)
+    settle(driver, clock, until=lambda: cluster.instance("i").instance_state is fsm.InstanceState.READY)
+    for rank, slot in enumerate(SLOTS):
+        assert cluster.attach(slot.runner_id, 1, fsm.Handle(pid=4000 + rank, started=17.5))
+    return cluster, clock, driver
+
+
+def test_a_restarted_supervisor_adopts_a_whole_ready_generation_at_no_cost():
+    """The caller found both processes alive (its handles say which): nothing is restarted, nothing charged."""
+    cluster, clock, driver = ready_cluster()
+    driver.reconcile()
+    driver.cluster.execute(fsm.ForwardRequest("r1", "i/0", 1), clock.now)  # serving when the supervisor died
+    restored = fsm.Cluster.from_dict(cluster.to_dict())
+    assert restored.runners["i/1"].handle == fsm.Handle(4001, 17.5)
+    restored.recover(clock.now + 1, adopt=["i/0", "i/1"])
+    machine = restored.instance("i")
+    assert (machine.instance_state, machine.generation, machine.attempts) == (fsm.InstanceState.READY, 1, 0)
+    assert all(restored.runner(s.runner_id).runner_state is fsm.RunnerState.READY for s in SLOTS)
+    assert restored.runner("i/0").in_flight == 0  # its request went with the old supervisor
+    assert fsm.plan(restored.view(), "a", clock.now + 1) == [] and restored.owed() == []
+
+
+def test_adopting_part_of_a_generation_resumes_it_and_the_plan_stops_what_was_adopted():
+    cluster, clock, _ = ready_cluster()
+    restored = fsm.Cluster.from_dict(cluster.to_dict())
+    restored.recover(clock.now + 1, adopt=["i/0"])  # rank 1's process was gone
+    machine = restored.instance("i")
+    assert (machine.generation, machine.attempts) == (2, 0)  # resumed, uncharged: the retry rules unchanged
+    assert restored.runner("i/0").alive and not restored.runner("i/1").alive
+    stops = [a for a in fsm.plan(restored.view(), "a", clock.now + 1) if isinstance(a, fsm.StopRunner)]
+    assert stops == [fsm.StopRunner("i/0", 1, fsm.StopReason.STALE_GENERATION)]
+
+
+def test_adopting_a_runner_that_is_not_there_is_refused_and_changes_nothing():
+    cluster, clock, _ = ready_cluster()
+    before = cluster.to_dict()
+    with pytest.raises(fsm.InvalidConfig, match=r"cannot adopt \['i/9'\]"):
+        cluster.recover(clock.now + 1, adopt=["i/0", "i/9"])
+    assert cluster.to_dict() == before
+    assert not cluster.attach("i/0", 2, fsm.Handle(1, 0.0))  # not its incarnation
+    bad = cluster.to_dict()
+    bad["runners"]["i/0"]["handle"] = {"pid": "x", "started": 1.0}
+    with pytest.raises(fsm.SnapshotError, match=r"^runners\.i/0\.handle: "):
+        fsm.Cluster.from_dict(bad)
