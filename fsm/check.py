@@ -230,6 +230,7 @@ Event = (
 ) | Confirm
 
 UP, CUT, DEAD = "up", "cut", "dead"  # a node's link, with hosts
+NEVER_GIVE_UP_HORIZON = 4  # with max_retries None: time runs as far as that many failed generations take
 
 
 def _faults(values: Any) -> tuple[Fault, ...]:
@@ -266,8 +267,9 @@ class CheckConfig:
         if self.horizon is not None:
             return self.horizon
         backoff = self.policy.backoff
-        give_up = sum(backoff.ceiling(n) for n in range(1, self.policy.max_retries + 1))
-        return self.policy.reset_after + give_up + 1.0
+        retries = self.policy.max_retries or NEVER_GIVE_UP_HORIZON  # never giving up: as far as that many
+        give_up = sum(backoff.ceiling(n) for n in range(1, retries + 1))
+        return (self.policy.reset_after or 0.0) + give_up + 1.0
 
     # A cluster of ``hosts`` nodes (≥ ranks; rank r starts on node r), hit by the adversary up to
     # ``node_failures`` times (kill or cut). 0: one node per rank, and no node ever fails.
@@ -677,7 +679,7 @@ class _System:
         if after.attempts + after.uncharged < before.attempts + before.uncharged:  # a reset ends the streak
             streak_delay, starts = 0.0, 0
         streak_delay = self._check_transition(state, before, after, world.now, streak_delay)
-        if starts > self.config.policy.max_retries + 1:
+        if self.config.policy.max_retries is not None and starts > self.config.policy.max_retries + 1:
             raise _Fail("4 creations per streak", f"{starts} generations started in one failure streak")
         return self.capture(world, streak_delay, starts, submitted), label
 
@@ -782,11 +784,17 @@ class _System:
         ready = InstanceState.READY.value
         if after.attempts + after.uncharged < before.attempts + before.uncharged:
             ready_for = None if before.ready_since is None else now - before.ready_since
-            if before.leaf != ready or ready_for is None or ready_for < policy.reset_after:
+            if (
+                before.leaf != ready
+                or ready_for is None
+                or policy.reset_after is None
+                or ready_for < policy.reset_after
+            ):
                 raise _Fail("8 reset iff Ready long enough", f"budget reset after {ready_for} s in {before.leaf}")
         ready_for = None if after.ready_since is None else now - after.ready_since
         spent = after.attempts or after.uncharged
-        if after.leaf == ready and ready_for is not None and ready_for >= policy.reset_after and spent:
+        due = policy.reset_after is not None and ready_for is not None and ready_for >= policy.reset_after
+        if after.leaf == ready and due and spent:
             raise _Fail("8 reset iff Ready long enough", f"Ready for {now - after.ready_since:g} s, no reset")
         return streak
 

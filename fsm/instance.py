@@ -90,16 +90,22 @@ class DeleteReason(enum.Enum):
 
 @attrs.frozen
 class RetryPolicy:
-    """How an instance retries: the backoff, the budget, and when the budget refills."""
+    """How an instance retries: the backoff, the budget, and when the budget refills.
+
+    ``max_retries=None``: never give up on a retryable failure (a non-retryable one still ends the instance;
+    the backoff still grows to its cap). ``reset_after=None``: the budget never refills.
+    """
 
     backoff: Backoff = attrs.field(factory=Backoff, validator=attrs.validators.instance_of(Backoff))
-    max_retries: int = attrs.field(default=5, validator=integer(InvalidConfig, at_least=1))
-    reset_after: float = attrs.field(default=600.0, validator=finite(InvalidConfig, above=0))
+    max_retries: int | None = attrs.field(default=5, validator=integer(InvalidConfig, at_least=1, optional=True))
+    reset_after: float | None = attrs.field(
+        default=600.0, validator=attrs.validators.optional(finite(InvalidConfig, above=0))
+    )
 
 
-def budget_exhausted(failed_generations: int, max_retries: int) -> bool:
-    """The give-up rule, in one place: the machine and the planner both ask it."""
-    return failed_generations >= max_retries
+def budget_exhausted(failed_generations: int, max_retries: int | None) -> bool:
+    """The give-up rule, in one place: the machine and the planner both ask it (None: never)."""
+    return max_retries is not None and failed_generations >= max_retries
 
 
 # -- events -----------------------------------------------------------------------
@@ -447,6 +453,7 @@ class InstanceRetry(Lifecycle):
             self.leaf == "ready"
             and self.ready_since is not None
             and (self.attempts or self.uncharged)
+            and self.policy.reset_after is not None
             and self.clock - self.ready_since >= self.policy.reset_after
         ):
             self.attempts = self.uncharged = 0

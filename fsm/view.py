@@ -93,16 +93,18 @@ class RetryStatus:
     state: InstanceState
     generation: int = 0
     attempts: int = 0
-    max_retries: int = 5
+    max_retries: int | None = 5  # None: never gives up
     deadline: float | None = None
     delete_reason: DeleteReason | None = None
     ready_since: float | None = None
-    reset_after: float = 600.0
+    reset_after: float | None = 600.0  # None: the budget never refills
 
     @property
     def reset_due(self) -> float | None:
         """When a Ready instance's spent budget returns to 0, if it stays Ready until then."""
         if self.state is not InstanceState.READY or not self.attempts or self.ready_since is None:
+            return None
+        if self.reset_after is None:
             return None
         return self.ready_since + self.reset_after
 

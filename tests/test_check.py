@@ -244,3 +244,28 @@ def test_the_nodes_need_at_least_one_per_rank_and_node_failures_need_nodes():
         CheckConfig(ranks=3, hosts=2)
     with pytest.raises(ValueError, match="needs hosts"):
         CheckConfig(node_failures=1)
+
+
+def test_policy_variants_are_explored_as_themselves():
+    """The give-up rule and the budget reset are policy fields (#27), and the checker sees them: never giving
+    up reaches no retries_exhausted deletion within a horizon where two retries are long spent, never
+    refilling reaches no reset, each in a space of its own; a planted budget that refills anyway is found."""
+    backoff = fsm.Backoff(1.0, 2.0, 4.0)  # a third failed generation starts by t = 7: past the default's give-up
+    base = CheckConfig(ranks=2, horizon=8.0, policy=fsm.RetryPolicy(backoff, max_retries=2, reset_after=10.0))
+    never = check(attrs.evolve(base, policy=attrs.evolve(base.policy, max_retries=None)))
+    spent = check(attrs.evolve(base, policy=attrs.evolve(base.policy, reset_after=None), horizon=None))
+    default, refilling = check(base), check(attrs.evolve(base, horizon=None))  # horizon None: past a reset
+    assert all(r.ok and r.exhaustive for r in (never, spent, default, refilling)), never.report()
+    assert "deleted:retries_exhausted" in default.reached and "deleted:retries_exhausted" not in never.reached
+    assert never.states != default.states and spent.states != refilling.states
+
+    class RefillsAnyway(fsm.InstanceRetry):
+        def _observe(self, now: float) -> None:
+            super()._observe(now)
+            if self.leaf == "ready":
+                self.attempts = self.uncharged = 0
+
+    planted = check(
+        attrs.evolve(base, policy=attrs.evolve(base.policy, reset_after=None), horizon=None, instance_cls=RefillsAnyway)
+    )
+    assert planted.violation is not None and planted.violation.invariant.startswith("8 "), planted.report()

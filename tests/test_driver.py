@@ -305,3 +305,19 @@ def test_adopting_a_runner_that_is_not_there_is_refused_and_changes_nothing():
     bad["runners"]["i/0"]["handle"] = {"pid": "x", "started": 1.0}
     with pytest.raises(fsm.SnapshotError, match=r"^runners\.i/0\.handle: "):
         fsm.Cluster.from_dict(bad)
+
+
+def test_one_for_one_is_independent_replicas_each_its_own_instance():
+    """Restart strategies (#27): the ranks of an instance are one ring, so they restart together (one_for_all);
+    replicas that need no ring are 1-rank instances each, and a failure restarts that one alone."""
+    cluster, clock, world = fsm.Cluster(), Clock(), Recorder()
+    for n in range(2):
+        cluster.place(f"web-{n}", "org/m", [fsm.Slot(0, "a", f"web-{n}/0")], policy=POLICY)
+    driver = fsm.Driver(cluster, world, clock)
+    ready = fsm.InstanceState.READY
+    settle(driver, clock, until=lambda: all(p.machine.instance_state is ready for p in cluster.instances.values()))
+    driver.report(rn.Exited("web-1/0", 1, exit_code=-9))
+    settle(driver, clock, until=lambda: cluster.instance("web-1").instance_state is ready)
+    assert (cluster.instance("web-0").generation, cluster.instance("web-0").attempts) == (1, 0)  # untouched
+    assert (cluster.instance("web-1").generation, cluster.instance("web-1").attempts) == (2, 1)
+    assert not [a for a in world.calls if isinstance(a, fsm.StopRunner) and a.runner_id == "web-0/0"]
