@@ -35,6 +35,8 @@ from fsm.view import ClusterView, InstanceView
 
 
 class Refusal(enum.Enum):
+    """Why `admit` refused a placement (an API maps them to 404, 422 and 409)."""
+
     UNKNOWN_MODEL = "unknown_model"
     TOO_MANY_RANKS = "too_many_ranks"
     LIMIT_REACHED = "limit_reached"

@@ -28,6 +28,8 @@ from fsm.errors import InvalidConfig, InvalidEvent
 
 
 class DownloadState(enum.Enum):
+    """Where one model's download on one node is (the states of `DownloadLifecycle`)."""
+
     PENDING = "pending"
     ONGOING = "ongoing"
     COMPLETED = "completed"

@@ -14,6 +14,8 @@ import attrs
 
 
 class FailureKind(enum.Enum):
+    """What ended a runner: its own doing (charged), a peer's, or the host's (uncharged)."""
+
     EXIT = "exit"  # the process ended on its own, any exit code, while not asked to stop
     SIGNAL = "signal"  # the process was killed by a signal it was not sent by us
     EXCEPTION = "exception"  # the runner reported an exception before dying

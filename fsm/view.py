@@ -23,6 +23,8 @@ from fsm.watchdog import PhaseLimits
 
 @attrs.frozen
 class RunnerStatus:
+    """One runner's latest incarnation as the planner sees it (`of` reads it from its machine)."""
+
     runner_id: str
     instance_id: str
     node_id: str
@@ -90,6 +92,8 @@ class Slot:
 
 @attrs.frozen
 class RetryStatus:
+    """An instance's retry state and policy as the planner sees it (`of` reads it from its machine)."""
+
     state: InstanceState
     generation: int = 0
     attempts: int = 0
@@ -133,6 +137,8 @@ def _slots(value: object) -> tuple[Slot, ...]:
 
 @attrs.frozen
 class InstanceView:
+    """A placed instance: its model, its ranks' slots (rank 0's node leads it), its retry status."""
+
     instance_id: str
     model_id: str
     slots: tuple[Slot, ...] = attrs.field(converter=_slots)
@@ -155,6 +161,8 @@ class InstanceView:
 
 @attrs.frozen
 class DownloadStatus:
+    """One model's download on one node as the planner sees it."""
+
     node_id: str
     model_id: str
     state: DownloadState
@@ -168,12 +176,16 @@ class DownloadStatus:
 
 @attrs.frozen
 class PendingRequest:
+    """A request waiting in the caller's request book, to be forwarded (or cancelled) by the plan."""
+
     request_id: str
     instance_id: str
 
 
 @attrs.frozen
 class ClusterView:
+    """The planner's whole input: instances, runners, downloads, waiting requests and the watchdogs' limits."""
+
     instances: Mapping[str, InstanceView] = attrs.field(factory=dict, converter=dict)
     runners: Mapping[str, RunnerStatus] = attrs.field(factory=dict, converter=dict)
     downloads: Mapping[tuple[str, str], DownloadStatus] = attrs.field(factory=dict, converter=dict)

@@ -196,3 +196,21 @@ def test_the_daemons_top_level_stays_a_short_list():
     """The packages are the map; a new top-level module is a decision, not a default."""
     top = sorted(p.name for p in EXOD.glob("*.py"))
     assert len(top) <= 15, f"daemon/exod/ has {len(top)} modules at its top level: {top}"
+
+
+def test_every_public_name_of_fsm_says_what_it_is():
+    """#27: `help(fsm)` and the API reference are read by newcomers; attrs' generated text is not a docstring."""
+    import inspect
+
+    import fsm
+
+    missing = []
+    for name in fsm.__all__:
+        value = getattr(fsm, name)
+        if inspect.isclass(value):
+            doc = value.__dict__.get("__doc__")
+            if not doc or doc.startswith(f"{name}("):
+                missing.append(name)
+        elif (inspect.isfunction(value) or inspect.ismodule(value)) and not value.__doc__:
+            missing.append(name)
+    assert not missing, f"public names of fsm without a docstring of their own: {missing}"
