@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint specs clean reliability cluster chaos
+.PHONY: run test lint specs clean reliability cluster chaos docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,8 +34,13 @@ lint: $(STAMP)
 specs: $(STAMP)
 	$(BIN)/exod specs --dir specs
 
+## docs: fsm's documentation site (tutorial, rules, the machines drawn from the code, the API reference) in build/docs
+docs: $(STAMP)
+	$(BIN)/python -m sphinx -W --keep-going -q -b html docs build/docs
+	@echo "open build/docs/index.html"
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build/docs docs/_generated
 
 ## chaos: a seeded fault campaign against a real cluster on this machine (exod chaos): a fresh seed, or SEED=N to
 ##        reproduce one; CHAOS_S seconds of workload. Network and disk faults need root (CI has it); exits 1 on a violation
