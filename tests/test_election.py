@@ -238,3 +238,33 @@ def test_records_in_etcd_that_are_not_a_nodes_own_are_skipped_counted_and_never_
     assert [n.record.node_id for n in listed] == ["node-a"]
     assert runners == {"node-a": {("i/0", 1)}}
     assert malformed == {"node": len(FORGED) + 1, "runner": 1}
+
+
+def test_a_record_update_that_cannot_reach_etcd_is_written_at_the_next_renewal_not_raised(etcd):
+    """Found by the fault campaign (#26, seed 723748302): a node restarted while etcd's first member was paused
+    could not write its API's address into its record; the update raised, and the daemon died with its API
+    just bound (clients saw their connections dropped). Now the address waits for the next renewal."""
+
+    async def main():
+        client, observer = Silenced(etcd, timeout=0.5), Etcd(etcd)
+        presence = Presence(client, PREFIX, record("node-u", "127.0.0.1"), ttl=TTL)
+        await presence.join()
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(presence.run)
+                client.silent = True
+                await presence.update(attrs.evolve(presence.record, api_url="http://127.0.0.1:9999"))  # no raise
+                before = [n.record.api_url for n in await list_nodes(observer, PREFIX) if n.record.node_id == "node-u"]
+                client.silent = False
+                with trio.fail_after(2 * TTL):  # the renewal under way may still be the silenced one
+                    await presence.renewed.wait()
+                after = [n.record.api_url for n in await list_nodes(observer, PREFIX) if n.record.node_id == "node-u"]
+                nursery.cancel_scope.cancel()
+        finally:
+            await observer.revoke(presence.lease)
+            await observer.aclose()
+            await client.aclose()
+        return before, after
+
+    before, after = trio.run(main)
+    assert before == ["http://127.0.0.1:8420"] and after == ["http://127.0.0.1:9999"]

@@ -168,6 +168,7 @@ class Presence:
         self.etcd, self.prefix, self.record, self.ttl = etcd, prefix, record, ttl
         self.refresh = refresh  # what changes about the node (free memory, cached models), read at each renewal
         self.lease = 0
+        self._written: NodeRecord | None = None  # the record etcd holds, as far as this node knows
         self.lost: str | None = None  # why etcd cannot be reached, while it cannot
         self.renewed = trio.Event()  # set (and replaced) whenever the lease was renewed or re-created
         # (trio time) until when the lease is surely alive: TTL after the last renewal was *asked for*
@@ -199,11 +200,25 @@ class Presence:
         asked = trio.current_time()
         self.lease = await self.etcd.grant(self.ttl)
         self.alive_until = asked + self.ttl
-        await self.etcd.put(node_key(self.prefix, self.record.node_id), self.record.to_json(), lease=self.lease)
+        record = self.record
+        await self.etcd.put(node_key(self.prefix, record.node_id), record.to_json(), lease=self.lease)
+        self._written = record
 
     async def update(self, record: NodeRecord) -> None:
+        """Make ``record`` this node's: written now if etcd takes it, else at the next renewal that reaches it,
+        never given up. Found by the fault campaign (#26, seed 723748302): a daemon restarted while etcd's
+        first member was paused raised here, writing its API's address, and crashed with its API just bound."""
         self.record = record
-        await self.etcd.put(node_key(self.prefix, record.node_id), record.to_json(), lease=self.lease)
+        await self._write()
+
+    async def _write(self) -> None:
+        record = self.record
+        try:
+            await self.etcd.put(node_key(self.prefix, record.node_id), record.to_json(), lease=self.lease)
+        except EtcdError as exc:
+            log.warning("cannot write the record of node %s now (%s): at the next renewal", record.node_id, exc)
+        else:
+            self._written = record
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         if not self.lease:  # not joined yet (the daemon joins first, to fail early if etcd is not there)
@@ -232,14 +247,10 @@ class Presence:
             self.renewed = trio.Event()
 
     async def _refresh(self) -> None:
-        if self.refresh is None:
-            return
-        record = self.refresh(self.record)
-        if record != self.record:
-            try:
-                await self.update(record)
-            except EtcdError as exc:  # written at the next renewal
-                log.warning("cannot update the record of node %s: %s", record.node_id, exc)
+        if self.refresh is not None:
+            self.record = self.refresh(self.record)
+        if self.record != self._written:  # changed, or a write of it that did not reach etcd
+            await self._write()
 
     async def leave(self) -> None:
         """Revoke the lease: the record (and every key on the lease) goes at once."""
