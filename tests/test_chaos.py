@@ -282,3 +282,12 @@ def test_an_events_reader_of_a_quiet_log_sees_the_stop_at_the_next_keepalive():
     for event in until_stopped(lines(), stop):
         seen.append(event.event)
     assert seen == ["transition"]
+
+
+def test_the_transitions_named_unreachable_are_real_transitions_of_the_machines():
+    """A typo in the report's list would leave out of the goal a transition that does not exist, silently."""
+    from exod.chaos.report import UNREACHABLE, rows_of
+    from fsm.conformance import replay
+
+    every, _, silent = rows_of(dict(replay([]).coverage))
+    assert set(UNREACHABLE) <= every - silent, sorted(set(UNREACHABLE) - every)
