@@ -175,12 +175,23 @@ class Injector:
 
     def _model_gone(self, step: Step) -> tuple[str, tuple[str, ...], Callable[[], None]]:
         """A model's files moved out of the cache every node reads (`huggingface-cli delete-cache` while it
-        serves), and back after the hold: loads meanwhile find it gone and fetch it again (offline: in vain)."""
+        serves), and back after the hold. A rank of the model is SIGKILLed as they go (a cache cleaned while a
+        rank restarts), so that a load comes while they are gone: the host's failure, uncharged, and the model
+        fetched again (offline: in vain, and retried) until they are back. Without that kill a load rarely met
+        the gap, and the download machine's invalidate, fail and retry went untaken by real processes."""
         model = self._claim(list(self.rig.models), step)
         cache = self.rig.hf_home / "hub" / ("models--" + model.replace("/", "--"))
         aside = cache.with_name(cache.name + ".chaos-aside")
         cache.rename(aside)
-        return model, (), lambda: aside.rename(cache)
+        name = model.split("/")[-1]
+        ranks = [p for p in self.runners().values() if p.instance.rsplit("-", 1)[0] == name]
+        target = model
+        with contextlib.suppress(NoTarget):
+            pid = int(self._claim([str(p.pid) for p in sorted(ranks, key=lambda p: (p.instance, p.rank))], step))
+            self.runner_kills[pid] = self.runner_hits[pid] = self.clock()  # a runner's fault: charged once
+            _signal(pid, signal.SIGKILL)
+            target = f"{model}+{pid}"
+        return target, (), lambda: aside.rename(cache)
 
     # -- etcd ---------------------------------------------------------------------------
 
