@@ -551,3 +551,24 @@ def test_files_of_a_model_that_go_missing_while_it_loads_are_the_hosts_failure_n
         assert processes[1].posted == []
 
     with_agent(tmp_path, body)
+
+
+def test_a_report_for_a_controller_that_closed_its_stream_ends_the_session_instead_of_raising(tmp_path):
+    """Found by the suite on a busy machine (#26): the controller closed its report stream (it was shutting
+    down) before the agent ended the session; a runner's exit reported into it raised BrokenResourceError in the
+    runner's supervisor task, and the node's daemon died with it (exit 1)."""
+    import math
+
+    async def body(agent, etcd, presence, processes):
+        stream = await agent.connect(TERM)
+        await stream.__anext__()
+        await agent.spawn(TERM, request(stream=2))
+        await trio.testing.wait_all_tasks_blocked()
+        send, receive = trio.open_memory_channel[bytes](math.inf)
+        receive.close()  # the controller's end is gone, the session not yet ended
+        agent._stream = send
+        runner = processes[0]
+        runner.listener.on_exit(runner.spec, 0, "", True)  # raised here
+        assert agent._stream is None and runner.stopped  # the session ended: its runners are stopped
+
+    with_agent(tmp_path, body)

@@ -439,8 +439,16 @@ class Agent:
                 process.stop()
 
     def _send(self, session: int, event: dict[str, Any]) -> None:
-        if session == self._session and self._stream is not None:
+        """Tell the open stream's controller. One that went is told nothing more: its stream ends here, and the
+        next controller learns what became of the runners from etcd's keys. Found by the suite on a busy
+        machine (#26): a runner's exit, reported into a stream its controller had just closed, raised in the
+        runner's supervisor task and crashed the node's daemon as the cluster shut down."""
+        if session != self._session or self._stream is None:
+            return
+        try:
             self._stream.send_nowait((json.dumps(event) + "\n").encode())
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self._end_session("its controller went away")
 
     async def _supervise(self, process: FencedProcess, instance_id: str) -> None:
         spec = process.spec
