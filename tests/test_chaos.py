@@ -113,6 +113,9 @@ def test_an_instance_not_ready_within_the_bound_after_the_last_heal_is_a_violati
     assert "last seen recovering" in inv.ready_after_the_last_heal(flapped, healed=50.0, bounds=BOUNDS)[0].text
     spent = [sample(50.0, "backing_off"), sample(99.0, "deleted", spent=True, deleted=True)]
     assert inv.ready_after_the_last_heal(spent, healed=50.0, bounds=BOUNDS) == []
+    # found by the 30-min campaign (seed 2059756477): deleted on its last retry and forgotten between two samples
+    forgotten = [sample(40.0), sample(40.0, iid="i2"), sample(60.0, iid="i2"), sample(99.0, iid="i2")]
+    assert inv.ready_after_the_last_heal(forgotten, healed=50.0, bounds=BOUNDS) == []
 
 
 # -- 6. the log and the readers ------------------------------------------------------------------

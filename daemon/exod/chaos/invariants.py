@@ -205,9 +205,12 @@ def ready_after_the_last_heal(samples: Sequence[InstanceSample], healed: float, 
         latest[s.instance] = s
         if s.time >= healed and s.state == READY:
             first_ready.setdefault(s.instance, s.time)
+    last = max((s.time for s in samples), default=0.0)
     found = []
     for iid, s in sorted(latest.items()):
         if s.deleted or s.spent:
+            continue
+        if s.time < last:  # gone from etcd: deleted and forgotten between two samples (invariant 2 judges how)
             continue
         ready_at = first_ready.get(iid)
         if ready_at is None or ready_at - healed > bounds.recovery_s or s.state != READY:
