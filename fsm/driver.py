@@ -156,10 +156,10 @@ class Driver:
                 break
             took = False
             for action in actions:
-                if self._before is not None and not self._before(action):
-                    skipped[action] = Skipped(action, "held back by the caller")
-                    continue
-                try:
+                try:  # the view may have moved under a later action of the round: the machines refuse it
+                    if self._before is not None and not self._before(action):
+                        skipped[action] = Skipped(action, "held back by the caller")
+                        continue
                     outcome = self.cluster.execute(action, self.clock())  # the caller's last look took time
                 except FsmError as exc:
                     skipped[action] = Skipped(action, str(exc), exc)

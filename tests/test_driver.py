@@ -321,3 +321,20 @@ def test_one_for_one_is_independent_replicas_each_its_own_instance():
     assert (cluster.instance("web-0").generation, cluster.instance("web-0").attempts) == (1, 0)  # untouched
     assert (cluster.instance("web-1").generation, cluster.instance("web-1").attempts) == (2, 1)
     assert not [a for a in world.calls if isinstance(a, fsm.StopRunner) and a.runner_id == "web-0/0"]
+
+
+def test_a_refusal_in_the_callers_last_look_is_skipped_not_raised():
+    """Found by the third 30-min campaign (seed 2059756477): two ranks on one node found their model gone in
+    the same round; the second's last look invalidated a download the first had invalidated already, and the
+    refusal escaped the driver and ended the daemon's controller."""
+    cluster, clock, world = fsm.Cluster(), Clock(), Recorder()
+    cluster.place("i", "org/m", SLOTS[:1])
+
+    def refuses(action: fsm.Action) -> bool:
+        if isinstance(action, fsm.StartDownload):
+            raise fsm.IllegalTransition("download", "invalidate", "pending", "already pending")
+        return True
+
+    done = fsm.Driver(cluster, world, clock, before=refuses).reconcile()
+    assert [type(s.error) for s in done.skipped] == [fsm.IllegalTransition]
+    assert done.taken == (fsm.StartGeneration("i", 1),)

@@ -10,6 +10,7 @@ a task; how it ends comes back as reports (`exod.reports`, `exod.downloads`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -60,7 +61,8 @@ class Executor:
             except ModelNotFound as exc:
                 log.warning("model %s vanished from the cache: %s", action.model_id, exc)
                 self.models.forget(action.model_id)
-                cluster.download_event(self.node_id, dl.Invalidate(action.model_id, self._now()))
+                with contextlib.suppress(fsm.FsmError):  # another rank's load here invalidated it already
+                    cluster.download_event(self.node_id, dl.Invalidate(action.model_id, self._now()))
                 return False
         if isinstance(action, fsm.StartGeneration):
             self.placer.place_again(action.instance_id)
