@@ -20,7 +20,7 @@ from fsm import instance as inst
 from fsm import runner as rn
 from fsm.cluster import Cluster
 from fsm.download import DownloadState
-from fsm.driver import Driver
+from fsm.driver import Driver, Planner
 from fsm.owed import Owed, Report, owed_after
 from fsm.plan import next_deadline
 from fsm.plan import plan as default_plan
@@ -173,9 +173,6 @@ class _Simulated:
 
     create_runner = stop_runner = start_download = connect_runner = load_model = warm_up = kill_runner = _owe
     forward_request = cancel_request = _answer
-
-
-Planner = Callable[..., list[act.Action]]
 
 
 class World:

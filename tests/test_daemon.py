@@ -62,7 +62,7 @@ def test_a_placement_or_a_delete_the_store_refuses_is_not_acknowledged(tmp_path,
     from exod.state.store import StateUnavailable
 
     async def refuse(*args, **kwargs) -> None:
-        raise StateUnavailable("cannot reach etcd at http://10.0.0.1:2379")
+        raise StateUnavailable("cannot reach etcd at http://127.0.0.1:2379")
 
     async def body(controller):
         placed = await controller.place("exod/tiny-qwen2", 1)
