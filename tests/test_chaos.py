@@ -4,8 +4,11 @@ and one short campaign with a fixed seed against a real cluster finds no violati
 from __future__ import annotations
 
 import itertools
+import resource
 import subprocess
 import sys
+
+import psutil
 
 from exod.chaos import invariants as inv
 from exod.chaos.history import FaultRecord, History, InstanceSample, Operation, Outcome, ProcessLife
@@ -294,3 +297,20 @@ def test_the_transitions_named_unreachable_are_real_transitions_of_the_machines(
 
     every, _, silent = rows_of(dict(replay([]).coverage))
     assert set(UNREACHABLE) <= every - silent, sorted(set(UNREACHABLE) - every)
+
+
+def test_a_lowered_open_file_limit_is_given_back_and_its_undo_is_quiet_once_the_target_is_gone():
+    from exod.chaos.faults import _lower_fd_limit
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        before = psutil.Process(child.pid).rlimit(resource.RLIMIT_NOFILE)
+        restore = _lower_fd_limit(child.pid)
+        lowered = psutil.Process(child.pid).rlimit(resource.RLIMIT_NOFILE)
+        assert lowered[0] < before[0] and lowered[1] == before[1]
+        restore()
+        assert psutil.Process(child.pid).rlimit(resource.RLIMIT_NOFILE) == before
+        restore = _lower_fd_limit(child.pid)
+    finally:
+        child.communicate(b"")
+    restore()  # the target exited and was reaped while the fault held: nothing to give back, no error

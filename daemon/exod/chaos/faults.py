@@ -281,7 +281,24 @@ def _lower_fd_limit(pid: int) -> Callable[[], None]:
     process.rlimit(resource.RLIMIT_NOFILE, (process.num_fds() + 8, hard))
 
     def restore() -> None:
-        with contextlib.suppress(psutil.NoSuchProcess):
+        if not process.is_running():  # gone, or its pid already another's: nothing of it to give back
+            return
+        try:
             process.rlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        except psutil.NoSuchProcess:
+            return
+        except psutil.AccessDenied as exc:  # seen once, never reproduced: say what the target was then
+            with process.oneshot():
+                state = f"status {_quietly(process.status)}, uids {_quietly(process.uids)}"
+            limits = f"limits now {_quietly(lambda: process.rlimit(resource.RLIMIT_NOFILE))}, to restore {(soft, hard)}"
+            raise RuntimeError(f"restoring pid {pid}'s open-file limit was refused ({state}; {limits})") from exc
 
     return restore
+
+
+def _quietly(read: Callable[[], object]) -> str:
+    """A detail for an error message, or why it could not be read."""
+    try:
+        return repr(read())
+    except psutil.Error as exc:
+        return f"<{type(exc).__name__}>"
