@@ -2,6 +2,33 @@
 
 Pure: no I/O, no clock reads. Time is always a parameter (``now``); the caller
 feeds events to the machines and executes what `plan` returns.
+
+Where to start (the rest of this page is the reference, class by class):
+
+* The loop. ``Cluster`` holds the machines of every instance, runner and
+  download; ``Cluster.place(...)`` declares an instance on ``Slot`` s. A
+  ``Driver(cluster, adapter, clock)`` runs plan → execute → settle:
+  ``Driver.reconcile()`` hands each ``Action`` to your ``Adapter`` (spawn a
+  process, stop it, fetch a model, ...) and ``Driver.report(event)`` tells it
+  what became of them (runner events in ``fsm.runner``, download events in
+  ``fsm.download``). Reconcile again at ``Driver.next_wakeup()`` or when
+  something happens. Without a driver: ``plan(view, now)`` on
+  ``Cluster.view()``, then ``Cluster.execute(action, now)``.
+* What you owe. Each action's docstring says what to do and which events to
+  feed back; when nothing moves, ``Cluster.owed()`` says what is awaited.
+* Policies. ``RetryPolicy`` (backoff, retries, budget reset), ``PhaseLimits``
+  (watchdogs), ``Backoff``; ``admit`` and ``place`` decide where an instance
+  fits (``ModelFacts``, ``NodeRoom``, ``Limits``).
+* Restarts. ``Cluster.to_dict`` / ``Cluster.from_dict``, ``Cluster.recover(now,
+  adopt=...)``, ``Handle`` (your process id on a runner), ``log`` (the
+  transition log as JSON lines), ``Clock`` (which clock the times are on).
+* Errors. ``FsmError`` and its subclasses: a refusal changes nothing.
+* Proof. ``fsm.check`` explores every interleaving of a small cluster;
+  ``fsm.diagram`` draws the machines (``diagram.mermaid``, ``diagram.transition_table``).
+
+A worked supervisor of plain processes in asyncio: ``examples/supervise_processes.py``;
+a tutorial and the rules, each with the exo bug it prevents: the documentation
+site (``make docs``).
 """
 
 # Events live in their machine's module, to be imported from there:

@@ -94,6 +94,11 @@ class RetryPolicy:
 
     ``max_retries=None``: never give up on a retryable failure (a non-retryable one still ends the instance;
     the backoff still grows to its cap). ``reset_after=None``: the budget never refills.
+
+    There is no restart-strategy field, on purpose: an instance's ranks are one ring, and a ring that lost a
+    rank hangs in its next collective, so they restart together (one_for_all) whatever a policy said.
+    Replicas that need no ring are independent (one_for_one): place each as a 1-rank instance, which gives
+    each its own generation, fence and budget.
     """
 
     backoff: Backoff = attrs.field(factory=Backoff, validator=attrs.validators.instance_of(Backoff))

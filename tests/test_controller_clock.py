@@ -231,8 +231,8 @@ def test_the_budget_refills_exactly_reset_after_of_continuous_ready_and_a_failur
 @pytest.mark.parametrize(
     ("fault_phase", "phase", "timeout"),
     [
-        (FaultPhase.CONNECTING, "connecting", TIMEOUTS.connect),
-        (FaultPhase.LOADING, "loading", TIMEOUTS.load_progress),
+        (FaultPhase.CONNECTING, "joining", TIMEOUTS.connect),
+        (FaultPhase.LOADING, "weights", TIMEOUTS.load_progress),
         (FaultPhase.WARMING_UP, "warming_up", TIMEOUTS.warm_up),
         (FaultPhase.BUSY, "generating", TIMEOUTS.generate),
     ],

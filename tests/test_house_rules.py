@@ -214,3 +214,27 @@ def test_every_public_name_of_fsm_says_what_it_is():
         elif (inspect.isfunction(value) or inspect.ismodule(value)) and not value.__doc__:
             missing.append(name)
     assert not missing, f"public names of fsm without a docstring of their own: {missing}"
+
+
+def test_the_guide_at_the_top_of_help_fsm_names_only_what_exists():
+    """#27: the first screen of `help(fsm)` is a guide to the API; a name it mentions that was renamed would send
+    a newcomer looking for nothing."""
+    import importlib
+    import importlib.util
+    import re
+
+    import fsm
+
+    guide = fsm.__doc__ or ""
+    assert "Where to start" in guide
+    missing = []
+    for name in sorted(set(re.findall(r"``([A-Za-z_][\w.]*)(?:\(|``)", guide)) - {"now"}):  # `now`: the parameter
+        head, *rest = name.removeprefix("fsm.").split(".")
+        owner = getattr(fsm, head, None)
+        if owner is None and importlib.util.find_spec(f"fsm.{head}"):  # a submodule imported on demand (fsm.check)
+            owner = importlib.import_module(f"fsm.{head}")
+        for part in rest:
+            owner = getattr(owner, part, None)
+        if owner is None:
+            missing.append(name)
+    assert not missing, f"fsm's guide names what fsm does not have: {missing}"

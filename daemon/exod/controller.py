@@ -87,7 +87,7 @@ class Controller:
             hf_home=config.hf_home, offline=config.offline, timeout=config.download_timeout
         )
         self._wall_offset = wall() - trio.current_time()  # trio time + offset = wall time, for what is stored
-        self.cluster = Cluster(download_policy=config.download_policy)
+        self.cluster = self._new_cluster()
         self._reports = Reports(self)
         self.fleet = fleet  # in a cluster: the other nodes, their agents running the ranks placed there
         self.node_id = NODE if fleet is None else fleet.local
@@ -119,6 +119,16 @@ class Controller:
         """Wall time, read from trio's clock."""
         return trio.current_time() + self._wall_offset
 
+    def _new_cluster(self, snapshot: dict[str, Any] | None = None) -> Cluster:
+        """The machines, empty or as ``snapshot`` held them, watched by the phase limits of the configuration:
+        a runner silent while joining, loading or warming up is failed by the plan (`fsm.PhaseLimits`); the
+        supervisors keep only what needs the process (a generation's silence, a stop's signals)."""
+        t, policy = self.config.timeouts, self.config.download_policy
+        limits = fsm.PhaseLimits(connect=t.connect, load_progress=t.load_progress, warm_up=t.warm_up)
+        if snapshot is None:
+            return Cluster(download_policy=policy, limits=limits)
+        return Cluster.from_dict(snapshot, download_policy=policy, limits=limits)
+
     def _new_book(self) -> RequestBook:
         c = self.config
         return RequestBook(
@@ -139,7 +149,7 @@ class Controller:
         it to the operator)."""
         snapshot = await self.journal.state.load()
         if snapshot is not None:
-            self.cluster = Cluster.from_dict(snapshot, download_policy=self.config.download_policy)
+            self.cluster = self._new_cluster(snapshot)
             self.requests = self._new_book()  # callers of the previous daemon are gone
         self.reaped_orphans = reap_orphans(self.store.processes())
         for record in self.store.processes():
@@ -162,7 +172,7 @@ class Controller:
         stored."""
         await self.journal.retire("this node's earlier term as the controller is over")
         self.journal = Journal(state, self.store)
-        self.cluster = Cluster(download_policy=self.config.download_policy)
+        self.cluster = self._new_cluster()
         self.requests = self._new_book()
         self._stopping = False
 

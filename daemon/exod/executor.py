@@ -86,8 +86,8 @@ class Executor:
         self.processes.load(action.runner_id, action.incarnation, action.model_id, path)
 
     def kill_runner(self, action: fsm.KillRunner) -> None:
-        """Never asked: the daemon keeps its watchdogs in its supervisors (no `fsm.PhaseLimits`), whose stop
-        escalates to SIGKILL by itself; a stop again is what it would take."""
+        """Never asked: the daemon's phase limits leave a stop's grace to its supervisors (no
+        `fsm.PhaseLimits.stop_grace`), whose stop escalates to SIGKILL by itself; a stop again is what it takes."""
         self.processes.stop(action.runner_id, action.incarnation)
 
     def warm_up(self, action: fsm.WarmUp) -> None:

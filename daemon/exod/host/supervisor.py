@@ -34,11 +34,12 @@ from exod.state.statedir import private_dir, private_opener
 
 @attrs.frozen
 class Timeouts:
-    """Stall watchdogs per phase, and the grace periods of a stop (seconds)."""
+    """Stall watchdogs per phase, and the grace periods of a stop (seconds). The first three are the plan's
+    (`fsm.PhaseLimits`, kept by the controller); the rest are the supervisor's, which needs the process."""
 
-    connect: float = 60.0  # Connect sent → joined
-    load_progress: float = 120.0  # Load sent → each next progress report
-    warm_up: float = 120.0  # WarmUp sent → ready
+    connect: float = 60.0  # Connect → joined
+    load_progress: float = 120.0  # Load → each next progress report
+    warm_up: float = 120.0  # WarmUp → ready
     generate: float = 300.0  # while requests are outstanding: each next token (rank 0) or finished request
     stop_grace: float = 5.0  # Shutdown sent → SIGTERM
     term_grace: float = 3.0  # SIGTERM → SIGKILL
@@ -114,70 +115,53 @@ def _tail(path: Path, lines: int = TAIL_LINES) -> str:
 
 
 class Watchdog:
-    """Stall detection for one runner: armed by the command that starts a phase, fed by the reports that show
-    progress, firing ``on_stall(phase, seconds)`` once when a phase goes silent for its timeout (trio time)."""
+    """Stall detection for one runner's generation: armed by a request, fed by the reports that show progress,
+    firing ``on_stall("generating", seconds)`` once when it goes silent for its timeout (trio time). The phases
+    of a start are watched by the plan (`fsm.PhaseLimits`), which sees the same reports."""
 
     def __init__(self, timeouts: Timeouts, on_stall: Callable[[str, float], None]) -> None:
         self.timeouts = timeouts
         self._on_stall = on_stall
-        self._watch: tuple[str, float] | None = None  # (phase, deadline in trio time)
+        self._deadline: float | None = None  # trio time; None: disarmed
         self._changed = trio.Event()
         self._outstanding = 0  # Generate commands without their Done yet
 
-    def _arm(self, phase: str, seconds: float) -> None:
-        self._watch = (phase, trio.current_time() + seconds)
+    def _arm(self) -> None:
+        self._deadline = trio.current_time() + self.timeouts.generate
         self._changed.set()
 
     def disarm(self) -> None:
-        self._watch = None
+        self._deadline = None
         self._changed.set()
 
     def arm_for(self, command: p.Command) -> None:
-        """A command that starts a phase gives that phase its timeout."""
+        """A request gives the generation its timeout."""
         if isinstance(command, p.Generate):
             self._outstanding += 1
-            if self._watch is None:
-                self._arm("generating", self.timeouts.generate)
-        elif isinstance(command, p.Connect):
-            self._arm("connecting", self.timeouts.connect)
-        elif isinstance(command, p.Load):
-            self._arm("loading", self.timeouts.load_progress)
-        elif isinstance(command, p.WarmUp):
-            self._arm("warming_up", self.timeouts.warm_up)
+            if self._deadline is None:
+                self._arm()
 
     def feed(self, report: p.Report) -> None:
-        """A report of progress re-arms (tokens, heartbeats, layers) or disarms (the phase is over)."""
+        """A report of progress re-arms (tokens, heartbeats) or disarms (no request is left)."""
         if isinstance(report, (p.Done, p.RequestError)):
             self._outstanding = max(0, self._outstanding - 1)
-        feeds = (p.Token, p.Heartbeat, p.Done, p.RequestError)
-        if isinstance(report, feeds) and self._watch and self._watch[0] == "generating":
+        if isinstance(report, (p.Token, p.Heartbeat, p.Done, p.RequestError)) and self._deadline is not None:
             if self._outstanding:
-                self._arm("generating", self.timeouts.generate)
+                self._arm()
             else:
                 self.disarm()
-        elif isinstance(report, p.Progress):
-            self._arm("loading", self.timeouts.load_progress)
-        elif isinstance(report, p.Status) and report.phase in (p.Phase.JOINED, p.Phase.LOADED, p.Phase.READY):
-            self.disarm()
 
     async def run(self) -> None:
         while True:
             self._changed = trio.Event()
-            if self._watch is None:
+            if self._deadline is None:
                 await self._changed.wait()
                 continue
-            phase, deadline = self._watch
-            with trio.move_on_at(deadline):
+            with trio.move_on_at(self._deadline):
                 await self._changed.wait()
                 continue
-            seconds = {
-                "connecting": self.timeouts.connect,
-                "loading": self.timeouts.load_progress,
-                "warming_up": self.timeouts.warm_up,
-                "generating": self.timeouts.generate,
-            }[phase]
-            self._watch = None
-            self._on_stall(phase, seconds)
+            self._deadline = None
+            self._on_stall("generating", self.timeouts.generate)
 
 
 class Supervisor:
