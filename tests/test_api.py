@@ -270,7 +270,8 @@ def keyed(tmp_path_factory):
     """A daemon with an API key and nothing placed: the guard is all there is to test."""
     tmp = tmp_path_factory.mktemp("keyed")
     (tmp / "exod.toml").write_text(KEYED_CONFIG)
-    process, url = start_daemon(tmp, {**os.environ, "HF_HUB_OFFLINE": "1"}, "--no-place", "--api-key", "s3cret")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    process, url = start_daemon(tmp, env, "--no-place", "--api-key", "s3cret", "--cors-origin", "http://app.test")
     try:
         yield url
     finally:
@@ -323,6 +324,38 @@ def test_the_dashboard_page_asks_for_the_key_and_its_assets_are_all_served_here(
     for asset in re.findall(r"""['"](/ui/vendor/[^'"]+)['"]""", docs):
         assert httpx.get(f"{daemon['url']}{asset}").status_code == 200, asset
     assert httpx.get(f"{keyed}/instances").status_code == 401  # the data behind the page still needs the key
+
+
+def test_a_browser_page_of_a_listed_origin_may_call_with_the_key_it_holds_and_no_other_page_may(keyed, daemon):
+    """#28: CORS, opt-in (`--cors-origin`). The preflight is answered without the key (browsers send none with
+    it); the call itself still needs the key, which no answer reflects; the default daemon allows no origin."""
+    preflight = {"origin": "http://app.test", "access-control-request-method": "POST"}
+    preflight["access-control-request-headers"] = "authorization,content-type"
+    answered = httpx.options(f"{keyed}/v1/chat/completions", headers=preflight)
+    assert answered.status_code == 200 and answered.headers["access-control-allow-origin"] == "http://app.test"
+    assert "access-control-allow-credentials" not in answered.headers
+    called = httpx.get(f"{keyed}/instances", headers={"origin": "http://app.test", "authorization": "Bearer s3cret"})
+    assert called.status_code == 200 and called.headers["access-control-allow-origin"] == "http://app.test"
+    assert "s3cret" not in str(called.headers) + called.text
+    unkeyed = httpx.get(f"{keyed}/instances", headers={"origin": "http://app.test"})
+    assert unkeyed.status_code == 401 and unkeyed.headers["access-control-allow-origin"] == "http://app.test"
+    for url, origin in ((keyed, "http://evil.test"), (daemon["url"], "http://app.test")):
+        refused = httpx.options(f"{url}/v1/chat/completions", headers={**preflight, "origin": origin})
+        assert "access-control-allow-origin" not in refused.headers, url
+        assert "access-control-allow-origin" not in httpx.get(f"{url}/health", headers={"origin": origin}).headers
+
+
+def test_every_answer_names_its_request_and_head_is_answered_where_get_is(daemon, keyed):
+    """#28: ``x-request-id`` on every response, the client's own echoed; HEAD as HTTP says (it was a 405)."""
+    url = daemon["url"]
+    given = httpx.get(f"{url}/v1/models", headers={"x-request-id": "trace-1"})
+    assert given.headers["x-request-id"] == "trace-1"
+    assert httpx.get(f"{keyed}/instances").headers["x-request-id"].startswith("req_")  # a 401 too
+    for path in ("/", "/health", "/v1/models", "/metrics", "/events"):  # /events: an endless stream
+        head = httpx.head(f"{url}{path}", timeout=10)
+        assert head.status_code == 200 and head.content == b"", path
+        if path != "/events":
+            assert head.headers["content-type"] == httpx.get(f"{url}{path}").headers["content-type"], path
 
 
 def test_instances_create_list_get_and_503_before_ready_then_delete(daemon, client):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from importlib import resources
 from pathlib import Path
@@ -102,6 +103,7 @@ class ServeConfig:
     cluster: ClusterConfig | None = None  # `exod serve --cluster`: a node of an etcd cluster (exod.cluster.membership)
     # exod.api.drain: on SIGTERM/SIGINT, how long requests in progress may take to finish before they are ended
     drain_timeout: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
+    cors_origins: tuple[str, ...] = ()  # exod.api.middleware.cors: pages of these origins may call the API
 
     def check_exposure(self) -> None:
         """Binding beyond loopback needs a bearer token, or an explicit --insecure; a cluster node always needs
@@ -185,6 +187,12 @@ class _Cluster(BaseModel):
     etcd_password_file: str | None = None
 
 
+class _Api(BaseModel):
+    model_config = _STRICT
+
+    cors_origins: list[str] = []  # none: browsers refuse pages of other origins (exod.api.middleware.cors)
+
+
 class _Fault(BaseModel):  # fault injection, for tests: never set by default
     model_config = _STRICT
 
@@ -242,6 +250,7 @@ class _File(BaseModel):
     script: _Script | None = None
     retention: _Retention = Field(default_factory=_Retention)
     limits: _Limits = Field(default_factory=_Limits)
+    api: _Api = Field(default_factory=_Api)
 
 
 _LISTS = frozenset({"place", "fault"})  # the sections written [[...]], once per entry
@@ -295,6 +304,7 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
         faults = tuple(
             FaultSpec(Fault.parse(f"{f.phase}:{f.kind}"), rank=f.rank, generation=f.generation) for f in file.fault
         )
+        origins = tuple(cors_origin(o) for o in file.api.cors_origins)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{where}: {exc}") from exc
     memory = host_memory()
@@ -338,6 +348,21 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
         max_connections=limits.max_connections,
         drain_timeout=limits.drain_timeout,
         cluster=_cluster(file.cluster, where),
+        cors_origins=origins,
+    )
+
+
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#\s]+")
+
+
+def cors_origin(text: str) -> str:
+    """An origin as browsers send it (``scheme://host[:port]``, no path: ``http://localhost:3000``,
+    ``chrome-extension://ID``), or ``*`` for any; ValueError saying so otherwise."""
+    if text == "*" or _ORIGIN.fullmatch(text):
+        return text
+    raise ValueError(
+        f"CORS origin {text!r} is not an origin: write scheme://host[:port] as the browser sends it, with no path "
+        "or trailing slash (e.g. http://localhost:3000), or * for any"
     )
 
 

@@ -99,6 +99,7 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                     max_tokens_ceiling=config.max_tokens,
                     membership=membership,
                     agent=agent,
+                    cors_origins=config.cors_origins,
                 )
                 drain = Drain()
                 app = Gate(app, drain)

@@ -6,17 +6,18 @@ it runs on anyio, hence under trio. Every error has OpenAI's shape (`exod.api.er
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
 from fastapi import FastAPI
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 
 import fsm
 from exod.api import chat, completions, dashboard, diagrams, docs, events, health, instances, messages, responses_api
 from exod.api.auth import authentication, node_authentication
-from exod.api.errors import ApiError, install
+from exod.api.errors import install
 from exod.api.forward import Follower
 from exod.api.metrics import Metrics
+from exod.api.middleware import BodyCap, HeadAsGet, RequestId, cors
 from exod.cluster.agent import Agent
 from exod.cluster.agent import router as agent_router
 from exod.cluster.membership import Membership
@@ -27,49 +28,6 @@ MAX_TOKENS_CEILING = 4096
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key
 
 
-class _BodyCap:
-    """ASGI middleware: a cap on request bodies, declared or chunked, before any route reads one."""
-
-    def __init__(self, app: ASGIApp, max_body: int) -> None:
-        self.app, self.max_body = app, max_body
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await self.app(scope, receive, send)
-            return
-        if scope["type"] != "http":  # no websocket routes: nothing else gets through unchecked
-            if scope["type"] == "websocket":
-                await send({"type": "websocket.close", "code": 1008})
-            return
-        headers = dict(scope.get("headers") or [])
-        declared = headers.get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body):
-            await ApiError(413, f"request body over {self.max_body} bytes").response(scope["path"])(
-                scope, receive, send
-            )
-            return
-        body, more = b"", True
-        while more:  # read it all (bounded) so a chunked body cannot slip past the cap
-            message = await receive()
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.max_body:
-                await ApiError(413, f"request body over {self.max_body} bytes").response(scope["path"])(
-                    scope, receive, send
-                )
-                return
-        replayed = False
-
-        async def replay() -> dict[str, Any]:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
-
-
 def create_app(
     controller: Controller,
     *,
@@ -78,8 +36,10 @@ def create_app(
     max_tokens_ceiling: int = MAX_TOKENS_CEILING,
     membership: Membership | None = None,
     agent: Agent | None = None,
+    cors_origins: Sequence[str] = (),
 ) -> ASGIApp:
-    """The daemon's API: each concern's router, in the order the OpenAPI document lists their paths."""
+    """The daemon's API: each concern's router, in the order the OpenAPI document lists their paths, inside
+    what wraps every request (`exod.api.middleware`)."""
     # its document and docs page are routes of ours (`exod.api.docs`), so that they ask for the key like every other
     app = FastAPI(
         title="exod",
@@ -112,4 +72,4 @@ def create_app(
     app.include_router(docs.router(app), dependencies=authenticated)
     dashboard.install(app, api_key=bool(api_key))
     served: ASGIApp = app if membership is None else Follower(app, membership, api_key)
-    return _BodyCap(served, max_body_bytes)
+    return RequestId(HeadAsGet(cors(BodyCap(served, max_body_bytes), cors_origins)))

@@ -44,6 +44,14 @@ from exod.cli._common import STATE_DIR, etcd_options, etcd_security
     metavar="MODEL_OR_DIR[:RANKS]",
     help="Also keep this placed: a repo id, or a local model directory (the CLI and config only). Repeatable.",
 )
+@click.option(
+    "--cors-origin",
+    "cors_origins",
+    multiple=True,
+    metavar="ORIGIN",
+    help="Let browser pages of ORIGIN (scheme://host[:port], or * for any) call the API; off by default. "
+    "Repeatable; replaces [api] cors_origins.",
+)
 @etcd_options
 def serve(
     config_path,
@@ -60,6 +68,7 @@ def serve(
     advertise,
     cluster_token_file,
     extra,
+    cors_origins,
     **etcd,
 ) -> None:
     """Run the daemon: restore state, reap orphans, place, serve the API until SIGINT/SIGTERM."""
@@ -70,7 +79,7 @@ def serve(
 
     import fsm
     from exod.api.http_server import BindError
-    from exod.config import ConfigError, load
+    from exod.config import ConfigError, cors_origin, load
     from exod.controller import PlacementRefused
     from exod.host.models import ModelNotFound
     from exod.serve import ClusterUnavailable
@@ -91,6 +100,11 @@ def serve(
     embedded_in_cluster = config_path is None and cluster_url is not None
     kept = () if no_place or embedded_in_cluster else cfg.placements
     cfg = attrs.evolve(cfg, placements=kept + added, api_key=api_key, insecure=insecure)
+    if cors_origins:
+        try:
+            cfg = attrs.evolve(cfg, cors_origins=tuple(cors_origin(o) for o in cors_origins))
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--cors-origin") from exc
     if cluster_url or cfg.cluster:
         import socket
 

@@ -1,0 +1,134 @@
+"""What wraps every request before a route sees it: the body's cap, the request's id, HEAD, and CORS.
+
+ASGI middleware rather than FastAPI dependencies, because each must act on answers no route makes: a
+413 before the body is read, the id on a 401, HEAD on a path that declares only GET, a browser's preflight.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from exod.api.errors import ApiError
+
+REQUEST_ID = b"x-request-id"
+_CLIENTS_ID = re.compile(rb"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces: safe to echo in a header
+
+
+class BodyCap:
+    """A cap on request bodies, declared or chunked, before any route reads one."""
+
+    def __init__(self, app: ASGIApp, max_body: int) -> None:
+        self.app, self.max_body = app, max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":  # no websocket routes: nothing else gets through unchecked
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+            return
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body):
+            await self._too_big(scope["path"])(scope, receive, send)
+            return
+        body, more = b"", True
+        while more:  # read it all (bounded) so a chunked body cannot slip past the cap
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body:
+                await self._too_big(scope["path"])(scope, receive, send)
+                return
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    def _too_big(self, path: str) -> ASGIApp:
+        return ApiError(413, f"request body over {self.max_body} bytes").response(path)
+
+
+class RequestId:
+    """Every answer carries ``x-request-id``: the client's own if it sent a usable one (so its logs and ours
+    name the same request), else a fresh one; the daemon's log names it too."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or []).get(REQUEST_ID, b"")
+        request_id = given if _CLIENTS_ID.fullmatch(given) else f"req_{secrets.token_hex(12)}".encode()
+        scope.setdefault("state", {})["request_id"] = request_id.decode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != REQUEST_ID]
+                message = {**message, "headers": [*headers, (REQUEST_ID, request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class _Answered(Exception):
+    """A HEAD's headers are sent: what the GET would go on to write is not wanted (an endless stream
+    included), so the route is ended here."""
+
+
+class HeadAsGet:
+    """HEAD answered wherever GET is, as HTTP says: the GET's status and headers, no body. (FastAPI routes
+    declared with GET take no HEAD, and hypercorn leaves a HEAD's body to the application.)"""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def headers_only(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                await send(message)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                raise _Answered
+
+        try:
+            await self.app({**scope, "method": "GET"}, receive, headers_only)
+        except* _Answered:
+            pass
+
+
+def cors(app: ASGIApp, origins: Sequence[str]) -> ASGIApp:
+    """Let pages of ``origins`` (``*``: any) call the API from a browser, preflight answered; nothing when
+    empty, the default: a page of any site a user visits could otherwise drive a daemon on their machine.
+
+    Never with credentials: a browser sends no cookie and no stored authorisation, so a page must hold the
+    API key itself to use one, and the key is never reflected in an answer."""
+    if not origins:
+        return app
+    return CORSMiddleware(
+        app,
+        allow_origins=list(origins),
+        allow_methods=["GET", "POST", "DELETE", "OPTIONS", "HEAD"],
+        allow_headers=["*"],
+        allow_credentials=False,
+        expose_headers=["x-request-id", "retry-after"],
+        max_age=600,
+    )
