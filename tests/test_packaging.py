@@ -167,6 +167,11 @@ def test_wheel_requires_the_daemon_stack_only_under_the_daemon_extra(wheel: Path
         vendored = ("swagger-ui-bundle.js", "swagger-ui.css", "LICENSE")
         swagger = {f"exod/ui/vendor/swagger-ui/{name}" for name in vendored}
         assert dashboard | swagger <= set(whl.namelist())  # the page and /docs need nothing from elsewhere
+        # every module of the source is in the wheel: `exod chaos` once ran only from a checkout
+        source = {str(path.relative_to(ROOT / "daemon")) for path in (ROOT / "daemon" / "exod").rglob("*.py")} | {
+            str(path.relative_to(ROOT)) for path in (ROOT / "fsm").rglob("*.py")
+        }
+        assert source <= set(whl.namelist()), sorted(source - set(whl.namelist()))
 
 
 def test_the_library_works_without_the_daemon_stack(venv: Path) -> None:
