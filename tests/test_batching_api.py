@@ -6,6 +6,7 @@ dialect's words; a prompt the model's context cannot hold is a 400."""
 
 from __future__ import annotations
 
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
@@ -117,6 +118,29 @@ def test_a_prompt_over_the_context_is_a_400_streaming_or_not(client, stream):
     with pytest.raises(openai.BadRequestError) as refused:
         answer = client.chat.completions.create(model=MODEL, messages=huge, max_tokens=4, stream=stream)
         list(answer) if stream else None
-    assert "context" in str(refused.value) and "2048" in str(refused.value)
+    error = refused.value.body
+    assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+    assert error["message"].startswith("This model's maximum context length is 2048 tokens. However, your messages")
     done = client.chat.completions.create(model=MODEL, messages=ask(1), **GREEDY)  # it serves on
     assert done.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_prompt_over_the_context_is_refused_in_each_dialects_words(daemon, client):
+    """#28: clients that trim a conversation and retry look for these: OpenAI's code and sentence, with the
+    dialect's own parameter named; Anthropic's "prompt is too long"."""
+    text = "tokens " * 3000
+    with pytest.raises(openai.BadRequestError) as completions:
+        client.completions.create(model=MODEL, prompt=text, max_tokens=4)
+    with pytest.raises(openai.BadRequestError) as responses:
+        client.responses.create(model=MODEL, input=text, max_output_tokens=16)
+    for refused, param in ((completions, "prompt"), (responses, "input")):
+        error = refused.value.body
+        assert error["code"] == "context_length_exceeded" and error["param"] == param
+        assert error["message"].startswith(f"This model's maximum context length is 2048 tokens. However, your {param}")
+    messages = anthropic.Anthropic(base_url=daemon, api_key="unused", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        messages.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": text}])
+    error = refused.value.body["error"]
+    assert error["type"] == "invalid_request_error"
+    tokens, maximum = re.fullmatch(r"prompt is too long: (\d+) tokens > (\d+) maximum", error["message"]).groups()
+    assert int(tokens) > int(maximum) == 2047

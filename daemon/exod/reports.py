@@ -89,7 +89,9 @@ class Reports:
                     event(rn.RequestFinished(rid, inc))
             case p.RequestError(request_id=request_id, message=message):
                 if report.invalid:
-                    self.sink.requests.refuse(request_id, message)
+                    self.sink.requests.refuse(
+                        request_id, message, prompt_tokens=report.prompt_tokens, context=report.context
+                    )
                 else:
                     self.sink.requests.cancel(request_id, message)
                 event(rn.RequestFinished(rid, inc))

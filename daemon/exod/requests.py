@@ -45,6 +45,14 @@ class PromptRejected(RequestFailed):
     """The runner refused the request itself (its prompt is over the model's context): the caller's mistake."""
 
 
+class ContextExceeded(PromptRejected):
+    """The prompt does not fit the model's context: each dialect says so in the words its clients look for."""
+
+    def __init__(self, message: str, prompt_tokens: int, context: int) -> None:
+        super().__init__(message)
+        self.prompt_tokens, self.context = prompt_tokens, context
+
+
 class QueueTimeout(RequestFailed):
     """No Ready runner took the request in time (HTTP 503)."""
 
@@ -271,9 +279,15 @@ class RequestBook:
         """End a request with an error (its caller sees `RequestFailed`), never a hang."""
         self._fail(request_id, RequestFailed(reason))
 
-    def refuse(self, request_id: str, reason: str) -> None:
-        """The runner refused the request as asked (`PromptRejected`): the caller has to change it."""
-        self._fail(request_id, PromptRejected(reason))
+    def refuse(
+        self, request_id: str, reason: str, *, prompt_tokens: int | None = None, context: int | None = None
+    ) -> None:
+        """The runner refused the request as asked (`PromptRejected`; `ContextExceeded` when its prompt did not
+        fit): the caller has to change it."""
+        if prompt_tokens is None or context is None:
+            self._fail(request_id, PromptRejected(reason))
+        else:
+            self._fail(request_id, ContextExceeded(reason, prompt_tokens, context))
 
     def fail_all(self, reason: str) -> None:
         """The daemon is going away: end every request, queued or in flight, with `ShuttingDown`, and refuse

@@ -76,7 +76,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
 
     @api.post("/v1/completions", response_model=None, responses=responses(400, 404, 429, 502, 503))
     async def complete(body: CompletionRequest) -> JSONResponse | EventSourceResponse:
-        generation = Generation(controller, metrics, body.model)
+        generation = Generation(controller, metrics, body.model, prompt="prompt")
         max_tokens = body.max_tokens or 16
         if max_tokens > max_tokens_ceiling:
             raise generation.rejected(

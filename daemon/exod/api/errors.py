@@ -55,8 +55,10 @@ class ApiError(Exception):
         code: str | None = None,
         error_type: str | None = None,
         headers: dict[str, str] | None = None,
+        anthropic: str | None = None,
     ) -> None:
         message = _encodable(message)
+        self.anthropic = anthropic  # the message in Anthropic's words, where they differ from OpenAI's
         super().__init__(message)
         self.status, self.message, self.code = status, message, code
         self.param = None if param is None else _encodable(param)
@@ -67,7 +69,8 @@ class ApiError(Exception):
         """OpenAI's error shape; Anthropic's on its Messages API (``path``), whose clients read that one."""
         if path.startswith(ANTHROPIC_PATHS):
             kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
-            body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": self.message}}
+            message = self.message if self.anthropic is None else self.anthropic
+            body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": message}}
         else:
             body = {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)

@@ -23,6 +23,7 @@ from exod.api.drain import unavailable
 from exod.api.errors import ApiError
 from exod.controller import Controller
 from exod.requests import (
+    ContextExceeded,
     InstanceNotFound,
     InvalidRequest,
     ModelNotReady,
@@ -59,6 +60,20 @@ class Output:
         return self.done.finish_reason.value
 
 
+def context_exceeded(exc: ContextExceeded, prompt: str) -> ApiError:
+    """A prompt over the context, in the words clients look for to trim and retry: OpenAI's code and sentence
+    (litellm's `ContextWindowExceededError`, LangChain's `OpenAIContextOverflowError`), Anthropic's."""
+    return ApiError(
+        400,
+        f"This model's maximum context length is {exc.context} tokens. However, your {prompt} resulted in "
+        f"{exc.prompt_tokens} tokens, which leaves no room for the completion. Please reduce the length of the "
+        f"{prompt}.",
+        param=prompt,
+        code="context_length_exceeded",
+        anthropic=f"prompt is too long: {exc.prompt_tokens} tokens > {exc.context - 1} maximum",
+    )
+
+
 def call_id(prefix: str = "call") -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
@@ -66,8 +81,9 @@ def call_id(prefix: str = "call") -> str:
 class Generation:
     """One API request's generations (``n`` of them) and its metrics, recorded once whatever happens."""
 
-    def __init__(self, controller: Controller, metrics: Any, model: str) -> None:
+    def __init__(self, controller: Controller, metrics: Any, model: str, *, prompt: str = "messages") -> None:
         self.controller, self.metrics, self.model = controller, metrics, model
+        self.prompt = prompt  # the dialect's name for what the prompt is made of, named by its errors
         self.streams: list[RequestStream] = []
         self.started = time.monotonic()
         self._recorded = False
@@ -86,7 +102,7 @@ class Generation:
         except ModelNotReady as exc:
             raise self.rejected(ApiError(503, str(exc), headers={"Retry-After": str(exc.retry_after)})) from exc
         except InvalidRequest as exc:
-            raise self.rejected(ApiError(400, str(exc), param="messages")) from exc
+            raise self.rejected(ApiError(400, str(exc), param=self.prompt)) from exc
         except Overloaded as exc:
             busy = ApiError(429, str(exc), headers={"Retry-After": "1"}, code="rate_limit_exceeded")
             raise self.rejected(busy) from exc
@@ -101,9 +117,12 @@ class Generation:
         except QueueTimeout as exc:
             self.close()
             raise self.rejected(ApiError(503, str(exc), headers={"Retry-After": "1"})) from exc
+        except ContextExceeded as exc:
+            self.close()
+            raise self.rejected(context_exceeded(exc, self.prompt)) from exc
         except PromptRejected as exc:
             self.close()
-            raise self.rejected(ApiError(400, str(exc), param="messages")) from exc
+            raise self.rejected(ApiError(400, str(exc), param=self.prompt)) from exc
         except ShuttingDown as exc:
             self.close()
             raise self.rejected(unavailable(str(exc))) from exc

@@ -11,7 +11,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
@@ -43,7 +43,11 @@ class ResponsesRequest(BaseModel):
     model_config = LENIENT
 
     model: Text = Field(..., min_length=1, max_length=200)
-    input: Text | list[dict[str, Any]] = Field(..., max_length=MAX_MESSAGES)
+    # each member its own bound: on the union, `max_length` held a string to 256 characters too
+    input: (
+        Annotated[Text, Field(max_length=MAX_MESSAGE_CHARS)]
+        | Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)]
+    )
     instructions: Text | None = Field(None, max_length=MAX_MESSAGE_CHARS)
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -125,7 +129,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
 
     @api.post("/v1/responses", response_model=None, responses=responses(400, 404, 429, 502, 503))
     async def respond(body: ResponsesRequest) -> JSONResponse | EventSourceResponse:
-        generation = Generation(controller, metrics, body.model)
+        generation = Generation(controller, metrics, body.model, prompt="input")
         max_tokens = body.max_output_tokens or min(256, max_tokens_ceiling)
         if max_tokens > max_tokens_ceiling:
             raise generation.rejected(

@@ -228,7 +228,14 @@ class Batch:
                 f"the prompt has {len(prompt)} tokens; this model's context is {self.context} tokens: "
                 "shorten the conversation"
             )
-            self.send(p.RequestError, request_id=request.request_id, message=message, invalid=True)
+            self.send(
+                p.RequestError,
+                request_id=request.request_id,
+                message=message,
+                invalid=True,
+                prompt_tokens=len(prompt),
+                context=self.context,
+            )
             return
         room = request.max_tokens if self.context is None else min(request.max_tokens, self.context - len(prompt))
         self.waiting.append(self._sequence(request, prompt, room))

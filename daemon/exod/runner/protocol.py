@@ -246,6 +246,8 @@ class RequestError(Report):
     request_id: str
     message: str
     invalid: bool = False  # the request itself is at fault (its prompt is over the context): the caller's 400
+    prompt_tokens: int | None = None  # with ``context``: the prompt did not fit the model's context
+    context: int | None = None
 
 
 @attrs.frozen
