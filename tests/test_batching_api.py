@@ -142,5 +142,11 @@ def test_a_prompt_over_the_context_is_refused_in_each_dialects_words(daemon, cli
         messages.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": text}])
     error = refused.value.body["error"]
     assert error["type"] == "invalid_request_error"
+    from langchain_core.exceptions import ContextOverflowError
+    from langchain_openai import ChatOpenAI
+
+    agent = ChatOpenAI(model=MODEL, base_url=f"{daemon}/v1", api_key="unused", max_retries=0, max_tokens=4)
+    with pytest.raises(ContextOverflowError):  # LangChain's agents trim the conversation on this one
+        agent.invoke(text)
     tokens, maximum = re.fullmatch(r"prompt is too long: (\d+) tokens > (\d+) maximum", error["message"]).groups()
     assert int(tokens) > int(maximum) == 2047

@@ -62,12 +62,14 @@ class Output:
 
 def context_exceeded(exc: ContextExceeded, prompt: str) -> ApiError:
     """A prompt over the context, in the words clients look for to trim and retry: OpenAI's code and sentence
-    (litellm's `ContextWindowExceededError`, LangChain's `OpenAIContextOverflowError`), Anthropic's."""
+    (litellm's `ContextWindowExceededError` reads "maximum context length"; LangChain's `ContextOverflowError`
+    the code, which recent openai clients leave out of the exception's text, or "prompt is too long"), and
+    Anthropic's."""
     return ApiError(
         400,
         f"This model's maximum context length is {exc.context} tokens. However, your {prompt} resulted in "
-        f"{exc.prompt_tokens} tokens, which leaves no room for the completion. Please reduce the length of the "
-        f"{prompt}.",
+        f"{exc.prompt_tokens} tokens: the prompt is too long, with no room left for the completion. Please reduce "
+        f"the length of the {prompt}.",
         param=prompt,
         code="context_length_exceeded",
         anthropic=f"prompt is too long: {exc.prompt_tokens} tokens > {exc.context - 1} maximum",
