@@ -86,14 +86,23 @@ def test_openai_client_completion_and_stream_match_mlx_lm(daemon, client):
     assert chunks[-1].usage.completion_tokens == 10
 
 
-def test_models_lists_live_instances(client):
-    assert [m.id for m in client.models.list().data] == [MODEL]
+def test_models_lists_live_instances_with_their_context_and_when_they_came(daemon, client):
+    (model,) = client.models.list().data
+    config = resolve_model(MODEL, hf_home=daemon["hf"], offline=True) / "config.json"
+    assert model.id == MODEL and model.created == int(config.stat().st_mtime) > 0  # it was 0 (#28)
+    assert model.model_extra["context_length"] == model.model_extra["max_model_len"] == 2048
+    assert client.models.retrieve(MODEL).model_extra["context_length"] == 2048
 
 
-def test_unknown_model_is_404(client):
+def test_unknown_model_is_404_with_a_hint_that_fits_the_name(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="nobody/nothing", messages=MESSAGES)
     assert err.value.body["code"] == "model_not_found"
+    assert "exod place nobody/nothing" in err.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as err:  # a client's default: no model id, no `exod place` for it
+        client.chat.completions.create(model="gpt-3.5-turbo", messages=MESSAGES)
+    message = err.value.body["message"]
+    assert "exod place gpt-3.5-turbo" not in message and f"the models served: {MODEL}" in message
 
 
 @pytest.mark.parametrize(
@@ -128,7 +137,10 @@ def test_invalid_payloads_get_400_in_openai_shape(daemon, body, param):
 def test_malformed_json_invalid_utf8_and_huge_bodies(daemon):
     url = f"{daemon['url']}/v1/chat/completions"
     headers = {"content-type": "application/json"}
-    assert httpx.post(url, content=b"{not json", headers=headers).status_code == 400
+    malformed = httpx.post(url, content=b'{"model": "m",\n  "messages": [}', headers=headers)
+    assert malformed.status_code == 400
+    error = malformed.json()["error"]  # where, as an editor says it; no parameter (it was "param": "30", #28)
+    assert error["param"] is None and error["message"].endswith("at line 2, column 16")
     assert httpx.post(url, content=b'{"model": "\xff\xfe"}', headers=headers).status_code == 400
     huge = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 70_000}]})
     response = httpx.post(url, content=huge, headers=headers)

@@ -23,6 +23,7 @@ import trio
 
 import fsm
 from exod import generated as g
+from exod.host.models import validate_model_id
 from exod.runner import protocol as p
 from fsm.cluster import Cluster
 
@@ -179,13 +180,24 @@ class RequestBook:
             if pl.model_id == model_id and not pl.machine.is_deleted
         ]
         if not live:
-            raise InstanceNotFound(f"model {model_id!r} is not placed; place it with `exod place {model_id}`")
+            raise InstanceNotFound(self._not_placed(model_id))
         ready = [iid for iid, pl in live if pl.machine.instance_state is fsm.InstanceState.READY]
         if ready:
             return min(ready, key=lambda iid: (self.load(iid), iid))
         now = self._now()
         waits = [pl.machine.deadline - now for _, pl in live if pl.machine.deadline is not None]
         raise ModelNotReady(model_id, max(1, math.ceil(min(waits, default=1.0))))
+
+    def _not_placed(self, model_id: str) -> str:
+        """Why ``model_id`` cannot be served, and what to do: place it, where it can be a model's id at all;
+        else the ids that are served (a client's default such as gpt-3.5-turbo is not a model here)."""
+        try:
+            validate_model_id(model_id)
+        except ValueError:
+            served = sorted({pl.model_id for pl in self.cluster.instances.values() if not pl.machine.is_deleted})
+            names = ", ".join(served) if served else "none yet (`exod place org/name`)"
+            return f"model {model_id!r} is not served here; the models served: {names} (GET /v1/models)"
+        return f"model {model_id!r} is not placed; place it with `exod place {model_id}`"
 
     def load(self, instance_id: str) -> int:
         """Requests of the instance, queued or in flight."""

@@ -17,6 +17,7 @@ from exod import generated as g
 from exod.api.errors import ApiError, responses
 from exod.api.generation import Generation, Output, ToolCall, Usage, event_stream, openai_logprobs, sse, usage
 from exod.controller import Controller
+from exod.host.models import ModelCard
 from exod.requests import REQUIRED, RequestFailed
 
 MAX_MESSAGES = 256
@@ -251,7 +252,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
 
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model(m) for m in controller.placed_models()]}
+        return {"object": "list", "data": [_model(m, controller.models.card(m)) for m in controller.placed_models()]}
 
     @api.get("/v1/models/{model_id:path}", responses=responses(404))
     async def model(model_id: str) -> dict[str, Any]:
@@ -262,7 +263,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                 param="model",
                 code="model_not_found",
             )
-        return _model(model_id)
+        return _model(model_id, controller.models.card(model_id))
 
     @api.post("/v1/chat/completions", response_model=None, responses=responses(400, 404, 429, 502, 503))
     async def chat(body: ChatRequest, request: Request) -> JSONResponse | EventSourceResponse:
@@ -339,8 +340,11 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
     return api
 
 
-def _model(model_id: str) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": 0, "owned_by": "exod"}
+def _model(model_id: str, card: ModelCard) -> dict[str, Any]:
+    """OpenAI's model object; ``context_length`` as vLLM's ``max_model_len`` and OpenRouter's name it, for
+    clients that size a conversation to the model (null where this node cannot read the model's files)."""
+    described = {"id": model_id, "object": "model", "created": card.created, "owned_by": "exod"}
+    return described | {"context_length": card.context_length, "max_model_len": card.context_length}
 
 
 def _choice(index: int, output: Output, logprobs: bool | None) -> dict[str, Any]:

@@ -143,6 +143,8 @@ def install(app: FastAPI, *, everywhere: Callable[[str], tuple[int, ...]] = lamb
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":  # its place is a character offset, not a parameter
+            return ApiError(400, _json_error(first, exc.body)).response(request.url.path)
         loc = [part for part in first.get("loc", ()) if not _union_member(part)]
         if loc and loc[0] in _LOCATIONS:
             loc = loc[1:]
@@ -158,6 +160,18 @@ def install(app: FastAPI, *, everywhere: Callable[[str], tuple[int, ...]] = lamb
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to customise the document
+
+
+def _json_error(error: dict[str, Any], body: object) -> str:
+    """Where a body is not JSON, as an editor shows it: line and column."""
+    offset = next((part for part in error.get("loc", ()) if isinstance(part, int)), None)
+    why = error.get("ctx", {}).get("error", "invalid JSON")
+    if offset is None or not isinstance(body, str | bytes):
+        return f"the request body is not valid JSON: {why}"
+    text = body if isinstance(body, str) else body.decode("utf-8", "replace")
+    line = text.count("\n", 0, offset) + 1
+    column = offset - (text.rfind("\n", 0, offset) + 1) + 1
+    return f"the request body is not valid JSON: {why} at line {line}, column {column}"
 
 
 def _documented(schema: dict[str, Any], everywhere: Callable[[str], tuple[int, ...]]) -> dict[str, Any]:

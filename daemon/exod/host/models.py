@@ -249,6 +249,28 @@ def list_cached_models(hf_home: Path | None = None) -> list[CachedModel]:
     return sorted(models, key=lambda m: (m.repo_id, m.revision))
 
 
+@attrs.frozen
+class ModelCard:
+    """What a client is told of a served model (`/v1/models`): its context, and when its files came here."""
+
+    context_length: int | None = None  # config.json's max_position_embeddings (the language model's)
+    created: int = 0  # Unix seconds: when config.json was written into this cache (0: unknown)
+
+
+def read_card(directory: Path) -> ModelCard:
+    """A model directory's card; what cannot be read is left unknown (never an error: it only describes)."""
+    try:
+        config_file = directory / "config.json"
+        config = json.loads(config_file.read_text())
+        created = int(config_file.stat().st_mtime)  # the blob's, through the cache's symlink
+    except (OSError, ValueError):
+        return ModelCard()
+    text = (config.get("text_config") or config) if isinstance(config, dict) else {}
+    context = text.get("max_position_embeddings") if isinstance(text, dict) else None
+    valid = isinstance(context, int) and not isinstance(context, bool) and context > 0
+    return ModelCard(context_length=context if valid else None, created=created)
+
+
 def is_complete(directory: Path) -> bool:
     """A model directory with its config and every weight file readable (the cache's symlinks not dangling)."""
     try:
@@ -306,6 +328,7 @@ class ModelFiles:
         self._paths: dict[str, Path] = {}
         self._facts: dict[str, fsm.ModelFacts | None] = {}  # read once per model directory
         self._manifest: dict[str, frozenset[str]] = {}  # the files of each model found whole here
+        self._cards: dict[str, ModelCard] = {}
 
     def register_local(self, directory: Path) -> str:
         """Name a local model directory ``local/NAME`` so it can be placed."""
@@ -403,7 +426,17 @@ class ModelFiles:
             self._facts[model_id] = read_facts(directory)
         return self._facts[model_id]
 
+    def card(self, model_id: str) -> ModelCard:
+        """What `/v1/models` says of a model, from the files this node holds (never fetched for it)."""
+        if model_id not in self._cards:
+            try:
+                self._cards[model_id] = read_card(self.path(model_id))
+            except (ModelNotFound, InvalidModelId):
+                return ModelCard()  # not here (yet): asked again next time
+        return self._cards[model_id]
+
     def forget(self, model_id: str) -> None:
         """The files vanished: the next `path` looks again."""
         self._paths.pop(model_id, None)
         self._facts.pop(model_id, None)
+        self._cards.pop(model_id, None)
