@@ -122,6 +122,50 @@ def test_the_tools_and_the_tool_turns_reach_the_prompt_through_the_chat_template
     assert prompt_tokens(messages=ASK, tools=TOOLS, tool_choice="none") == bare  # none: the tools stay out
 
 
+def test_the_legacy_functions_are_tools_and_their_calls_come_back_in_the_legacy_shape(client):
+    """#28: ``functions`` / ``function_call`` (older clients and tutorials) were silently ignored: the tools never
+    reached the prompt. Now they are the tools they became, and the answer speaks their shape."""
+    functions = [TOOLS[0]["function"]]
+
+    def prompt_tokens(**kwargs) -> int:
+        return client.chat.completions.create(model=MODEL, max_tokens=1, **kwargs).usage.prompt_tokens
+
+    assert prompt_tokens(messages=ASK, functions=functions) == prompt_tokens(messages=ASK, tools=TOOLS)
+    assert prompt_tokens(messages=ASK, functions=functions, function_call="none") == prompt_tokens(messages=ASK)
+    done = client.chat.completions.create(model=MODEL, messages=ASK, functions=functions, max_tokens=ENOUGH)
+    choice = done.choices[0]
+    assert choice.finish_reason == "function_call" and choice.message.tool_calls is None
+    assert choice.message.function_call.name == "get_weather"
+    assert json.loads(choice.message.function_call.arguments) == CALL["arguments"]
+    streamed = list(
+        client.chat.completions.create(model=MODEL, messages=ASK, functions=functions, max_tokens=ENOUGH, stream=True)
+    )
+    (call,) = [c.choices[0].delta.function_call for c in streamed if c.choices and c.choices[0].delta.function_call]
+    assert call.name == "get_weather" and streamed[-1].choices[0].finish_reason == "function_call"
+    legacy_turn = [  # the legacy conversation: an assistant's function_call, a function's answer
+        *ASK,
+        {"role": "assistant", "content": None, "function_call": {"name": "get_weather", "arguments": "{}"}},
+        {"role": "function", "name": "get_weather", "content": "Sunny, 21 degrees."},
+    ]
+    modern_turn = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_get_weather", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_get_weather", "content": "Sunny, 21 degrees."},
+    ]
+    assert prompt_tokens(messages=legacy_turn, functions=functions) == prompt_tokens(messages=modern_turn, tools=TOOLS)
+    both = httpx.post(
+        f"{client.base_url}chat/completions",
+        json={"model": MODEL, "messages": ASK, "functions": functions, "tools": TOOLS},
+    )
+    assert both.status_code == 400 and "not both" in both.json()["error"]["message"]
+
+
 def test_logprobs_of_a_scripted_output_are_the_models_own(client):
     done = client.chat.completions.create(
         model=MODEL, messages=ASK, max_tokens=5, logprobs=True, top_logprobs=2, temperature=0

@@ -88,11 +88,12 @@ class ToolCallItem(BaseModel):
 class ChatMessage(BaseModel):
     model_config = LENIENT
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: the legacy tool
     content: Text | list[dict[str, Any]] | None = None
     name: Text | None = Field(None, max_length=64)
     tool_calls: list[ToolCallItem] | None = None
     tool_call_id: Text | None = Field(None, max_length=200)
+    function_call: FunctionCall | None = None  # legacy: an assistant's one call, before tool_calls
 
     @field_validator("content")
     @classmethod
@@ -104,16 +105,21 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _said_something(self) -> ChatMessage:
+        if self.function_call is not None and not self.tool_calls:  # the legacy call as the one tool call it is
+            self.tool_calls = [ToolCallItem(id=f"call_{self.function_call.name}", function=self.function_call)]
+        if self.role == "function" and self.name is None:
+            raise ValueError("a function message needs the name of the function it answers")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"a {self.role} message needs content")
         return self
 
     def for_template(self) -> dict[str, Any]:
-        """The message as chat templates take it (OpenAI's ``developer`` is the templates' ``system``)."""
-        message: dict[str, Any] = {
-            "role": "system" if self.role == "developer" else self.role,
-            "content": self.content,
-        }
+        """The message as chat templates take it (OpenAI's ``developer`` is the templates' ``system``; a legacy
+        ``function`` result is a ``tool`` message answering the call of that name)."""
+        role = {"developer": "system", "function": "tool"}.get(self.role, self.role)
+        message: dict[str, Any] = {"role": role, "content": self.content}
+        if self.role == "function":
+            message["tool_call_id"] = f"call_{self.name}"
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:
@@ -208,6 +214,8 @@ class ChatRequest(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
+    functions: list[FunctionDef] | None = Field(None, max_length=128)  # legacy: tools, before there were others
+    function_call: Literal["none", "auto"] | NamedFunction | None = None  # legacy: tool_choice
 
     @field_validator("stop")
     @classmethod
@@ -229,6 +237,26 @@ class ChatRequest(BaseModel):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    @model_validator(mode="after")
+    def _legacy_functions(self) -> ChatRequest:
+        """``functions`` and ``function_call`` are the tools they became; the answer then speaks the legacy
+        shape too (`legacy`)."""
+        if self.functions is None and self.function_call is None:
+            return self
+        if self.tools is not None or self.tool_choice is not None:
+            raise ValueError("send tools and tool_choice, or the legacy functions and function_call, not both")
+        self.tools = [Tool(type="function", function=f) for f in self.functions or []]
+        choice = self.function_call
+        self.tool_choice = (
+            NamedToolChoice(type="function", function=choice) if isinstance(choice, NamedFunction) else choice
+        )
+        return self
+
+    @property
+    def legacy(self) -> bool:
+        """Asked with ``functions``: a call comes back as ``function_call``, ``finish_reason: function_call``."""
+        return self.functions is not None
 
     def options(self) -> dict[str, Any]:
         """What the runners are asked besides the messages (`exod.runner.protocol.Generate`)."""
@@ -290,7 +318,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                 head
                 | {
                     "object": "chat.completion",
-                    "choices": [_choice(i, o, body.logprobs) for i, o in enumerate(outputs)],
+                    "choices": [_choice(i, o, body.logprobs, legacy=body.legacy) for i, o in enumerate(outputs)],
                     "usage": usage(outputs).openai(),
                 }
             )
@@ -319,11 +347,13 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                             case ToolCall():
                                 function = {"name": item.name, "arguments": item.arguments}
                                 call = {"index": calls, "id": item.id, "type": "function", "function": function}
-                                yield chunk(index, {"tool_calls": [call]})
+                                yield chunk(
+                                    index, {"function_call": function} if body.legacy else {"tool_calls": [call]}
+                                )
                                 calls += 1
                             case g.Done():
                                 dones.append(item)
-                                yield chunk(index, {}, item.finish_reason.value)
+                                yield chunk(index, {}, _finish_reason(item.finish_reason.value, body.legacy))
                 generation.record("ok", sum(d.completion_tokens for d in dones))
                 if include_usage:
                     counted = Usage.of(dones).openai()
@@ -347,9 +377,16 @@ def _model(model_id: str, card: ModelCard) -> dict[str, Any]:
     return described | {"context_length": card.context_length, "max_model_len": card.context_length}
 
 
-def _choice(index: int, output: Output, logprobs: bool | None) -> dict[str, Any]:
+def _finish_reason(reason: str, legacy: bool) -> str:
+    return "function_call" if legacy and reason == "tool_calls" else reason
+
+
+def _choice(index: int, output: Output, logprobs: bool | None, *, legacy: bool = False) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": output.text or (None if output.tool_calls else "")}
-    if output.tool_calls:
+    if output.tool_calls and legacy:  # the legacy shape holds one call: the first
+        first = output.tool_calls[0]
+        message["function_call"] = {"name": first.name, "arguments": first.arguments}
+    elif output.tool_calls:
         message["tool_calls"] = [
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
             for c in output.tool_calls
@@ -357,6 +394,6 @@ def _choice(index: int, output: Output, logprobs: bool | None) -> dict[str, Any]
     return {
         "index": index,
         "message": message,
-        "finish_reason": output.finish_reason,
+        "finish_reason": _finish_reason(output.finish_reason, legacy),
         "logprobs": {"content": openai_logprobs(output.logprobs)} if logprobs else None,
     }
