@@ -150,3 +150,29 @@ def test_a_prompt_over_the_context_is_refused_in_each_dialects_words(daemon, cli
         agent.invoke(text)
     tokens, maximum = re.fullmatch(r"prompt is too long: (\d+) tokens > (\d+) maximum", error["message"]).groups()
     assert int(tokens) > int(maximum) == 2047
+
+
+def test_tokens_are_counted_and_shown_by_the_runners_exactly_as_a_generation_reads_them(daemon, client):
+    """#28: Anthropic's count_tokens, vLLM's /tokenize and /detokenize. Nothing is generated, on either rank;
+    the counts are the ones a generation's usage reports, never an estimate."""
+    claude = anthropic.Anthropic(base_url=daemon, api_key="unused", max_retries=0)
+    said = [{"role": "user", "content": "How many tokens is this?"}]
+    counted = claude.messages.count_tokens(model=MODEL, messages=said, system="Be brief.")
+    generated = claude.messages.create(model=MODEL, messages=said, system="Be brief.", max_tokens=1)
+    assert counted.input_tokens == generated.usage.input_tokens > 0
+    chat = client.chat.completions.create(model=MODEL, messages=ask(3), max_tokens=1)
+    tokenized = httpx.post(f"{daemon}/tokenize", json={"model": MODEL, "messages": ask(3)}).json()
+    assert tokenized["count"] == len(tokenized["tokens"]) == chat.usage.prompt_tokens
+    assert tokenized["max_model_len"] == 2048
+    text = "The quick brown fox"
+    raw = httpx.post(f"{daemon}/tokenize", json={"model": MODEL, "prompt": text}).json()
+    assert raw["count"] == client.completions.create(model=MODEL, prompt=text, max_tokens=1).usage.prompt_tokens
+    back = httpx.post(f"{daemon}/detokenize", json={"model": MODEL, "tokens": raw["tokens"]}).json()
+    assert back == {"prompt": text}
+    both = httpx.post(f"{daemon}/tokenize", json={"model": MODEL, "prompt": text, "messages": ask(3)})
+    assert both.status_code == 400 and "exactly one" in both.json()["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError) as unknown:
+        claude.messages.count_tokens(model="nobody/nothing", messages=said)
+    assert unknown.value.body["type"] == "error"
+    done = client.chat.completions.create(model=MODEL, messages=ask(1), **GREEDY)  # the batch serves on
+    assert done.choices[0].finish_reason in ("stop", "length")

@@ -224,8 +224,26 @@ EXAMPLES: list[p.Message] = [
     p.Token("r0", 2, "q1", "tail", None),
     p.Done("r0", 2, "q1", p.FinishReason.LENGTH, 12, 24),
     p.RequestError("r0", 2, "q1", "nope"),
+    p.RequestError("r0", 2, "q1", "too long", invalid=True, prompt_tokens=4000, context=2048),
+    p.Prompt("r0", 2, "q1", [1, 2, 3], "abc"),
+    p.Cancel("q1"),
+    p.ToolCall("r0", 2, "q1", "get_weather", '{"city": "Paris"}'),
+    p.Heartbeat("r0", 2, "q1", 40),
+    p.Generate("q3", prompt_text="abc", max_tokens=0, echo_prompt=True),
     p.Failed("r0", 2, "OSError", "boom", "Traceback…", retryable=True),
 ]
+
+
+def test_the_examples_cover_every_message_the_wire_knows() -> None:
+    """A report left out of the wire's list is a ProtocolError in the daemon, which ends the runner (and its
+    instance, non-retryable): the Prompt report did, until this test."""
+
+    def every(cls: type) -> set[type]:
+        return {sub for direct in cls.__subclasses__() for sub in {direct, *every(direct)}}
+
+    concrete = {cls for cls in every(p.Message) if "type" in vars(cls)}
+    assert concrete == set(p.COMMANDS) | set(p.REPORTS)
+    assert {type(m) for m in EXAMPLES} == concrete
 
 
 @pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: m.type)

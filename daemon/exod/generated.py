@@ -61,4 +61,12 @@ class Done:
     prompt_cache_bytes: int = 0  # what rank 0's prompt cache holds once it finished
 
 
-Said = Token | ToolCall | Done
+@attrs.frozen
+class Prompt:
+    """The prompt as the model read it, when asked: its tokens and their text."""
+
+    tokens: list[int]
+    text: str
+
+
+Said = Token | ToolCall | Done | Prompt

@@ -319,7 +319,7 @@ class RequestBook:
             request.channel.send_nowait(error)
             request.answered.set()  # a queued request learns it at once, not at its queue timeout
 
-    def deliver(self, runner_id: str, report: p.Token | p.ToolCall | p.Done) -> None:
+    def deliver(self, runner_id: str, report: p.Token | p.ToolCall | p.Done | p.Prompt) -> None:
         """A token, or the end, from a runner; only the request's rank 0 is heard."""
         request = self._requests.get(report.request_id)
         if request is None or request.leader != runner_id:
@@ -358,7 +358,7 @@ def _alternative(alt: p.Alternative) -> g.Alternative:
     return g.Alternative(alt.token_id, alt.text, alt.logprob)
 
 
-def _said(report: p.Token | p.ToolCall | p.Done) -> g.Said:
+def _said(report: p.Token | p.ToolCall | p.Done | p.Prompt) -> g.Said:
     """Rank 0's report as the front end hears it: the wire's envelope (runner, incarnation, request) dropped."""
     match report:
         case p.Token():
@@ -367,6 +367,8 @@ def _said(report: p.Token | p.ToolCall | p.Done) -> g.Said:
             return g.Token(report.text, report.token_id, chosen, top)
         case p.ToolCall():
             return g.ToolCall(report.name, report.arguments)
+        case p.Prompt():
+            return g.Prompt(report.tokens, report.text)
         case p.Done():
             return g.Done(
                 g.FinishReason(report.finish_reason.value),

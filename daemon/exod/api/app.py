@@ -12,7 +12,19 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp
 
 import fsm
-from exod.api import chat, completions, dashboard, diagrams, docs, events, health, instances, messages, responses_api
+from exod.api import (
+    chat,
+    completions,
+    dashboard,
+    diagrams,
+    docs,
+    events,
+    health,
+    instances,
+    messages,
+    responses_api,
+    tokens,
+)
 from exod.api.auth import authentication, node_authentication
 from exod.api.errors import install
 from exod.api.forward import Follower
@@ -63,7 +75,7 @@ def create_app(
             raise ValueError("a cluster node's agent needs the cluster's token (`exod cluster-token`)")
         app.include_router(agent_router(agent), dependencies=node_authentication(cluster_token))
     metrics = Metrics(controller, None if membership is None else membership.malformed)
-    for dialect in (chat, completions, messages, responses_api):
+    for dialect in (chat, completions, messages, responses_api, tokens):
         app.include_router(dialect.router(controller, metrics, max_tokens_ceiling), dependencies=authenticated)
     app.include_router(health.router(controller, metrics, membership, authenticated, agent))  # /health: no key
     app.include_router(instances.router(controller, membership), dependencies=authenticated)

@@ -53,6 +53,7 @@ class Output:
     tool_calls: list[ToolCall] = attrs.Factory(list)
     logprobs: list[g.Token] = attrs.Factory(list)  # the tokens that carry their log-probabilities
     done: g.Done | None = None
+    prompt: g.Prompt | None = None  # the prompt as the model read it, where asked (``echo_prompt``)
 
     @property
     def finish_reason(self) -> str:
@@ -159,7 +160,7 @@ class Generation:
         finally:
             self.close()
 
-    async def pieces(self, stream: RequestStream) -> AsyncIterator[g.Token | ToolCall | g.Done]:
+    async def pieces(self, stream: RequestStream) -> AsyncIterator[g.Token | ToolCall | g.Done | g.Prompt]:
         """The output as it comes: tokens (text and log-probabilities), tool calls with their ids, the end.
         `RequestFailed` ends it early (the dialect says so in its own words)."""
         async for item in stream:
@@ -199,7 +200,7 @@ class Generation:
         return error
 
     @staticmethod
-    def _take(output: Output, item: g.Token | ToolCall | g.Done) -> None:
+    def _take(output: Output, item: g.Token | ToolCall | g.Done | g.Prompt) -> None:
         match item:
             case g.Token():
                 output.text += item.text
@@ -209,6 +210,8 @@ class Generation:
                 output.tool_calls.append(item)
             case g.Done():
                 output.done = item
+            case g.Prompt():
+                output.prompt = item
 
 
 @attrs.frozen

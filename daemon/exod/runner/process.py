@@ -354,9 +354,16 @@ class Runner:
             return
         try:
             prompt = prompt_tokens(self.tokenizer, request)
+            text = self.tokenizer.decode(prompt) if request.echo_prompt and self.rank == 0 else ""
         except Exception as exc:  # a bad request is refused; the runner stays Ready
             message = f"{type(exc).__name__}: {exc}"
             self.channel.send(p.RequestError, request_id=request.request_id, message=message, invalid=True)
+            return
+        if request.echo_prompt and self.rank == 0:
+            self.channel.send(p.Prompt, request_id=request.request_id, tokens=prompt, text=text)
+        if request.max_tokens == 0:  # the prompt only: every rank skips the batch alike, and says it is done
+            done = {"finish_reason": p.FinishReason.LENGTH, "prompt_tokens": len(prompt), "completion_tokens": 0}
+            self.channel.send(p.Done, request_id=request.request_id, **done)
             return
         self.batch.join(request, prompt)
 

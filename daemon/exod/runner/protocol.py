@@ -142,13 +142,16 @@ class Generate(Command):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) → added to its logit
+    echo_prompt: bool = False  # rank 0 first says the prompt as the model reads it (`Prompt`)
 
     def __attrs_post_init__(self) -> None:
         given = [x for x in (self.prompt_messages, self.prompt_tokens, self.prompt_text) if x is not None]
         if len(given) != 1:
             raise ProtocolError("Generate needs exactly one of prompt_messages, prompt_text and prompt_tokens")
-        if self.max_tokens < 1:
-            raise ProtocolError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < 0:
+            raise ProtocolError(
+                f"max_tokens must be >= 0 (0: the prompt only, nothing generated), got {self.max_tokens}"
+            )
 
 
 @attrs.frozen
@@ -239,6 +242,17 @@ class Done(Report):
 
 
 @attrs.frozen
+class Prompt(Report):
+    """The prompt as the model reads it (rank 0 only, asked by ``Generate.echo_prompt``): its tokens and their
+    text. What token counting, ``/tokenize`` and ``/detokenize`` answer."""
+
+    type = "prompt"
+    request_id: str
+    tokens: list[int]
+    text: str
+
+
+@attrs.frozen
 class RequestError(Report):
     """This request was refused or failed before generation; the runner stays Ready."""
 
@@ -264,7 +278,7 @@ class Failed(Report):
 
 
 COMMANDS: tuple[type[Command], ...] = (Connect, Load, WarmUp, Generate, Cancel, Shutdown)
-REPORTS: tuple[type[Report], ...] = (Status, Progress, Token, ToolCall, Heartbeat, Done, RequestError, Failed)
+REPORTS: tuple[type[Report], ...] = (Status, Progress, Token, ToolCall, Heartbeat, Done, Prompt, RequestError, Failed)
 _BY_TAG: dict[str, type[Message]] = {cls.type: cls for cls in (*COMMANDS, *REPORTS)}
 
 _converter = cattrs.Converter(forbid_extra_keys=True)
