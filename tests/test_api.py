@@ -251,6 +251,7 @@ def test_openapi_documents_the_statuses_the_api_sends(daemon):
     spec = httpx.get(f"{daemon['url']}/openapi.json").json()
     error = {"$ref": "#/components/schemas/ErrorBody"}
     anthropic = {"$ref": "#/components/schemas/AnthropicErrorBody"}
+    ollama = {"$ref": "#/components/schemas/OllamaErrorBody"}
     assert "HTTPValidationError" not in spec["components"]["schemas"]
     assert set(spec["components"]["schemas"]["ErrorBody"]["properties"]) == {"error"}
     for path, operations in spec["paths"].items():
@@ -259,7 +260,7 @@ def test_openapi_documents_the_statuses_the_api_sends(daemon):
             assert "422" not in answers, (method, path)
             assert "401" not in answers, (method, path)  # this daemon has no API key
             assert {"408", "413"} <= set(answers), (method, path)
-            shape = anthropic if path.startswith("/v1/messages") else error  # each dialect its own errors
+            shape = anthropic if path.startswith("/v1/messages") else ollama if path.startswith("/api/") else error
             if operation.get("parameters") or operation.get("requestBody"):
                 assert answers["400"]["content"]["application/json"]["schema"] == shape, (method, path)
     paths = spec["paths"]

@@ -326,3 +326,74 @@ def test_required_begins_a_call_and_auto_leaves_the_model_free(forced):
     # the call was begun for it; what it wrote next names no function, so it stays text, as the model wrote it
     assert required.choices[0].message.content == "<tool_call>\n" + ARGUMENTS
     assert required.usage.prompt_tokens > free.usage.prompt_tokens
+
+
+# -- Ollama's API ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def llama(daemon):
+    import ollama
+
+    return ollama.Client(host=daemon, timeout=60)
+
+
+def test_ollama_lists_shows_and_says_what_is_loaded(llama, daemon):
+    """#28: the official `ollama` client's list, show and ps, and /api/version, which apps probe first."""
+    assert [m.model for m in llama.list().models] == [MODEL]
+    shown = llama.show(MODEL)
+    assert shown.details.family == "qwen2" and shown.details.format == "safetensors"
+    assert shown.modelinfo["qwen2.context_length"] == 2048 and "tools" in shown.capabilities
+    (loaded,) = llama.ps().models
+    assert loaded.model == MODEL and loaded.context_length == 2048
+    assert httpx.get(f"{daemon}/api/version").json()["version"]
+
+
+def test_ollama_chat_by_short_name_streamed_by_default_and_whole_when_asked(llama, daemon):
+    whole = llama.chat(model="tiny-qwen2:latest", messages=ASK, stream=False, options={"num_predict": ENOUGH})
+    assert whole.message.role == "assistant" and whole.message.content == SCRIPT
+    assert whole.done and whole.done_reason == "stop" and whole.prompt_eval_count > 0 and whole.eval_count > 0
+    parts = list(llama.chat(model="tiny-qwen2", messages=ASK, stream=True, options={"num_predict": ENOUGH}))
+    assert "".join(p.message.content for p in parts) == SCRIPT
+    assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True]
+    raw = httpx.post(f"{daemon}/api/chat", json={"model": MODEL, "messages": ASK, "options": {"num_predict": 3}})
+    assert raw.headers["content-type"].startswith("application/x-ndjson")  # Ollama streams unless told not to
+    lines = [json.loads(line) for line in raw.text.splitlines()]
+    assert lines[-1]["done"] is True and lines[-1]["done_reason"] == "length" and lines[-1]["eval_count"] == 3
+
+
+def test_ollama_chat_with_tools_calls_them_with_arguments_as_an_object_and_takes_their_results(llama):
+    done = llama.chat(model=MODEL, messages=ASK, tools=TOOLS, stream=False, options={"num_predict": ENOUGH})
+    (call,) = done.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == CALL["arguments"]
+    assert done.message.content == SAID
+    turn = [
+        *ASK,
+        {"role": "assistant", "content": "", "tool_calls": [{"function": CALL}]},
+        {"role": "tool", "content": "Sunny, 21 degrees.", "tool_name": "get_weather"},
+    ]
+    answered = llama.chat(model=MODEL, messages=turn, tools=TOOLS, stream=False, options={"num_predict": 1})
+    assert answered.prompt_eval_count > done.prompt_eval_count
+
+
+def test_ollama_generate_templated_or_raw_with_its_options(llama):
+    templated = llama.generate(model=MODEL, prompt="Hello", stream=False, options={"num_predict": ENOUGH})
+    assert templated.response == SCRIPT and templated.done_reason == "stop"
+    raw = llama.generate(model=MODEL, prompt="Hello", raw=True, stream=False, options={"num_predict": 1})
+    assert raw.prompt_eval_count < templated.prompt_eval_count  # no chat template around it
+    parts = list(
+        llama.generate(model=MODEL, prompt="Hello", system="Be brief.", stream=True, options={"num_predict": 4})
+    )
+    assert parts[-1].done and parts[-1].done_reason == "length" and parts[-1].eval_count == 4
+    loaded = llama.generate(model=MODEL, prompt="")  # how apps load a model before using it
+    assert loaded.done and loaded.done_reason == "load"
+
+
+def test_ollama_errors_are_in_its_shape(llama, daemon):
+    import ollama
+
+    with pytest.raises(ollama.ResponseError) as unknown:
+        llama.chat(model="nothing-here", messages=ASK, stream=False)
+    assert unknown.value.status_code == 404 and "nothing-here" in unknown.value.error
+    bad = httpx.post(f"{daemon}/api/chat", json={"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]})
+    assert bad.status_code == 400 and set(bad.json()) == {"error"} and "role" in bad.json()["error"]

@@ -257,9 +257,10 @@ class Controller:
     def status(self) -> dict[str, Any]:
         return {**status_of(self.cluster), "degraded": self.journal.degraded}
 
-    def placed_models(self) -> list[str]:
-        """Models with a live (not deleted) instance, sorted."""
-        return sorted({pl.model_id for pl in self.cluster.instances.values() if not pl.machine.is_deleted})
+    def placed_models(self, *, ready: bool = False) -> list[str]:
+        """Models with a live (not deleted) instance, sorted; ``ready``: with a Ready one."""
+        live = [pl for pl in self.cluster.instances.values() if not pl.machine.is_deleted]
+        return sorted({pl.model_id for pl in live if not ready or pl.machine.instance_state is fsm.InstanceState.READY})
 
     def instance(self, instance_id: str) -> fsm.InstanceRetry:
         """The instance's retry machine (read it; only the controller feeds it events)."""

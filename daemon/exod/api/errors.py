@@ -66,17 +66,21 @@ class ApiError(Exception):
         self.headers = headers or {}
 
     def response(self, path: str = "") -> JSONResponse:
-        """OpenAI's error shape; Anthropic's on its Messages API (``path``), whose clients read that one."""
-        if path.startswith(ANTHROPIC_PATHS):
+        """OpenAI's error shape; Anthropic's on its Messages API (``path``), Ollama's on its API: the one each
+        dialect's clients read."""
+        if path.startswith(OLLAMA_PATHS):
+            body: dict[str, Any] = {"error": self.message}
+        elif path.startswith(ANTHROPIC_PATHS):
             kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
             message = self.message if self.anthropic is None else self.anthropic
-            body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": message}}
+            body = {"type": "error", "error": {"type": kind, "message": message}}
         else:
             body = {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 ANTHROPIC_PATHS = ("/v1/messages",)
+OLLAMA_PATHS = ("/api/",)
 _ANTHROPIC_TYPES = {
     401: "authentication_error",
     403: "permission_error",
@@ -112,9 +116,15 @@ class AnthropicErrorBody(BaseModel):
     error: AnthropicErrorDetail
 
 
-def responses(*statuses: int, anthropic: bool = False) -> dict[int | str, dict[str, Any]]:
-    """The ``responses=`` of an operation that can send these error statuses (in Anthropic's shape)."""
-    body = AnthropicErrorBody if anthropic else ErrorBody
+class OllamaErrorBody(BaseModel):
+    """Every error response of Ollama's API: its shape."""
+
+    error: str
+
+
+def responses(*statuses: int, anthropic: bool = False, ollama: bool = False) -> dict[int | str, dict[str, Any]]:
+    """The ``responses=`` of an operation that can send these error statuses (in Anthropic's or Ollama's shape)."""
+    body = AnthropicErrorBody if anthropic else OllamaErrorBody if ollama else ErrorBody
     return {status: {"model": body, "description": HTTPStatus(status).phrase} for status in statuses}
 
 
@@ -176,14 +186,20 @@ def _json_error(error: dict[str, Any], body: object) -> str:
 
 def _documented(schema: dict[str, Any], everywhere: Callable[[str], tuple[int, ...]]) -> dict[str, Any]:
     """FastAPI's document with 422 (never sent) replaced by 400, and the middleware's statuses added."""
-    bodies = [(ErrorBody, "serialization"), (AnthropicErrorBody, "serialization")]
+    bodies = [(ErrorBody, "serialization"), (AnthropicErrorBody, "serialization"), (OllamaErrorBody, "serialization")]
     _, defs = models_json_schema(bodies, ref_template="#/components/schemas/{model}")
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components.update(defs["$defs"])
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
     for path, operations in schema.get("paths", {}).items():
-        shape = "AnthropicErrorBody" if path.startswith(ANTHROPIC_PATHS) else "ErrorBody"
+        shape = (
+            "AnthropicErrorBody"
+            if path.startswith(ANTHROPIC_PATHS)
+            else "OllamaErrorBody"
+            if path.startswith(OLLAMA_PATHS)
+            else "ErrorBody"
+        )
         error = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{shape}"}}}}
         for operation in operations.values():
             answers = operation.setdefault("responses", {})

@@ -255,6 +255,10 @@ class ModelCard:
 
     context_length: int | None = None  # config.json's max_position_embeddings (the language model's)
     created: int = 0  # Unix seconds: when config.json was written into this cache (0: unknown)
+    model_type: str | None = None  # the architecture (config.json's model_type)
+    size_bytes: int = 0  # the weights'
+    revision: str = ""  # the snapshot's commit (the cache's directory name)
+    tools: bool = False  # whether its chat template takes tools
 
 
 def read_card(directory: Path) -> ModelCard:
@@ -263,12 +267,33 @@ def read_card(directory: Path) -> ModelCard:
         config_file = directory / "config.json"
         config = json.loads(config_file.read_text())
         created = int(config_file.stat().st_mtime)  # the blob's, through the cache's symlink
+        size = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
     except (OSError, ValueError):
         return ModelCard()
-    text = (config.get("text_config") or config) if isinstance(config, dict) else {}
+    if not isinstance(config, dict):
+        return ModelCard(created=created)
+    text = config.get("text_config") or config
     context = text.get("max_position_embeddings") if isinstance(text, dict) else None
     valid = isinstance(context, int) and not isinstance(context, bool) and context > 0
-    return ModelCard(context_length=context if valid else None, created=created)
+    model_type = config.get("model_type")
+    return ModelCard(
+        context_length=context if valid else None,
+        created=created,
+        model_type=model_type if isinstance(model_type, str) else None,
+        size_bytes=size,
+        revision=directory.name,
+        tools=_template_takes_tools(directory),
+    )
+
+
+def _template_takes_tools(directory: Path) -> bool:
+    """Whether the chat template mentions tools: those that do render them (the runner's own check is
+    mlx-lm's, on the tokenizer; this one is for describing a model without loading it)."""
+    try:
+        template = json.loads((directory / "tokenizer_config.json").read_text()).get("chat_template") or ""
+    except (OSError, ValueError, AttributeError):
+        return False
+    return "tools" in json.dumps(template)
 
 
 def is_complete(directory: Path) -> bool:

@@ -1,0 +1,347 @@
+"""Ollama's API, as its clients use it: ``/api/chat`` and ``/api/generate`` (streamed as NDJSON unless asked not
+to), ``/api/tags``, ``/api/show``, ``/api/ps``, ``/api/version``.
+
+Many desktop apps and editor plugins speak only Ollama. Like the other dialects this translates shapes only;
+errors are Ollama's ``{"error": "..."}`` (`exod.api.errors`). A model may be named as Ollama users write it:
+without its organisation (``tiny-qwen2``) where exactly one served model has that name, and with a
+``:latest`` tag.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field, field_validator
+
+from exod import generated as g
+from exod.api.chat import LENIENT, MAX_MESSAGE_CHARS, MAX_MESSAGES, Text, stop_list
+from exod.api.errors import ApiError, responses
+from exod.api.generation import Generation, Output, ToolCall
+from exod.controller import Controller
+from exod.host.models import ModelCard
+from exod.requests import RequestFailed
+
+API_VERSION = "0.6.0"  # the Ollama API this speaks, for clients that check it before using a feature
+
+
+class OllamaOptions(BaseModel):
+    """The sampling options exod has; Ollama's others (num_ctx, repeat_penalty, mirostat …) are ignored."""
+
+    model_config = LENIENT
+
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    num_predict: int | None = Field(None, ge=-2)  # -1: until the end (here: the ceiling), -2: fill the context
+    stop: list[Text] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: list[str] | None) -> list[str]:
+        return stop_list(value)
+
+    def sampling(self, ceiling: int) -> dict[str, Any]:
+        predict = self.num_predict
+        return {
+            "max_tokens": ceiling if predict is None or predict < 0 else min(max(predict, 1), ceiling),
+            "temperature": 0.8 if self.temperature is None else self.temperature,  # Ollama's default
+            "top_p": 0.9 if self.top_p is None else self.top_p,
+            "top_k": 40 if self.top_k is None else self.top_k,
+            "seed": self.seed,
+            "stop": self.stop,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+        }
+
+
+class OllamaFunctionCall(BaseModel):
+    model_config = LENIENT
+
+    name: Text = Field(..., min_length=1, max_length=64)
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class OllamaToolCall(BaseModel):
+    model_config = LENIENT
+
+    function: OllamaFunctionCall
+
+
+class OllamaMessage(BaseModel):
+    model_config = LENIENT
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Text = Field("", max_length=MAX_MESSAGE_CHARS)
+    images: list[str] | None = None
+    tool_calls: list[OllamaToolCall] | None = None
+    tool_name: Text | None = Field(None, max_length=64)
+
+    def for_template(self, where: str) -> dict[str, Any]:
+        if self.images:
+            raise ApiError(400, f"{where}.images: exod serves text models; send text only", param=f"{where}.images")
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": f"call_{c.function.name}", "type": "function", "function": c.function.model_dump()}
+                for c in self.tool_calls
+            ]
+        if self.role == "tool" and self.tool_name:
+            message["tool_call_id"], message["name"] = f"call_{self.tool_name}", self.tool_name
+        return message
+
+
+class OllamaTool(BaseModel):
+    model_config = LENIENT
+
+    type: Literal["function"] = "function"
+    function: dict[str, Any]
+
+
+class _Request(BaseModel):
+    model_config = LENIENT
+
+    model: Text = Field(..., min_length=1, max_length=200)
+    options: OllamaOptions = Field(default_factory=OllamaOptions)
+    stream: bool = True  # Ollama streams unless told not to
+    format: Literal["json"] | dict[str, Any] | None = None
+    keep_alive: float | str | None = None  # accepted: models here stay placed until deleted
+
+
+class OllamaChatRequest(_Request):
+    messages: list[OllamaMessage] = Field(default_factory=list, max_length=MAX_MESSAGES)
+    tools: list[OllamaTool] | None = Field(None, max_length=128)
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template(f"messages.{i}") for i, m in enumerate(self.messages)]
+
+
+class OllamaGenerateRequest(_Request):
+    prompt: Text = Field("", max_length=MAX_MESSAGE_CHARS)
+    system: Text | None = Field(None, max_length=MAX_MESSAGE_CHARS)
+    raw: bool = False  # the prompt as it is, no chat template
+    images: list[str] | None = None
+
+
+class ShowRequest(BaseModel):
+    model_config = LENIENT
+
+    model: Text | None = Field(None, max_length=200)
+    name: Text | None = Field(None, max_length=200)  # older clients send the model under this name
+
+
+def resolve(name: str, served: list[str]) -> str:
+    """The served model that ``name`` means, as Ollama users write one; ``name`` itself if none or several do
+    (the request then says which are served)."""
+    bare = name.removesuffix(":latest")
+    if bare in served or "/" in bare:
+        return bare
+    matches = [m for m in served if m.rsplit("/", 1)[-1] == bare]
+    return matches[0] if len(matches) == 1 else bare
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+def _details(model_id: str, card: ModelCard) -> dict[str, Any]:
+    family = card.model_type or "unknown"
+    return {
+        "parent_model": "",
+        "format": "safetensors",
+        "family": family,
+        "families": [family],
+        "parameter_size": "",
+        "quantization_level": "",
+    }
+
+
+def _listed(model_id: str, card: ModelCard) -> dict[str, Any]:
+    modified = datetime.fromtimestamp(card.created, UTC).isoformat().replace("+00:00", "Z")
+    return {
+        "name": model_id,
+        "model": model_id,
+        "modified_at": modified,
+        "size": card.size_bytes,
+        "digest": card.revision,
+        "details": _details(model_id, card),
+    }
+
+
+def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> APIRouter:
+    api = APIRouter(prefix="/api")
+
+    def model_of(name: str) -> str:
+        return resolve(name, controller.placed_models())
+
+    @api.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": API_VERSION}
+
+    @api.get("/tags")
+    async def tags() -> dict[str, Any]:
+        """The models served here (placed), as Ollama lists its local ones."""
+        return {"models": [_listed(m, controller.models.card(m)) for m in controller.placed_models()]}
+
+    @api.get("/ps")
+    async def ps() -> dict[str, Any]:
+        """The models with a Ready instance: loaded, in Ollama's words."""
+        running = []
+        for model_id in controller.placed_models(ready=True):
+            card = controller.models.card(model_id)
+            listed = _listed(model_id, card)
+            running.append(
+                listed | {"expires_at": "0001-01-01T00:00:00Z", "size_vram": 0, "context_length": card.context_length}
+            )
+        return {"models": running}
+
+    @api.post("/show", responses=responses(400, 404, ollama=True))
+    async def show(body: ShowRequest) -> dict[str, Any]:
+        name = body.model or body.name
+        if not name:
+            raise ApiError(400, "model is required", param="model")
+        model_id = model_of(name)
+        _served(model_id, controller)
+        card = controller.models.card(model_id)
+        family = card.model_type or "unknown"
+        info = {"general.architecture": family, f"{family}.context_length": card.context_length}
+        return {
+            "modelfile": "",
+            "parameters": "",
+            "template": "",
+            "details": _details(model_id, card),
+            "model_info": info,
+            "capabilities": ["completion", "tools"] if card.tools else ["completion"],
+            "modified_at": _listed(model_id, card)["modified_at"],
+        }
+
+    @api.post("/chat", response_model=None, responses=responses(400, 404, 429, 502, 503, ollama=True))
+    async def chat(body: OllamaChatRequest) -> JSONResponse | StreamingResponse:
+        model_id = model_of(body.model)
+        generation = Generation(controller, metrics, model_id)
+        head = {"model": body.model}
+        if not body.messages:  # Ollama's way to load a model: placed here means loaded, or loading
+            _served(model_id, controller)
+            return JSONResponse(
+                head | {"created_at": _now(), "message": _message(""), "done": True, "done_reason": "load"}
+            )
+        tools = [t.model_dump() for t in body.tools or []] or None
+        streams = await generation.start(
+            messages=body.chat_messages(), tools=tools, **body.options.sampling(max_tokens_ceiling)
+        )
+        if not body.stream:
+            [output] = await generation.outputs()
+            message = _message(output.text, output.tool_calls)
+            return JSONResponse(head | {"created_at": _now(), "message": message} | _final(output, generation))
+
+        async def lines() -> AsyncIterator[bytes]:
+            output = Output()
+            try:
+                async for item in generation.pieces(streams[0]):
+                    Generation._take(output, item)
+                    if isinstance(item, g.Token) and item.text:
+                        yield _line(head | {"created_at": _now(), "message": _message(item.text), "done": False})
+                    elif isinstance(item, ToolCall):
+                        yield _line(head | {"created_at": _now(), "message": _message("", [item]), "done": False})
+                generation.finished([output])
+                yield _line(head | {"created_at": _now(), "message": _message("")} | _final(output, generation))
+            except RequestFailed as exc:
+                generation.record("error")
+                yield _line({"error": str(exc)})
+            finally:
+                generation.close()
+
+        return _ndjson(lines())
+
+    @api.post("/generate", response_model=None, responses=responses(400, 404, 429, 502, 503, ollama=True))
+    async def generate(body: OllamaGenerateRequest) -> JSONResponse | StreamingResponse:
+        model_id = model_of(body.model)
+        generation = Generation(controller, metrics, model_id, prompt="prompt")
+        head = {"model": body.model}
+        if body.images:
+            raise generation.rejected(ApiError(400, "images: exod serves text models; send text only", param="images"))
+        if not body.prompt:  # Ollama's way to load a model: placed here means loaded, or loading
+            _served(model_id, controller)
+            return JSONResponse(head | {"created_at": _now(), "response": "", "done": True, "done_reason": "load"})
+        if body.raw:
+            prompt: dict[str, Any] = {"prompt_text": body.prompt}
+        else:
+            system = [{"role": "system", "content": body.system}] if body.system else []
+            prompt = {"messages": [*system, {"role": "user", "content": body.prompt}]}
+        streams = await generation.start(**prompt, **body.options.sampling(max_tokens_ceiling))
+        if not body.stream:
+            [output] = await generation.outputs()
+            return JSONResponse(head | {"created_at": _now(), "response": output.text} | _final(output, generation))
+
+        async def lines() -> AsyncIterator[bytes]:
+            output = Output()
+            try:
+                async for item in generation.pieces(streams[0]):
+                    Generation._take(output, item)
+                    if isinstance(item, g.Token) and item.text:
+                        yield _line(head | {"created_at": _now(), "response": item.text, "done": False})
+                generation.finished([output])
+                yield _line(head | {"created_at": _now(), "response": ""} | _final(output, generation))
+            except RequestFailed as exc:
+                generation.record("error")
+                yield _line({"error": str(exc)})
+            finally:
+                generation.close()
+
+        return _ndjson(lines())
+
+    return api
+
+
+def _served(model_id: str, controller: Controller) -> None:
+    if model_id not in controller.placed_models():
+        raise ApiError(404, f"model {model_id!r} not found: GET /api/tags lists those served", code="model_not_found")
+
+
+def _message(content: str, calls: list[ToolCall] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [{"function": {"name": c.name, "arguments": _arguments(c.arguments)}} for c in calls]
+    return message
+
+
+def _arguments(text: str) -> Any:
+    """Ollama's calls carry their arguments as an object; text that is not one travels as it is."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def _final(output: Output, generation: Generation) -> dict[str, Any]:
+    """The last object: done, why, and the counts and durations (nanoseconds) Ollama reports."""
+    assert output.done is not None
+    reason = "length" if output.done.finish_reason is g.FinishReason.LENGTH else "stop"
+    total = int(generation.elapsed * 1e9)
+    return {
+        "done": True,
+        "done_reason": reason,
+        "total_duration": total,
+        "load_duration": 0,
+        "prompt_eval_count": output.done.prompt_tokens,
+        "eval_count": output.done.completion_tokens,
+        "eval_duration": total,
+    }
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return (json.dumps(obj, ensure_ascii=False) + "\n").encode()
+
+
+def _ndjson(lines: AsyncIterator[bytes]) -> StreamingResponse:
+    """Streamed as Ollama does: one JSON object per line. Starlette ends the stream when the client goes
+    away, and its ``finally`` counts the request as cancelled."""
+    return StreamingResponse(lines, media_type="application/x-ndjson", headers={"Cache-Control": "no-cache"})
