@@ -40,6 +40,7 @@ DAEMON_IMPORTS = frozenset(
         "psutil",
         "platformdirs",
         "prometheus_client",
+        "llguidance",
     }
 )
 

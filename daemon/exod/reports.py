@@ -90,7 +90,11 @@ class Reports:
             case p.RequestError(request_id=request_id, message=message):
                 if report.invalid:
                     self.sink.requests.refuse(
-                        request_id, message, prompt_tokens=report.prompt_tokens, context=report.context
+                        request_id,
+                        message,
+                        prompt_tokens=report.prompt_tokens,
+                        context=report.context,
+                        grammar=report.grammar,
                     )
                 else:
                     self.sink.requests.cancel(request_id, message)

@@ -54,6 +54,10 @@ class ContextExceeded(PromptRejected):
         self.prompt_tokens, self.context = prompt_tokens, context
 
 
+class ConstraintRejected(PromptRejected):
+    """The output's constraint (a JSON schema, a pattern, a grammar) cannot be compiled: the caller's to fix."""
+
+
 class QueueTimeout(RequestFailed):
     """No Ready runner took the request in time (HTTP 503)."""
 
@@ -292,11 +296,19 @@ class RequestBook:
         self._fail(request_id, RequestFailed(reason))
 
     def refuse(
-        self, request_id: str, reason: str, *, prompt_tokens: int | None = None, context: int | None = None
+        self,
+        request_id: str,
+        reason: str,
+        *,
+        prompt_tokens: int | None = None,
+        context: int | None = None,
+        grammar: bool = False,
     ) -> None:
         """The runner refused the request as asked (`PromptRejected`; `ContextExceeded` when its prompt did not
         fit): the caller has to change it."""
-        if prompt_tokens is None or context is None:
+        if grammar:
+            self._fail(request_id, ConstraintRejected(reason))
+        elif prompt_tokens is None or context is None:
             self._fail(request_id, PromptRejected(reason))
         else:
             self._fail(request_id, ContextExceeded(reason, prompt_tokens, context))

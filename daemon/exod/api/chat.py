@@ -172,11 +172,63 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = LENIENT
+
+    name: Text | None = Field(None, max_length=64)
+    schema_: dict[str, Any] | bool = Field(..., alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
     model_config = LENIENT
 
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("a json_schema response format needs json_schema.schema")
+        return self
+
+    def grammar(self) -> dict[str, Any] | None:
+        """The constraint on the output (`exod.runner.grammar`)."""
+        if self.type == "json_object":
+            return {"json_schema": {"type": "object"}}
+        if self.type == "json_schema" and self.json_schema is not None:
+            return {"json_schema": self.json_schema.schema_}
+        return None
+
+
+class Guided(BaseModel):
+    """vLLM's extensions that constrain the output, on chat and completions: at most one of them."""
+
+    model_config = LENIENT
+
+    guided_json: dict[str, Any] | None = None  # a JSON schema
+    guided_regex: Text | None = Field(None, max_length=MAX_MESSAGE_CHARS)
+    guided_grammar: Text | None = Field(None, max_length=MAX_MESSAGE_CHARS)  # llguidance's Lark
+
+    @model_validator(mode="after")
+    def _one(self) -> Guided:
+        given = [f for f in ("guided_json", "guided_regex", "guided_grammar") if getattr(self, f) is not None]
+        if len(given) > 1:
+            raise ValueError(f"one constraint at a time, got {given}")
+        return self
+
+    def guided(self) -> dict[str, Any] | None:
+        if self.guided_json is not None:
+            return {"json_schema": self.guided_json}
+        if self.guided_regex is not None:
+            return {"regex": self.guided_regex}
+        if self.guided_grammar is not None:
+            return {"lark": self.guided_grammar}
+        return None
+
+    @property
+    def guided_param(self) -> str:
+        return next((f for f in ("guided_json", "guided_regex", "guided_grammar") if getattr(self, f) is not None), "")
 
 
 class StreamOptions(BaseModel):
@@ -185,11 +237,11 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatRequest(BaseModel):
+class ChatRequest(Guided):
     """OpenAI's chat completion request. ``tool_choice``: ``none`` leaves the tools out of the template;
-    ``required`` or a named function makes the prompt begin the call (`exod.runner.output.forced_call`). Accepted
-    but not enforced: ``response_format`` (the output is not checked against the schema),
-    ``parallel_tool_calls``."""
+    ``required`` or a named function makes the prompt begin the call (`exod.runner.output.forced_call`), whose
+    arguments are then held to the tool's schema; ``response_format`` (and vLLM's ``guided_*``) hold the
+    output to a schema (`exod.runner.grammar`). Accepted but not enforced: ``parallel_tool_calls``."""
 
     model_config = LENIENT
 
@@ -236,7 +288,19 @@ class ChatRequest(BaseModel):
     def _logprobs(self) -> ChatRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.response_format is not None and self.response_format.grammar() and self.guided() is not None:
+            raise ValueError("response_format and a guided_* constraint at once: send one of them")
         return self
+
+    def grammar(self) -> dict[str, Any] | None:
+        return self.response_format.grammar() if self.response_format is not None else self.guided()
+
+    @property
+    def constraint_param(self) -> str:
+        """What a constraint that cannot be compiled is named by: its parameter, or the tools of a forced call."""
+        if self.guided_param:
+            return self.guided_param
+        return "response_format" if self.response_format is not None and self.response_format.grammar() else "tools"
 
     @model_validator(mode="after")
     def _legacy_functions(self) -> ChatRequest:
@@ -272,6 +336,7 @@ class ChatRequest(BaseModel):
             "presence_penalty": self.presence_penalty or 0.0,
             "frequency_penalty": self.frequency_penalty or 0.0,
             "logit_bias": self.logit_bias or None,
+            "grammar": self.grammar(),
         }
 
 
@@ -296,7 +361,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
     @api.post("/v1/chat/completions", response_model=None, responses=responses(400, 404, 429, 502, 503))
     async def chat(body: ChatRequest, request: Request) -> JSONResponse | EventSourceResponse:
         max_tokens = body.max_completion_tokens or body.max_tokens or min(256, max_tokens_ceiling)
-        generation = Generation(controller, metrics, body.model)
+        generation = Generation(controller, metrics, body.model, constraint=body.constraint_param)
         if max_tokens > max_tokens_ceiling:
             raise generation.rejected(
                 ApiError(400, f"max_tokens must be at most {max_tokens_ceiling}", param="max_tokens")

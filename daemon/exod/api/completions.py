@@ -9,18 +9,18 @@ from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from exod import generated as g
-from exod.api.chat import LENIENT, MAX_CHOICES, MAX_MESSAGE_CHARS, StreamOptions, Text, stop_list
+from exod.api.chat import LENIENT, MAX_CHOICES, MAX_MESSAGE_CHARS, Guided, StreamOptions, Text, stop_list
 from exod.api.errors import ApiError, responses
 from exod.api.generation import Generation, Output, Usage, event_stream, sse, usage
 from exod.controller import Controller
 from exod.requests import RequestFailed
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(Guided):
     """Accepted but not enforced: ``suffix`` (no model here fills in the middle), ``best_of`` equal to ``n``."""
 
     model_config = LENIENT
@@ -76,7 +76,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
 
     @api.post("/v1/completions", response_model=None, responses=responses(400, 404, 429, 502, 503))
     async def complete(body: CompletionRequest) -> JSONResponse | EventSourceResponse:
-        generation = Generation(controller, metrics, body.model, prompt="prompt")
+        generation = Generation(controller, metrics, body.model, prompt="prompt", constraint=body.guided_param)
         max_tokens = body.max_tokens or 16
         if max_tokens > max_tokens_ceiling:
             raise generation.rejected(
@@ -95,6 +95,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             logit_bias=body.logit_bias or None,
+            grammar=body.guided(),
         )
         head = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time())}
         head["model"] = body.model

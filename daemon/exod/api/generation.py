@@ -23,6 +23,7 @@ from exod.api.drain import unavailable
 from exod.api.errors import ApiError
 from exod.controller import Controller
 from exod.requests import (
+    ConstraintRejected,
     ContextExceeded,
     InstanceNotFound,
     InvalidRequest,
@@ -84,9 +85,12 @@ def call_id(prefix: str = "call") -> str:
 class Generation:
     """One API request's generations (``n`` of them) and its metrics, recorded once whatever happens."""
 
-    def __init__(self, controller: Controller, metrics: Any, model: str, *, prompt: str = "messages") -> None:
+    def __init__(
+        self, controller: Controller, metrics: Any, model: str, *, prompt: str = "messages", constraint: str = ""
+    ) -> None:
         self.controller, self.metrics, self.model = controller, metrics, model
         self.prompt = prompt  # the dialect's name for what the prompt is made of, named by its errors
+        self.constraint = constraint  # … and for what constrains the output (response_format, format …)
         self.streams: list[RequestStream] = []
         self.started = time.monotonic()
         self._recorded = False
@@ -123,6 +127,9 @@ class Generation:
         except ContextExceeded as exc:
             self.close()
             raise self.rejected(context_exceeded(exc, self.prompt)) from exc
+        except ConstraintRejected as exc:
+            self.close()
+            raise self.rejected(ApiError(400, str(exc), param=self.constraint or None)) from exc
         except PromptRejected as exc:
             self.close()
             raise self.rejected(ApiError(400, str(exc), param=self.prompt)) from exc

@@ -111,8 +111,13 @@ class _Request(BaseModel):
     model: Text = Field(..., min_length=1, max_length=200)
     options: OllamaOptions = Field(default_factory=OllamaOptions)
     stream: bool = True  # Ollama streams unless told not to
-    format: Literal["json"] | dict[str, Any] | None = None
+    format: Literal["json", ""] | dict[str, Any] | None = None  # the output held to JSON, or to this schema
     keep_alive: float | str | None = None  # accepted: models here stay placed until deleted
+
+    def grammar(self) -> dict[str, Any] | None:
+        if self.format == "json":
+            return {"json_schema": {"type": "object"}}
+        return {"json_schema": self.format} if isinstance(self.format, dict) else None
 
 
 class OllamaChatRequest(_Request):
@@ -225,7 +230,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
     @api.post("/chat", response_model=None, responses=responses(400, 404, 429, 502, 503, ollama=True))
     async def chat(body: OllamaChatRequest) -> JSONResponse | StreamingResponse:
         model_id = model_of(body.model)
-        generation = Generation(controller, metrics, model_id)
+        generation = Generation(controller, metrics, model_id, constraint="format")
         head = {"model": body.model}
         if not body.messages:  # Ollama's way to load a model: placed here means loaded, or loading
             _served(model_id, controller)
@@ -234,7 +239,10 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
             )
         tools = [t.model_dump() for t in body.tools or []] or None
         streams = await generation.start(
-            messages=body.chat_messages(), tools=tools, **body.options.sampling(max_tokens_ceiling)
+            messages=body.chat_messages(),
+            tools=tools,
+            grammar=body.grammar(),
+            **body.options.sampling(max_tokens_ceiling),
         )
         if not body.stream:
             [output] = await generation.outputs()
@@ -263,7 +271,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
     @api.post("/generate", response_model=None, responses=responses(400, 404, 429, 502, 503, ollama=True))
     async def generate(body: OllamaGenerateRequest) -> JSONResponse | StreamingResponse:
         model_id = model_of(body.model)
-        generation = Generation(controller, metrics, model_id, prompt="prompt")
+        generation = Generation(controller, metrics, model_id, prompt="prompt", constraint="format")
         head = {"model": body.model}
         if body.images:
             raise generation.rejected(ApiError(400, "images: exod serves text models; send text only", param="images"))
@@ -275,7 +283,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
         else:
             system = [{"role": "system", "content": body.system}] if body.system else []
             prompt = {"messages": [*system, {"role": "user", "content": body.prompt}]}
-        streams = await generation.start(**prompt, **body.options.sampling(max_tokens_ceiling))
+        streams = await generation.start(**prompt, grammar=body.grammar(), **body.options.sampling(max_tokens_ceiling))
         if not body.stream:
             [output] = await generation.outputs()
             return JSONResponse(head | {"created_at": _now(), "response": output.text} | _final(output, generation))

@@ -1,9 +1,10 @@
 """OpenAI's Responses API (``POST /v1/responses``), stateless: every request carries the whole conversation.
 
 ``input`` is a string or items (messages, ``function_call`` and ``function_call_output``); ``instructions``
-is the system turn; ``tool_choice`` ``required`` or a named function makes the prompt begin the call.
-Refused with a clear 400: ``previous_response_id`` (nothing is stored). Accepted but not enforced:
-``text.format``, ``parallel_tool_calls``, ``store``, ``reasoning``, ``metadata``.
+is the system turn; ``tool_choice`` ``required`` or a named function makes the prompt begin the call;
+``text.format`` holds the output to JSON or a schema (`exod.runner.grammar`). Refused with a clear 400:
+``previous_response_id`` (nothing is stored). Accepted but not enforced: ``parallel_tool_calls``, ``store``,
+``reasoning``, ``metadata``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,34 @@ class FunctionTool(BaseModel):
     strict: bool | None = None
 
 
+class TextFormat(BaseModel):
+    """``text.format``: plain text, any JSON object, or JSON of a schema (the output held to it)."""
+
+    model_config = LENIENT
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: Text | None = Field(None, max_length=64)
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema(self) -> TextFormat:
+        if self.type == "json_schema" and self.schema_ is None:
+            raise ValueError("a json_schema format needs its schema")
+        return self
+
+    def grammar(self) -> dict[str, Any] | None:
+        if self.type == "json_object":
+            return {"json_schema": {"type": "object"}}
+        return {"json_schema": self.schema_} if self.type == "json_schema" else None
+
+
+class TextOptions(BaseModel):
+    model_config = LENIENT
+
+    format: TextFormat = Field(default_factory=TextFormat)
+
+
 class ResponsesRequest(BaseModel):
     model_config = LENIENT
 
@@ -57,6 +86,7 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     stream: bool = False
     previous_response_id: Text | None = None
+    text: TextOptions | None = None
 
     @model_validator(mode="after")
     def _stateless(self) -> ResponsesRequest:
@@ -129,7 +159,10 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
 
     @api.post("/v1/responses", response_model=None, responses=responses(400, 404, 429, 502, 503))
     async def respond(body: ResponsesRequest) -> JSONResponse | EventSourceResponse:
-        generation = Generation(controller, metrics, body.model, prompt="input")
+        grammar = body.text.format.grammar() if body.text is not None else None
+        generation = Generation(
+            controller, metrics, body.model, prompt="input", constraint="text.format" if grammar else "tools"
+        )
         max_tokens = body.max_output_tokens or min(256, max_tokens_ceiling)
         if max_tokens > max_tokens_ceiling:
             raise generation.rejected(
@@ -142,6 +175,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
             top_p=1.0 if body.top_p is None else body.top_p,
             tools=body.chat_tools(),
             tool_choice=body.forced_tool(),
+            grammar=grammar,
         )
         shell = _shell(body)
 
@@ -237,7 +271,9 @@ def _shell(body: ResponsesRequest) -> dict[str, Any]:
         "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
         "tool_choice": body.tool_choice or "auto",
         "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
-        "text": {"format": {"type": "text"}},
+        "text": {
+            "format": (body.text.format if body.text else TextFormat()).model_dump(by_alias=True, exclude_none=True)
+        },
         "metadata": {},
     }
 

@@ -28,6 +28,7 @@ from typing import Any
 import attrs
 
 from exod.runner import protocol as p
+from exod.runner.grammar import GrammarError, Grammars
 from exod.runner.output import Output, Send, forced_call
 
 log = logging.getLogger("exod.runner")
@@ -212,6 +213,8 @@ class Batch:
         self.cache = LRUPromptCache(max_size=1 << 30, max_bytes=limits.prompt_cache_bytes)
         self.token_bytes = kv_bytes_per_token(model)
         self.context: int | None = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+        width = getattr(getattr(model, "args", None), "vocab_size", None) or len(tokenizer._tokenizer)
+        self.grammars = Grammars(tokenizer, width)  # constrained decoding, compiled per request
         self.waiting: deque[_Sequence] = deque()
         self.running: dict[int, _Sequence] = {}
 
@@ -238,7 +241,12 @@ class Batch:
             )
             return
         room = request.max_tokens if self.context is None else min(request.max_tokens, self.context - len(prompt))
-        self.waiting.append(self._sequence(request, prompt, room))
+        try:
+            constraint = self.grammars.processor(request)
+        except GrammarError as exc:  # the same on every rank: each refuses it alike
+            self.send(p.RequestError, request_id=request.request_id, message=str(exc), invalid=True, grammar=True)
+            return
+        self.waiting.append(self._sequence(request, prompt, room, constraint))
 
     def cancel(self, request_id: str) -> None:
         """Drop ``request_id`` (its caller went away): every rank drops it at the same step."""
@@ -377,7 +385,7 @@ class Batch:
 
     # -- making a sequence ----------------------------------------------------------
 
-    def _sequence(self, request: p.Generate, prompt: list[int], max_tokens: int) -> _Sequence:
+    def _sequence(self, request: p.Generate, prompt: list[int], max_tokens: int, constraint: Any = None) -> _Sequence:
         from mlx_lm.sample_utils import make_logits_processors
 
         seed = request.seed if request.seed is not None else zlib.crc32(request.request_id.encode())
@@ -391,6 +399,8 @@ class Batch:
             presence_penalty=request.presence_penalty or None,
             frequency_penalty=request.frequency_penalty or None,
         )
+        if constraint is not None and self.script is None:  # last: what it forbids stays forbidden (a script,
+            processors.append(constraint)  # for tests, is the output whatever a constraint says)
         output = Output(self.tokenizer, request, self.send, speaks=self.rank == 0)
         return _Sequence(request, prompt, output, self.tokenizer.detokenizer, sampler, processors, max_tokens)
 

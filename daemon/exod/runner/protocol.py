@@ -143,6 +143,7 @@ class Generate(Command):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) → added to its logit
     echo_prompt: bool = False  # rank 0 first says the prompt as the model reads it (`Prompt`)
+    grammar: dict[str, Any] | None = None  # the output's constraint: {"json_schema"|"regex"|"lark": …}
 
     def __attrs_post_init__(self) -> None:
         given = [x for x in (self.prompt_messages, self.prompt_tokens, self.prompt_text) if x is not None]
@@ -262,6 +263,7 @@ class RequestError(Report):
     invalid: bool = False  # the request itself is at fault (its prompt is over the context): the caller's 400
     prompt_tokens: int | None = None  # with ``context``: the prompt did not fit the model's context
     context: int | None = None
+    grammar: bool = False  # the output's constraint could not be compiled (`exod.runner.grammar`)
 
 
 @attrs.frozen

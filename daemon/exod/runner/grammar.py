@@ -1,0 +1,141 @@
+"""Constrained decoding: a request's output held to a JSON schema, a regular expression or a grammar, token by
+token, inside the continuous batch.
+
+llguidance (a Rust engine, one dependency-free wheel) compiles the constraint in milliseconds and, at each
+step, says which tokens may come next; that set becomes a mask on the logits, as an mlx-lm logits processor
+of the sequence's own. Every rank builds the same matcher from the same request and sees the same tokens,
+so every rank masks alike and samples the same token. (xgrammar needs torch; outlines-core compiles
+through a regex automaton that takes seconds on a real vocabulary: see the README.)
+
+Forced tool calls are constrained too, where the model writes calls as JSON (``{"name": …, "arguments":
+…}``, mlx-lm's ``json_tools`` parsers): the arguments are held to the tool's schema and the call is closed
+with the tokenizer's end marker, so a forced call always parses. Other call formats stay unconstrained.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+
+from exod.runner import protocol as p
+
+# compact JSON: no runaway whitespace from a model that has not learned where to stop
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+class GrammarError(ValueError):
+    """The request's constraint cannot be compiled; the message names the part (the request's 400)."""
+
+
+def source(constraint: dict[str, Any]) -> str:
+    """llguidance's grammar for a request's ``grammar`` field: one of ``json_schema`` (a schema),
+    ``regex`` (a pattern), ``lark`` (a grammar in llguidance's Lark). `GrammarError` if it cannot be made."""
+    import llguidance as llg
+
+    if len(constraint) != 1:
+        raise GrammarError(f"one constraint at a time, got {sorted(constraint)}")
+    ((kind, spec),) = constraint.items()
+    try:
+        if kind == "json_schema":
+            return llg.LLMatcher.grammar_from_json_schema(spec, defaults=_JSON_OPTIONS)
+        if kind == "regex":
+            return llg.LLMatcher.grammar_from_regex(spec)
+        if kind == "lark":
+            return llg.LLMatcher.grammar_from_lark(spec)
+    except (ValueError, TypeError) as exc:
+        raise GrammarError(f"{kind}: {exc}") from None
+    raise GrammarError(f"unknown constraint {kind!r}: json_schema, regex or lark")
+
+
+def forced_call_grammar(tokenizer: Any, request: p.Generate) -> str | None:
+    """The rest of a forced tool call, as a grammar: the prompt ended with its beginning
+    (`exod.runner.output.forced_call`). None where calls are not written as JSON."""
+    import llguidance as llg
+
+    if not request.tool_choice or not request.tools or not getattr(tokenizer, "has_tool_calling", False):
+        return None
+    if not getattr(tokenizer.tool_parser, "__module__", "").endswith(".json_tools"):
+        return None
+    schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in request.tools}
+    end = json.dumps("\n" + tokenizer.tool_call_end)
+    if request.tool_choice == p.REQUIRED:  # the prompt ends with the marker: the whole call, any tool
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": schema},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for name, schema in schemas.items()
+        ]
+        body = json.dumps({"anyOf": calls})
+        return llg.LLMatcher.grammar_from_lark(f"start: call {end}\ncall: %json {body}")
+    if request.tool_choice not in schemas:
+        raise GrammarError(f"tool_choice names {request.tool_choice!r}, which is not one of the tools")
+    arguments = json.dumps(schemas[request.tool_choice])  # the prompt ends with `"arguments": `
+    return llg.LLMatcher.grammar_from_lark(f'start: arguments "}}" {end}\narguments: %json {arguments}')
+
+
+@attrs.define
+class Grammars:
+    """One model's side of the engine: its tokenizer as llguidance reads it (built once, on the first
+    constrained request: about 2 s for a 150k vocabulary), and each request's matcher."""
+
+    tokenizer: Any  # mlx-lm's TokenizerWrapper
+    width: int  # the model's logits (its embedding rows, which may exceed the tokenizer's)
+    _engine: Any = None
+
+    def processor(self, request: p.Generate) -> GrammarProcessor | None:
+        """The request's constraint as a logits processor, or None if it has none; `GrammarError` if it
+        cannot be compiled."""
+        import llguidance as llg
+
+        forced = forced_call_grammar(self.tokenizer, request)
+        if request.grammar is None and forced is None:
+            return None
+        if request.grammar is not None and forced is not None:
+            raise GrammarError("a forced tool call and a response format at once: ask for one of them")
+        grammar = forced if forced is not None else source(request.grammar)  # type: ignore[arg-type]
+        failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer())
+        if failed:
+            raise GrammarError(messages[0] if messages else "the constraint cannot be compiled")
+        return GrammarProcessor(llg.LLMatcher(self._tokenizer(), grammar, log_level=0), self.width)
+
+    def _tokenizer(self) -> Any:
+        if self._engine is None:
+            import llguidance.hf
+
+            self._engine = llguidance.hf.from_tokenizer(
+                self.tokenizer._tokenizer, n_vocab=self.width, eos_token=self.tokenizer.eos_token_id
+            )
+        return self._engine
+
+
+class GrammarProcessor:
+    """An mlx-lm logits processor: ``(tokens, logits) -> logits`` with what the constraint forbids at -inf.
+
+    Its first call sees the prompt; each later call's last token is the one sampled at the step before,
+    which the matcher takes before it says what may follow. Once the constraint is complete only the end of
+    sequence may follow, so the generation stops there (``stop``), or at ``max_tokens`` (``length``)."""
+
+    def __init__(self, matcher: Any, width: int) -> None:
+        import llguidance.numpy as llnp
+
+        self.matcher, self.width = matcher, width
+        self.mask = llnp.allocate_token_bitmask(1, width)
+        self.started = False
+
+    def __call__(self, tokens: Any, logits: Any) -> Any:
+        import llguidance.numpy as llnp
+        import mlx.core as mx
+        import numpy as np
+
+        if self.started and not self.matcher.consume_token(int(tokens[-1].item())):
+            raise RuntimeError(f"the constraint refused a token it allowed: {self.matcher.get_error()}")
+        self.started = True
+        llnp.fill_next_token_bitmask(self.matcher, self.mask)
+        columns = logits.shape[-1]
+        allowed = np.unpackbits(self.mask.view(np.uint8), axis=-1, count=columns, bitorder="little").view(np.bool_)
+        return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
