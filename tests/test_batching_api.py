@@ -16,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon_harness import ready_daemon, runner_pids
+from exod.host.models import resolve_model
 
 MODEL = "exod/tiny-qwen2"
 CONFIG = f"""
@@ -32,10 +33,20 @@ LONG = {"temperature": 0.0, "max_tokens": 1000}  # long enough that 4 requests s
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    with ready_daemon(tmp_path_factory.mktemp("batching"), CONFIG, {MODEL: 0}) as (url, _):
-        yield url
+def served(tmp_path_factory):
+    with ready_daemon(tmp_path_factory.mktemp("batching"), CONFIG, {MODEL: 0}) as (url, hf):
+        yield url, hf
     assert runner_pids() == []
+
+
+@pytest.fixture(scope="module")
+def daemon(served):
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def hf(served):
+    return served[1]
 
 
 @pytest.fixture
@@ -176,3 +187,46 @@ def test_tokens_are_counted_and_shown_by_the_runners_exactly_as_a_generation_rea
     assert unknown.value.body["type"] == "error"
     done = client.chat.completions.create(model=MODEL, messages=ask(1), **GREEDY)  # the batch serves on
     assert done.choices[0].finish_reason in ("stop", "length")
+
+
+def reference_embedding(hf, text: str) -> list[float]:
+    """What the embedding must be, computed here from the model's files: the last hidden states after the
+    final norm, mean-pooled, L2-normalised, on one process (the daemon's instance has 2 ranks)."""
+    import mlx.core as mx
+    from mlx_lm.utils import load
+
+    model, tokenizer = load(str(resolve_model(MODEL, hf_home=hf, offline=True)))
+    hidden = model.model(mx.array([tokenizer.encode(text)]))[0].astype(mx.float32).mean(axis=0)
+    return (hidden / mx.linalg.norm(hidden)).tolist()
+
+
+def test_embeddings_are_the_models_pooled_states_from_every_rank_in_openais_and_ollamas_shapes(daemon, client, hf):
+    """#28: `/v1/embeddings` and `/api/embed`, computed by the 2-rank instance (each rank its layers), equal
+    to the model's own pooled hidden states computed in one process here."""
+    import math
+
+    import ollama
+
+    texts = ["the quick brown fox", "state machines", "the quick brown fox"]
+    done = client.embeddings.create(model=MODEL, input=texts)  # the SDK asks for base64, and decodes it
+    vectors = [d.embedding for d in sorted(done.data, key=lambda d: d.index)]
+    assert [d.index for d in done.data] == [0, 1, 2] and len(vectors[0]) == 64
+    assert vectors[0] == vectors[2] and vectors[0] != vectors[1]
+    assert all(abs(math.hypot(*v) - 1) < 1e-5 for v in vectors)
+    expected = reference_embedding(hf, texts[0])
+    assert max(abs(a - b) for a, b in zip(vectors[0], expected, strict=True)) < 1e-4
+    counts = [httpx.post(f"{daemon}/tokenize", json={"model": MODEL, "prompt": t}).json() for t in texts]
+    assert done.usage.prompt_tokens == sum(c["count"] for c in counts)
+    tokens = counts[1]
+    by_ids = client.embeddings.create(model=MODEL, input=tokens["tokens"], encoding_format="float")
+    assert max(abs(a - b) for a, b in zip(by_ids.data[0].embedding, vectors[1], strict=True)) < 1e-5
+    raw = httpx.post(f"{daemon}/v1/embeddings", json={"model": MODEL, "input": "x", "encoding_format": "float"})
+    assert isinstance(raw.json()["data"][0]["embedding"][0], float)
+    wrong = httpx.post(f"{daemon}/v1/embeddings", json={"model": MODEL, "input": "x", "dimensions": 16})
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "dimensions"
+    assert httpx.post(f"{daemon}/v1/embeddings", json={"model": MODEL, "input": []}).status_code == 400
+    llama = ollama.Client(host=daemon, timeout=60).embed(model="tiny-qwen2", input=texts[:2])
+    assert max(abs(a - b) for a, b in zip(llama.embeddings[1], vectors[1], strict=True)) < 1e-5
+    metrics = httpx.get(f"{daemon}/metrics").text
+    (family,) = [f for f in text_string_to_metric_families(metrics) if f.name == "exod_embedding_inputs"]
+    assert sum(s.value for s in family.samples if s.name.endswith("_total")) >= 7

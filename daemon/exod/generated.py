@@ -69,4 +69,11 @@ class Prompt:
     text: str
 
 
-Said = Token | ToolCall | Done | Prompt
+@attrs.frozen
+class Embedding:
+    """A prompt's embedding (normalised)."""
+
+    vector: list[float]
+
+
+Said = Token | ToolCall | Done | Prompt | Embedding

@@ -83,7 +83,7 @@ class Reports:
                     report.exception_type, report.message, retryable=report.retryable, detail=report.traceback
                 )
                 event(rn.Fail(rid, inc, failure=failure))
-            case p.Token() | p.ToolCall() | p.Done() | p.Prompt():
+            case p.Token() | p.ToolCall() | p.Done() | p.Prompt() | p.Embedding():
                 self.sink.requests.deliver(rid, report)
                 if isinstance(report, p.Done):
                     event(rn.RequestFinished(rid, inc))

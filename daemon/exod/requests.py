@@ -331,7 +331,7 @@ class RequestBook:
             request.channel.send_nowait(error)
             request.answered.set()  # a queued request learns it at once, not at its queue timeout
 
-    def deliver(self, runner_id: str, report: p.Token | p.ToolCall | p.Done | p.Prompt) -> None:
+    def deliver(self, runner_id: str, report: p.Token | p.ToolCall | p.Done | p.Prompt | p.Embedding) -> None:
         """A token, or the end, from a runner; only the request's rank 0 is heard."""
         request = self._requests.get(report.request_id)
         if request is None or request.leader != runner_id:
@@ -370,7 +370,7 @@ def _alternative(alt: p.Alternative) -> g.Alternative:
     return g.Alternative(alt.token_id, alt.text, alt.logprob)
 
 
-def _said(report: p.Token | p.ToolCall | p.Done | p.Prompt) -> g.Said:
+def _said(report: p.Token | p.ToolCall | p.Done | p.Prompt | p.Embedding) -> g.Said:
     """Rank 0's report as the front end hears it: the wire's envelope (runner, incarnation, request) dropped."""
     match report:
         case p.Token():
@@ -381,6 +381,8 @@ def _said(report: p.Token | p.ToolCall | p.Done | p.Prompt) -> g.Said:
             return g.ToolCall(report.name, report.arguments)
         case p.Prompt():
             return g.Prompt(report.tokens, report.text)
+        case p.Embedding():
+            return g.Embedding(report.vector)
         case p.Done():
             return g.Done(
                 g.FinishReason(report.finish_reason.value),

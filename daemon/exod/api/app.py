@@ -18,6 +18,7 @@ from exod.api import (
     dashboard,
     diagrams,
     docs,
+    embeddings,
     events,
     health,
     instances,
@@ -76,7 +77,7 @@ def create_app(
             raise ValueError("a cluster node's agent needs the cluster's token (`exod cluster-token`)")
         app.include_router(agent_router(agent), dependencies=node_authentication(cluster_token))
     metrics = Metrics(controller, None if membership is None else membership.malformed)
-    for dialect in (chat, completions, messages, responses_api, tokens, ollama):
+    for dialect in (chat, completions, messages, responses_api, tokens, embeddings, ollama):
         app.include_router(dialect.router(controller, metrics, max_tokens_ceiling), dependencies=authenticated)
     app.include_router(health.router(controller, metrics, membership, authenticated, agent))  # /health: no key
     app.include_router(instances.router(controller, membership), dependencies=authenticated)

@@ -55,6 +55,7 @@ class Output:
     logprobs: list[g.Token] = attrs.Factory(list)  # the tokens that carry their log-probabilities
     done: g.Done | None = None
     prompt: g.Prompt | None = None  # the prompt as the model read it, where asked (``echo_prompt``)
+    embedding: g.Embedding | None = None  # the prompt's embedding, where asked (``embed``)
 
     @property
     def finish_reason(self) -> str:
@@ -167,7 +168,9 @@ class Generation:
         finally:
             self.close()
 
-    async def pieces(self, stream: RequestStream) -> AsyncIterator[g.Token | ToolCall | g.Done | g.Prompt]:
+    async def pieces(
+        self, stream: RequestStream
+    ) -> AsyncIterator[g.Token | ToolCall | g.Done | g.Prompt | g.Embedding]:
         """The output as it comes: tokens (text and log-probabilities), tool calls with their ids, the end.
         `RequestFailed` ends it early (the dialect says so in its own words)."""
         async for item in stream:
@@ -207,7 +210,7 @@ class Generation:
         return error
 
     @staticmethod
-    def _take(output: Output, item: g.Token | ToolCall | g.Done | g.Prompt) -> None:
+    def _take(output: Output, item: g.Token | ToolCall | g.Done | g.Prompt | g.Embedding) -> None:
         match item:
             case g.Token():
                 output.text += item.text
@@ -219,6 +222,8 @@ class Generation:
                 output.done = item
             case g.Prompt():
                 output.prompt = item
+            case g.Embedding():
+                output.embedding = item
 
 
 @attrs.frozen

@@ -42,6 +42,12 @@ class Metrics:
             registry=self.registry,
         )
         self.tokens = Counter("exod_tokens_generated", "Completion tokens generated", ["model"], registry=self.registry)
+        self.embedded = Counter(
+            "exod_embedding_inputs", "Inputs embedded (each an embedding)", ["model"], registry=self.registry
+        )
+        self.embedded_tokens = Counter(
+            "exod_embedding_tokens", "Tokens read to make embeddings", ["model"], registry=self.registry
+        )
         self.batch_size = Histogram(
             "exod_batch_size",
             "Requests decoded together: per finished request, the most that shared its runner's batch",

@@ -1,5 +1,5 @@
 """Ollama's API, as its clients use it: ``/api/chat`` and ``/api/generate`` (streamed as NDJSON unless asked not
-to), ``/api/tags``, ``/api/show``, ``/api/ps``, ``/api/version``.
+to), ``/api/embed``, ``/api/tags``, ``/api/show``, ``/api/ps``, ``/api/version``.
 
 Many desktop apps and editor plugins speak only Ollama. Like the other dialects this translates shapes only;
 errors are Ollama's ``{"error": "..."}`` (`exod.api.errors`). A model may be named as Ollama users write it:
@@ -10,6 +10,7 @@ without its organisation (``tiny-qwen2``) where exactly one served model has tha
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -20,6 +21,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from exod import generated as g
 from exod.api.chat import LENIENT, MAX_MESSAGE_CHARS, MAX_MESSAGES, Text, stop_list
+from exod.api.embeddings import embed
 from exod.api.errors import ApiError, responses
 from exod.api.generation import Generation, Output, ToolCall
 from exod.controller import Controller
@@ -135,6 +137,16 @@ class OllamaGenerateRequest(_Request):
     images: list[str] | None = None
 
 
+class OllamaEmbedRequest(BaseModel):
+    model_config = LENIENT
+
+    model: Text = Field(..., min_length=1, max_length=200)
+    input: Text | list[Text] = Field(..., description="a string, or strings")
+    truncate: bool = True  # Ollama's default; here an input over the context is refused, never cut
+    dimensions: int | None = Field(None, ge=1)
+    keep_alive: float | str | None = None
+
+
 class ShowRequest(BaseModel):
     model_config = LENIENT
 
@@ -225,6 +237,26 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
             "model_info": info,
             "capabilities": ["completion", "tools"] if card.tools else ["completion"],
             "modified_at": _listed(model_id, card)["modified_at"],
+        }
+
+    @api.post("/embed", responses=responses(400, 404, 429, 502, 503, ollama=True))
+    async def embed_inputs(body: OllamaEmbedRequest) -> dict[str, Any]:
+        """Ollama's embeddings: each input's, normalised (`exod.api.embeddings`)."""
+        model_id = model_of(body.model)
+        texts = [body.input] if isinstance(body.input, str) else body.input
+        if not texts or not all(texts):
+            raise ApiError(400, "input: send a non-empty string, or non-empty strings", param="input")
+        started = time.monotonic()
+        vectors, tokens = await embed(controller, metrics, model_id, [{"prompt_text": t} for t in texts])
+        if body.dimensions is not None and body.dimensions != len(vectors[0]):
+            raise ApiError(400, f"dimensions: this model's embeddings have {len(vectors[0])}", param="dimensions")
+        took = int((time.monotonic() - started) * 1e9)
+        return {
+            "model": body.model,
+            "embeddings": vectors,
+            "total_duration": took,
+            "load_duration": 0,
+            "prompt_eval_count": tokens,
         }
 
     @api.post("/chat", response_model=None, responses=responses(400, 404, 429, 502, 503, ollama=True))

@@ -361,11 +361,34 @@ class Runner:
             return
         if request.echo_prompt and self.rank == 0:
             self.channel.send(p.Prompt, request_id=request.request_id, tokens=prompt, text=text)
+        if request.embed:  # every rank runs the forward pass (a pipeline needs them all), rank 0 says it
+            try:
+                vector = embed(self.model, prompt, self.batch.context)
+            except ValueError as exc:
+                self.channel.send(p.RequestError, request_id=request.request_id, message=str(exc), invalid=True)
+                return
+            if self.rank == 0:
+                self.channel.send(p.Embedding, request_id=request.request_id, vector=vector)
         if request.max_tokens == 0:  # the prompt only: every rank skips the batch alike, and says it is done
             done = {"finish_reason": p.FinishReason.LENGTH, "prompt_tokens": len(prompt), "completion_tokens": 0}
             self.channel.send(p.Done, request_id=request.request_id, **done)
             return
         self.batch.join(request, prompt)
+
+
+def embed(model: Any, prompt: list[int], context: int | None) -> list[float]:
+    """The prompt's embedding: the last layer's hidden states (after the final norm, before the head),
+    mean-pooled over its tokens and L2-normalised, as Ollama and llama.cpp pool a generative model's. On a
+    pipeline every rank runs its layers; mlx-lm gathers the result on each."""
+    import mlx.core as mx
+
+    if context is not None and len(prompt) > context:
+        raise ValueError(f"the input has {len(prompt)} tokens; this model's context is {context} tokens: shorten it")
+    inner = getattr(model, "model", None) or model.language_model.model
+    hidden = inner(mx.array([prompt]))[0].astype(mx.float32)
+    pooled = hidden.mean(axis=0)
+    vector = pooled / mx.maximum(mx.linalg.norm(pooled), 1e-12)
+    return vector.tolist()
 
 
 # -- entry point ------------------------------------------------------------------

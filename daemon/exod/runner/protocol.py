@@ -144,11 +144,14 @@ class Generate(Command):
     logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) → added to its logit
     echo_prompt: bool = False  # rank 0 first says the prompt as the model reads it (`Prompt`)
     grammar: dict[str, Any] | None = None  # the output's constraint: {"json_schema"|"regex"|"lark": …}
+    embed: bool = False  # the prompt's embedding instead of a generation (with max_tokens 0): `Embedding`
 
     def __attrs_post_init__(self) -> None:
         given = [x for x in (self.prompt_messages, self.prompt_tokens, self.prompt_text) if x is not None]
         if len(given) != 1:
             raise ProtocolError("Generate needs exactly one of prompt_messages, prompt_text and prompt_tokens")
+        if self.embed and self.max_tokens:
+            raise ProtocolError("an embedding generates nothing: max_tokens must be 0")
         if self.max_tokens < 0:
             raise ProtocolError(
                 f"max_tokens must be >= 0 (0: the prompt only, nothing generated), got {self.max_tokens}"
@@ -254,6 +257,16 @@ class Prompt(Report):
 
 
 @attrs.frozen
+class Embedding(Report):
+    """The prompt's embedding (rank 0 only, asked by ``Generate.embed``): the last layer's hidden states,
+    mean-pooled over the prompt's tokens and L2-normalised."""
+
+    type = "embedding"
+    request_id: str
+    vector: list[float]
+
+
+@attrs.frozen
 class RequestError(Report):
     """This request was refused or failed before generation; the runner stays Ready."""
 
@@ -280,7 +293,18 @@ class Failed(Report):
 
 
 COMMANDS: tuple[type[Command], ...] = (Connect, Load, WarmUp, Generate, Cancel, Shutdown)
-REPORTS: tuple[type[Report], ...] = (Status, Progress, Token, ToolCall, Heartbeat, Done, Prompt, RequestError, Failed)
+REPORTS: tuple[type[Report], ...] = (
+    Status,
+    Progress,
+    Token,
+    ToolCall,
+    Heartbeat,
+    Done,
+    Prompt,
+    Embedding,
+    RequestError,
+    Failed,
+)
 _BY_TAG: dict[str, type[Message]] = {cls.type: cls for cls in (*COMMANDS, *REPORTS)}
 
 _converter = cattrs.Converter(forbid_extra_keys=True)
