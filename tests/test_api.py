@@ -729,9 +729,12 @@ def test_text_completions_with_echo_logprobs_and_a_token_prompt(daemon, client):
         model=MODEL, prompt="The quick brown", max_tokens=4, temperature=0, logprobs=2, echo=True
     )
     choice = done.choices[0]
-    assert choice.text.startswith("The quick brown") and len(choice.logprobs.tokens) == 4
-    assert choice.logprobs.text_offset[0] == len("The quick brown")
-    assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
+    prompt = httpx.post(f"{daemon['url']}/tokenize", json={"model": MODEL, "prompt": "The quick brown"}).json()
+    assert choice.text.startswith("The quick brown")  # with echo, the prompt's tokens lead the log-probabilities
+    assert len(choice.logprobs.tokens) == prompt["count"] + 4 and "".join(choice.logprobs.tokens) == choice.text
+    assert choice.logprobs.text_offset[prompt["count"]] == len("The quick brown")
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None  # nothing before
+    assert all(len(top) == 2 for top in choice.logprobs.top_logprobs[1:])
     by_tokens = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2, temperature=0)
     assert by_tokens.usage.prompt_tokens == 3 and by_tokens.usage.completion_tokens == 2
     streamed = "".join(

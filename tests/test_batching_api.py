@@ -170,7 +170,8 @@ def test_tokens_are_counted_and_shown_by_the_runners_exactly_as_a_generation_rea
     said = [{"role": "user", "content": "How many tokens is this?"}]
     counted = claude.messages.count_tokens(model=MODEL, messages=said, system="Be brief.")
     generated = claude.messages.create(model=MODEL, messages=said, system="Be brief.", max_tokens=1)
-    assert counted.input_tokens == generated.usage.input_tokens > 0
+    usage = generated.usage  # Anthropic counts what the prompt cache gave apart from input_tokens
+    assert counted.input_tokens == usage.input_tokens + (usage.cache_read_input_tokens or 0) > 0
     chat = client.chat.completions.create(model=MODEL, messages=ask(3), max_tokens=1)
     tokenized = httpx.post(f"{daemon}/tokenize", json={"model": MODEL, "messages": ask(3)}).json()
     assert tokenized["count"] == len(tokenized["tokens"]) == chat.usage.prompt_tokens
@@ -230,3 +231,60 @@ def test_embeddings_are_the_models_pooled_states_from_every_rank_in_openais_and_
     metrics = httpx.get(f"{daemon}/metrics").text
     (family,) = [f for f in text_string_to_metric_families(metrics) if f.name == "exod_embedding_inputs"]
     assert sum(s.value for s in family.samples if s.name.endswith("_total")) >= 7
+
+
+def reference_logprobs(hf, tokens: list[int]) -> list[float]:
+    """Each token's log-probability given those before it (the first has none), from the model's files here."""
+    import mlx.core as mx
+    from mlx_lm.utils import load
+
+    model, _ = load(str(resolve_model(MODEL, hf_home=hf, offline=True)))
+    logits = model(mx.array([tokens]))[0].astype(mx.float32)
+    rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return [rows[t - 1, tokens[t]].item() for t in range(1, len(tokens))]
+
+
+def test_completions_serve_evaluation_harnesses_prompt_lists_echo_and_scoring(daemon, client, hf):
+    """#28: lm-evaluation-harness's `local-completions` scores a continuation by sending context + continuation
+    as token ids with ``echo``, ``logprobs`` and a token or none to generate, and summing the continuation's
+    log-probabilities. Here in its request shape and its own arithmetic, against the model's log-probabilities
+    computed in this process (the daemon's instance has 2 ranks)."""
+    context = httpx.post(f"{daemon}/tokenize", json={"model": MODEL, "prompt": "The capital of France is"}).json()
+    continuation = httpx.post(f"{daemon}/tokenize", json={"model": MODEL, "prompt": " Paris"}).json()["tokens"]
+    whole = context["tokens"] + continuation
+    request = {"model": MODEL, "prompt": [whole, whole[:-1]], "max_tokens": 1, "temperature": 0, "logprobs": 1}
+    answer = httpx.post(f"{daemon}/v1/completions", json=request | {"echo": True, "seed": 1234}).json()
+    expected = reference_logprobs(hf, whole)
+    (first, second) = sorted(answer["choices"], key=lambda c: c["index"])
+    ctxlen = len(context["tokens"])
+    scored = first["logprobs"]["token_logprobs"][ctxlen:-1]  # the harness's own slice: the generated one left out
+    assert len(scored) == len(continuation)
+    assert abs(sum(scored) - sum(expected[ctxlen - 1 :])) < 1e-3
+    assert first["logprobs"]["token_logprobs"][0] is None and first["logprobs"]["top_logprobs"][0] is None
+    tops = first["logprobs"]["top_logprobs"][ctxlen:-1]  # the harness's is_greedy: each against the likeliest
+    assert len(tops) == len(scored) and all(
+        max(top.values()) >= lp - 1e-6 for lp, top in zip(scored, tops, strict=True)
+    )
+    assert len(second["logprobs"]["tokens"]) == len(whole)  # one token shorter, one generated
+    scoring = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=0, echo=True, logprobs=0
+    )
+    (choice,) = scoring.choices
+    assert choice.text == "The capital of France is" and choice.finish_reason == "length"
+    assert "".join(choice.logprobs.tokens) == choice.text and scoring.usage.completion_tokens == 0
+    assert choice.logprobs.text_offset[0] == 0 and choice.logprobs.text_offset == sorted(choice.logprobs.text_offset)
+
+
+def test_completions_take_a_list_of_prompts_n_choices_each_numbered_as_openai_does(client):
+    prompts = ["one two three", "alpha beta"]
+    both = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=6, temperature=0)
+    assert [c.index for c in sorted(both.choices, key=lambda c: c.index)] == [0, 1, 2, 3]
+    for i, prompt in enumerate(prompts):
+        alone = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0).choices[0].text
+        assert [c.text for c in both.choices if c.index // 2 == i] == [alone, alone]
+    echoed = client.completions.create(model=MODEL, prompt=[[5, 6, 7]], max_tokens=2, echo=True, temperature=0)
+    url = str(client.base_url).removesuffix("/v1/")
+    tokens_text = httpx.post(f"{url}/detokenize", json={"model": MODEL, "tokens": [5, 6, 7]}).json()["prompt"]
+    assert echoed.choices[0].text.startswith(tokens_text) and len(echoed.choices[0].text) > len(tokens_text)
+    streamed = list(client.completions.create(model=MODEL, prompt=prompts, max_tokens=3, temperature=0, stream=True))
+    assert {c.choices[0].index for c in streamed if c.choices} == {0, 1}

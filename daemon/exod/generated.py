@@ -67,6 +67,8 @@ class Prompt:
 
     tokens: list[int]
     text: str
+    logprobs: list[Alternative | None] | None = None  # asked: each token's, given those before (the first: None)
+    top_logprobs: list[list[Alternative]] | None = None
 
 
 @attrs.frozen

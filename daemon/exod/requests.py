@@ -380,7 +380,9 @@ def _said(report: p.Token | p.ToolCall | p.Done | p.Prompt | p.Embedding) -> g.S
         case p.ToolCall():
             return g.ToolCall(report.name, report.arguments)
         case p.Prompt():
-            return g.Prompt(report.tokens, report.text)
+            logprobs = None if report.logprobs is None else [a and _alternative(a) for a in report.logprobs]
+            top = None if report.top_logprobs is None else [[_alternative(a) for a in r] for r in report.top_logprobs]
+            return g.Prompt(report.tokens, report.text, logprobs, top)
         case p.Embedding():
             return g.Embedding(report.vector)
         case p.Done():

@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import trio
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import Field, field_validator, model_validator
@@ -19,15 +20,22 @@ from exod.api.generation import Generation, Output, Usage, event_stream, sse, us
 from exod.controller import Controller
 from exod.requests import RequestFailed
 
+MAX_PROMPTS = 64  # prompts in one request (evaluation harnesses send a batch); n choices each
+
 
 class CompletionRequest(Guided):
-    """Accepted but not enforced: ``suffix`` (no model here fills in the middle), ``best_of`` equal to ``n``."""
+    """OpenAI's legacy completions, as evaluation harnesses use them too: several prompts (text or token ids),
+    ``echo`` with the prompt's own log-probabilities, ``max_tokens: 0`` to score a prompt and generate
+    nothing. Accepted but not enforced: ``suffix`` (no model here fills in the middle), ``best_of`` equal to
+    ``n``."""
 
     model_config = LENIENT
 
     model: Text = Field(..., min_length=1, max_length=200)
-    prompt: Text | list[Text] | list[int] = Field(..., description="a string, or a list of token ids")
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: Text | list[Text] | list[int] | list[list[int]] = Field(
+        ..., description="a string, strings, token ids, or lists of token ids: one prompt each"
+    )
+    max_tokens: int | None = Field(16, ge=0)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=MAX_CHOICES)
@@ -46,15 +54,18 @@ class CompletionRequest(Guided):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: str | list[str] | list[int]) -> str | list[int]:
-        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
-            if len(value) != 1:
-                raise ValueError("one prompt per request: send a string (or a list of one)")
-            value = value[0]
+    def _prompts(cls, value: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+        if isinstance(value, str) or (value and all(isinstance(v, int) for v in value)):
+            value = [value]  # type: ignore[list-item]
         if not value:
-            raise ValueError("the prompt is empty")
-        if isinstance(value, str) and len(value) > MAX_MESSAGE_CHARS:
-            raise ValueError(f"at most {MAX_MESSAGE_CHARS} characters")
+            raise ValueError("no prompt: send a string, or a list of them")
+        if len(value) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
+        for i, prompt in enumerate(value):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty")
+            if isinstance(prompt, str) and len(prompt) > MAX_MESSAGE_CHARS:
+                raise ValueError(f"prompt {i}: at most {MAX_MESSAGE_CHARS} characters")
         return value  # type: ignore[return-value]
 
     @field_validator("stop")
@@ -63,12 +74,35 @@ class CompletionRequest(Guided):
         return stop_list(value)
 
     @model_validator(mode="after")
-    def _echo_needs_text(self) -> CompletionRequest:
-        if self.echo and not isinstance(self.prompt, str):
-            raise ValueError("echo needs the prompt as text")
+    def _choices(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of other than n is not supported: each choice is a sample of its own")
+        if len(self.prompt) * self.n > 4 * MAX_PROMPTS:
+            raise ValueError(f"at most {4 * MAX_PROMPTS} choices (prompts × n) per request")
         return self
+
+    def submits(self) -> list[dict[str, Any]]:
+        """Each prompt as the request book takes it."""
+        return [{"prompt_text": p} if isinstance(p, str) else {"prompt_tokens": p} for p in self.prompt]  # type: ignore[union-attr]
+
+
+async def _started(generations: list[Generation], n: int, submits: list[dict[str, Any]]) -> list[list[Any]]:
+    """Every prompt's ``n`` generations started together (the runners batch them); the first refusal is
+    the request's."""
+    streams: list[list[Any]] = [[] for _ in generations]
+
+    async def start(i: int) -> None:
+        streams[i] = await generations[i].start(n, **submits[i])
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for i in range(len(generations)):
+                nursery.start_soon(start, i)
+    except* ApiError as group:
+        for generation in generations:
+            generation.close()
+        raise group.exceptions[0] from None
+    return streams
 
 
 def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> APIRouter:
@@ -76,43 +110,42 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
 
     @api.post("/v1/completions", response_model=None, responses=responses(400, 404, 429, 502, 503))
     async def complete(body: CompletionRequest) -> JSONResponse | EventSourceResponse:
-        generation = Generation(controller, metrics, body.model, prompt="prompt", constraint=body.guided_param)
-        max_tokens = body.max_tokens or 16
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
         if max_tokens > max_tokens_ceiling:
-            raise generation.rejected(
-                ApiError(400, f"max_tokens must be at most {max_tokens_ceiling}", param="max_tokens")
-            )
-        prompt = {"prompt_text": body.prompt} if isinstance(body.prompt, str) else {"prompt_tokens": body.prompt}
-        streams = await generation.start(
-            body.n,
-            **prompt,
-            max_tokens=max_tokens,
-            seed=body.seed,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            stop=body.stop,
-            logprobs=body.logprobs,
-            presence_penalty=body.presence_penalty or 0.0,
-            frequency_penalty=body.frequency_penalty or 0.0,
-            logit_bias=body.logit_bias or None,
-            grammar=body.guided(),
-        )
+            refused = ApiError(400, f"max_tokens must be at most {max_tokens_ceiling}", param="max_tokens")
+            raise Generation(controller, metrics, body.model).rejected(refused)
+        generations = [
+            Generation(controller, metrics, body.model, prompt="prompt", constraint=body.guided_param)
+            for _ in body.prompt
+        ]
+        common = {
+            "max_tokens": max_tokens,
+            "seed": body.seed,
+            "temperature": 1.0 if body.temperature is None else body.temperature,
+            "top_p": 1.0 if body.top_p is None else body.top_p,
+            "stop": body.stop,
+            "logprobs": body.logprobs,
+            "presence_penalty": body.presence_penalty or 0.0,
+            "frequency_penalty": body.frequency_penalty or 0.0,
+            "logit_bias": body.logit_bias or None,
+            "grammar": body.guided(),
+        }
+        if body.echo:  # the prompt as the model read it, scored where log-probabilities are asked for
+            common |= {"echo_prompt": True, "prompt_logprobs": body.logprobs}
+        submits = [common | prompt for prompt in body.submits()]
+        streams = await _started(generations, body.n, submits)
         head = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time())}
         head["model"] = body.model
-        echo = body.prompt if body.echo and isinstance(body.prompt, str) else ""
 
         if not body.stream:
-            outputs = await generation.outputs()
-            choices = [
-                {
-                    "index": i,
-                    "text": echo + o.text,
-                    "logprobs": _legacy_logprobs(o.logprobs, len(echo)) if body.logprobs is not None else None,
-                    "finish_reason": _finish(o),
-                }
-                for i, o in enumerate(outputs)
-            ]
-            return JSONResponse(head | {"choices": choices, "usage": usage(outputs).openai()})
+            choices, dones = [], []
+            for i, generation in enumerate(generations):
+                outputs = await generation.outputs()
+                for j, output in enumerate(outputs):
+                    choices.append(_choice(i * body.n + j, body, body.prompt[i], output))
+                dones.append(usage(outputs))
+            total = Usage(sum(u.prompt for u in dones), sum(u.completion for u in dones), sum(u.cached for u in dones))
+            return JSONResponse(head | {"choices": choices, "usage": total.openai()})
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -121,31 +154,80 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
             return sse(head | {"choices": [choice]})
 
         async def events() -> AsyncIterator[ServerSentEvent]:
-            dones: list[g.Done] = []
+            counted: list[Usage] = []
             try:
-                for index, stream in enumerate(streams):
-                    if echo:
-                        yield chunk(index, echo)
-                    async for item in generation.pieces(stream):
-                        if isinstance(item, g.Token) and (item.text or item.chosen is not None):
-                            logprobs = _legacy_logprobs([item], 0) if body.logprobs is not None else None
-                            yield chunk(index, item.text, logprobs=logprobs)
-                        elif isinstance(item, g.Done):
-                            dones.append(item)
-                            yield chunk(index, "", _finish(Output(done=item)))
-                generation.record("ok", sum(d.completion_tokens for d in dones))
+                for i, generation in enumerate(generations):
+                    dones: list[g.Done] = []
+                    for j, stream in enumerate(streams[i]):
+                        index = i * body.n + j
+                        async for item in generation.pieces(stream):
+                            if isinstance(item, g.Prompt):
+                                text = body.prompt[i] if isinstance(body.prompt[i], str) else item.text
+                                logprobs = _prompt_logprobs(item, text) if body.logprobs is not None else None
+                                yield chunk(index, text, logprobs=logprobs)
+                            elif isinstance(item, g.Token) and (item.text or item.chosen is not None):
+                                logprobs = _legacy_logprobs([item], 0) if body.logprobs is not None else None
+                                yield chunk(index, item.text, logprobs=logprobs)
+                            elif isinstance(item, g.Done):
+                                dones.append(item)
+                                yield chunk(index, "", _finish(Output(done=item)))
+                    generation.record("ok", sum(d.completion_tokens for d in dones))
+                    counted.append(Usage.of(dones))
                 if include_usage:
-                    yield sse(head | {"choices": [], "usage": Usage.of(dones).openai()})
+                    total = Usage(sum(u.prompt for u in counted), sum(u.completion for u in counted))
+                    yield sse(head | {"choices": [], "usage": total.openai()})
             except RequestFailed as exc:
-                generation.record("error")
+                for generation in generations:
+                    generation.record("error")
                 yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
             finally:
-                generation.close()
+                for generation in generations:
+                    generation.close()
             yield sse("[DONE]")
 
         return event_stream(events())
 
     return api
+
+
+def _choice(index: int, body: CompletionRequest, prompt: str | list[int], output: Output) -> dict[str, Any]:
+    """One choice: the echoed prompt (its text as sent, or the model's reading of token ids) and the text."""
+    echo = ""
+    if body.echo and output.prompt is not None:
+        echo = prompt if isinstance(prompt, str) else output.prompt.text
+    logprobs = None
+    if body.logprobs is not None:
+        logprobs = _legacy_logprobs(output.logprobs, len(echo))
+        if body.echo and output.prompt is not None:
+            logprobs = _joined(_prompt_logprobs(output.prompt, echo), logprobs)
+    return {"index": index, "text": echo + output.text, "logprobs": logprobs, "finish_reason": _finish(output)}
+
+
+def _prompt_logprobs(prompt: g.Prompt, text: str) -> dict[str, Any]:
+    """The echoed prompt's part of the legacy shape: its tokens, their log-probabilities (the first has none:
+    nothing precedes it), the likeliest others, offsets."""
+    chosen = prompt.logprobs or [None] * len(prompt.tokens)
+    top = prompt.top_logprobs or [[] for _ in prompt.tokens]
+    offsets, at, tokens = [], 0, []
+    for a in chosen:
+        offsets.append(at)
+        piece = "" if a is None else a.text
+        tokens.append(piece)
+        at += len(piece)
+    if chosen and chosen[0] is None:  # the first token's own text: what the rest does not account for
+        first = text[: max(0, len(text) - sum(len(t) for t in tokens[1:]))]
+        tokens[0] = first
+        offsets = [0] + [o + len(first) for o in offsets[1:]]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None if a is None else a.logprob for a in chosen],
+        "top_logprobs": [None] + [{a.text: a.logprob for a in row} for row in top[1:]],
+        "text_offset": offsets,
+    }
+
+
+def _joined(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    return {key: first[key] + then[key] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
 def _finish(output: Output) -> str:

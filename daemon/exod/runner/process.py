@@ -359,8 +359,11 @@ class Runner:
             message = f"{type(exc).__name__}: {exc}"
             self.channel.send(p.RequestError, request_id=request.request_id, message=message, invalid=True)
             return
+        scored: dict[str, Any] = {}
+        if request.echo_prompt and request.prompt_logprobs is not None:  # every rank: a pipeline needs them all
+            scored = score(self.model, self.tokenizer, prompt, request.prompt_logprobs)
         if request.echo_prompt and self.rank == 0:
-            self.channel.send(p.Prompt, request_id=request.request_id, tokens=prompt, text=text)
+            self.channel.send(p.Prompt, request_id=request.request_id, tokens=prompt, text=text, **scored)
         if request.embed:  # every rank runs the forward pass (a pipeline needs them all), rank 0 says it
             try:
                 vector = embed(self.model, prompt, self.batch.context)
@@ -374,6 +377,34 @@ class Runner:
             self.channel.send(p.Done, request_id=request.request_id, **done)
             return
         self.batch.join(request, prompt)
+
+
+def score(model: Any, tokenizer: Any, prompt: list[int], k: int) -> dict[str, Any]:
+    """Each prompt token's log-probability given the tokens before it, and the ``k`` likeliest there (the
+    first token has none: nothing precedes it), from one forward pass over the prompt: what evaluation
+    harnesses read to score a continuation (``echo`` with ``logprobs``)."""
+    import mlx.core as mx
+
+    logits = model(mx.array([prompt]))[0].astype(mx.float32)
+    rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # row t: what may follow prompt[: t + 1]
+    following = mx.array(prompt[1:])
+    chosen = mx.take_along_axis(rows[:-1], following[:, None], axis=-1)[:, 0].tolist() if len(prompt) > 1 else []
+    decode = lambda t: tokenizer.decode([t])  # noqa: E731
+    logprobs: list[p.Alternative | None] = [None]
+    logprobs += [p.Alternative(t, decode(t), lp) for t, lp in zip(prompt[1:], chosen, strict=True)]
+    top: list[list[p.Alternative]] = [[]]
+    if k and len(prompt) > 1:
+        best = mx.argpartition(-rows[:-1], kth=k - 1, axis=-1)[:, :k]
+        values = mx.take_along_axis(rows[:-1], best, axis=-1).tolist()
+        for ids, row in zip(best.tolist(), values, strict=True):
+            top.append(
+                sorted(
+                    (p.Alternative(i, decode(i), v) for i, v in zip(ids, row, strict=True)), key=lambda a: -a.logprob
+                )
+            )
+    else:
+        top += [[] for _ in prompt[1:]]
+    return {"logprobs": logprobs, "top_logprobs": top}
 
 
 def embed(model: Any, prompt: list[int], context: int | None) -> list[float]:

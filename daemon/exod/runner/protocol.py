@@ -145,6 +145,7 @@ class Generate(Command):
     echo_prompt: bool = False  # rank 0 first says the prompt as the model reads it (`Prompt`)
     grammar: dict[str, Any] | None = None  # the output's constraint: {"json_schema"|"regex"|"lark": …}
     embed: bool = False  # the prompt's embedding instead of a generation (with max_tokens 0): `Embedding`
+    prompt_logprobs: int | None = None  # with echo_prompt: each prompt token's log-probability and k others
 
     def __attrs_post_init__(self) -> None:
         given = [x for x in (self.prompt_messages, self.prompt_tokens, self.prompt_text) if x is not None]
@@ -254,6 +255,8 @@ class Prompt(Report):
     request_id: str
     tokens: list[int]
     text: str
+    logprobs: list[Alternative | None] | None = None  # asked: each token's given what precedes (the first: None)
+    top_logprobs: list[list[Alternative]] | None = None  # … and the likeliest others there
 
 
 @attrs.frozen
