@@ -150,7 +150,7 @@ class Generation:
         output = Output()
         try:
             async for item in self.pieces(stream):
-                self._take(output, item)
+                self.take(output, item)
         except ShuttingDown as exc:
             self.record("error")
             raise unavailable(str(exc)) from exc  # 503, not 502: nothing failed
@@ -210,7 +210,7 @@ class Generation:
         return error
 
     @staticmethod
-    def _take(output: Output, item: g.Token | ToolCall | g.Done | g.Prompt | g.Embedding) -> None:
+    def take(output: Output, item: g.Token | ToolCall | g.Done | g.Prompt | g.Embedding) -> None:
         match item:
             case g.Token():
                 output.text += item.text

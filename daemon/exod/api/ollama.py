@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -26,7 +26,7 @@ from exod.api.errors import ApiError, responses
 from exod.api.generation import Generation, Output, ToolCall
 from exod.controller import Controller
 from exod.host.models import ModelCard
-from exod.requests import RequestFailed
+from exod.requests import RequestFailed, RequestStream
 
 API_VERSION = "0.6.0"  # the Ollama API this speaks, for clients that check it before using a feature
 
@@ -281,24 +281,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
             message = _message(output.text, output.tool_calls)
             return JSONResponse(head | {"created_at": _now(), "message": message} | _final(output, generation))
 
-        async def lines() -> AsyncIterator[bytes]:
-            output = Output()
-            try:
-                async for item in generation.pieces(streams[0]):
-                    Generation._take(output, item)
-                    if isinstance(item, g.Token) and item.text:
-                        yield _line(head | {"created_at": _now(), "message": _message(item.text), "done": False})
-                    elif isinstance(item, ToolCall):
-                        yield _line(head | {"created_at": _now(), "message": _message("", [item]), "done": False})
-                generation.finished([output])
-                yield _line(head | {"created_at": _now(), "message": _message("")} | _final(output, generation))
-            except RequestFailed as exc:
-                generation.record("error")
-                yield _line({"error": str(exc)})
-            finally:
-                generation.close()
-
-        return _ndjson(lines())
+        return _streamed(generation, streams[0], head, lambda text, calls: {"message": _message(text, calls)})
 
     @api.post("/generate", response_model=None, responses=responses(400, 404, 429, 502, 503, ollama=True))
     async def generate(body: OllamaGenerateRequest) -> JSONResponse | StreamingResponse:
@@ -320,22 +303,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
             [output] = await generation.outputs()
             return JSONResponse(head | {"created_at": _now(), "response": output.text} | _final(output, generation))
 
-        async def lines() -> AsyncIterator[bytes]:
-            output = Output()
-            try:
-                async for item in generation.pieces(streams[0]):
-                    Generation._take(output, item)
-                    if isinstance(item, g.Token) and item.text:
-                        yield _line(head | {"created_at": _now(), "response": item.text, "done": False})
-                generation.finished([output])
-                yield _line(head | {"created_at": _now(), "response": ""} | _final(output, generation))
-            except RequestFailed as exc:
-                generation.record("error")
-                yield _line({"error": str(exc)})
-            finally:
-                generation.close()
-
-        return _ndjson(lines())
+        return _streamed(generation, streams[0], head, lambda text, _calls: {"response": text})
 
     return api
 
@@ -375,6 +343,35 @@ def _final(output: Output, generation: Generation) -> dict[str, Any]:
         "eval_count": output.done.completion_tokens,
         "eval_duration": total,
     }
+
+
+def _streamed(
+    generation: Generation,
+    stream: RequestStream,
+    head: dict[str, Any],
+    said: Callable[[str, list[ToolCall]], dict[str, Any]],
+) -> StreamingResponse:
+    """A generation as Ollama streams it: an object per piece (``said`` shapes text or calls as the endpoint
+    does), then the last with the counts; a failure is an ``error`` object, never a cut stream."""
+
+    async def lines() -> AsyncIterator[bytes]:
+        output = Output()
+        try:
+            async for item in generation.pieces(stream):
+                Generation.take(output, item)
+                if isinstance(item, g.Token) and item.text:
+                    yield _line(head | {"created_at": _now()} | said(item.text, []) | {"done": False})
+                elif isinstance(item, ToolCall):
+                    yield _line(head | {"created_at": _now()} | said("", [item]) | {"done": False})
+            generation.finished([output])
+            yield _line(head | {"created_at": _now()} | said("", []) | _final(output, generation))
+        except RequestFailed as exc:
+            generation.record("error")
+            yield _line({"error": str(exc)})
+        finally:
+            generation.close()
+
+    return _ndjson(lines())
 
 
 def _line(obj: dict[str, Any]) -> bytes:
