@@ -211,6 +211,7 @@ class Generation:
 
     @staticmethod
     def take(output: Output, item: g.Token | ToolCall | g.Done | g.Prompt | g.Embedding) -> None:
+        """Fold one piece of a generation into its whole ``output``."""
         match item:
             case g.Token():
                 output.text += item.text
