@@ -91,19 +91,22 @@ class _Alone:
         return [values]
 
 
-def generate(tiny: Any, grammars: list[dict[str, Any]], seed: int = 0) -> dict[str, tuple[str, Any]]:
+def generate(
+    tiny: Any, grammars: list[dict[str, Any]], seed: int = 0, *, prompt: str = "answer", batch: Any = None
+) -> dict[str, tuple[str, Any]]:
     """Each constraint's request decoded in one batch: request id → (text, the Done or RequestError)."""
     from exod.runner.batch import Batch, BatchLimits, prompt_tokens
 
     model, tokenizer = tiny
     sent: list[tuple[type, dict[str, Any]]] = []
-    batch = Batch(
-        model, tokenizer, limits=BatchLimits(), send=lambda cls, **f: sent.append((cls, f)), rank=0, lockstep=_Alone()
-    )
+    send = lambda cls, **f: sent.append((cls, f))  # noqa: E731
+    if batch is None:
+        batch = Batch(model, tokenizer, limits=BatchLimits(), send=send, rank=0, lockstep=_Alone())
+    batch.send = send
     for i, grammar in enumerate(grammars):
         request = p.Generate(
             f"r{i}",
-            prompt_messages=[{"role": "user", "content": f"answer {i}"}],
+            prompt_messages=[{"role": "user", "content": f"{prompt} {i}"}],
             max_tokens=400,
             temperature=1.0,
             seed=seed + i,
@@ -143,6 +146,25 @@ def test_a_pattern_and_a_grammar_hold_too_beside_a_free_request(tiny):
     assert re.fullmatch("[a-c]{3}-[0-9]{2}", out["r0"][0])
     assert out["r1"][1][0] is p.Done  # the free one beside them: random text, its own way
     assert re.fullmatch(r"\((?:[1-9][0-9]?)(?:\+[1-9][0-9]?)*\)", out["r2"][0]), out["r2"][0]
+
+
+def test_a_prompt_prefilled_in_chunks_or_read_from_the_prompt_cache_leaves_the_constraint_whole(tiny):
+    """The matcher sees the prompt once, however it is prefilled: chunk by chunk, or most of it from the cache
+    of an earlier turn (it then starts from the first sampled token, as always)."""
+    from exod.runner.batch import Batch, BatchLimits
+
+    model, tokenizer = tiny
+    chunked = Batch(
+        model, tokenizer, limits=BatchLimits(prefill_step=4), send=lambda *_, **__: None, rank=0, lockstep=_Alone()
+    )
+    small = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a"]}
+    for turn in range(2):  # the same prompt again: the second reads all but its last token from the cache
+        ((text, (cls, fields)),) = generate(
+            tiny, [{"json_schema": small}], turn, prompt="a long prompt " * 10, batch=chunked
+        ).values()
+        assert cls is p.Done and fields["finish_reason"] is p.FinishReason.STOP
+        assert 0 <= json.loads(text)["a"] <= 99
+    assert fields["cached_tokens"] > 0
 
 
 @pytest.mark.parametrize(
