@@ -498,3 +498,25 @@ def test_a_runner_imports_mlx_lm_under_a_hard_descriptor_limit_below_what_mlx_lm
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "(256, 256)"
+
+
+def test_scoring_a_prompt_in_chunks_gives_what_one_pass_gives(model_dir: Path, monkeypatch) -> None:
+    """`score` holds a chunk's logits at a time, not the whole prompt's (a 2,048-token prompt over a 150k
+    vocabulary would be 1.2 GB): chunked over its KV cache, every value is the one-pass value."""
+    import mlx_lm
+
+    from exod.runner import process
+
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    prompt = tokenizer.encode("the quick brown fox jumps over the lazy dog " * 12)
+    monkeypatch.setattr(process, "SCORE_CHUNK", 7)
+    chunked = process.score(model, tokenizer, prompt, 2)
+    monkeypatch.setattr(process, "SCORE_CHUNK", len(prompt))
+    whole = process.score(model, tokenizer, prompt, 2)
+    assert len(chunked["logprobs"]) == len(chunked["top_logprobs"]) == len(prompt)
+    assert chunked["logprobs"][0] is None
+    pairs = zip(chunked["logprobs"][1:], whole["logprobs"][1:], strict=True)
+    assert max(abs(a.logprob - b.logprob) for a, b in pairs) < 1e-5
+    assert [[a.token_id for a in row] for row in chunked["top_logprobs"]] == [
+        [a.token_id for a in row] for row in whole["top_logprobs"]
+    ]

@@ -379,31 +379,37 @@ class Runner:
         self.batch.join(request, prompt)
 
 
+SCORE_CHUNK = 256  # prompt tokens per forward pass when scoring: their logits over the vocabulary, not all
+
+
 def score(model: Any, tokenizer: Any, prompt: list[int], k: int) -> dict[str, Any]:
     """Each prompt token's log-probability given the tokens before it, and the ``k`` likeliest there (the
-    first token has none: nothing precedes it), from one forward pass over the prompt: what evaluation
-    harnesses read to score a continuation (``echo`` with ``logprobs``)."""
+    first token has none: nothing precedes it): what evaluation harnesses read to score a continuation
+    (``echo`` with ``logprobs``). The prompt goes through in chunks over a KV cache, so that no more than a
+    chunk's logits (``SCORE_CHUNK`` × the vocabulary) are held at once; every rank chunks alike."""
     import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
 
-    logits = model(mx.array([prompt]))[0].astype(mx.float32)
-    rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # row t: what may follow prompt[: t + 1]
-    following = mx.array(prompt[1:])
-    chosen = mx.take_along_axis(rows[:-1], following[:, None], axis=-1)[:, 0].tolist() if len(prompt) > 1 else []
     decode = lambda t: tokenizer.decode([t])  # noqa: E731
     logprobs: list[p.Alternative | None] = [None]
-    logprobs += [p.Alternative(t, decode(t), lp) for t, lp in zip(prompt[1:], chosen, strict=True)]
     top: list[list[p.Alternative]] = [[]]
-    if k and len(prompt) > 1:
-        best = mx.argpartition(-rows[:-1], kth=k - 1, axis=-1)[:, :k]
-        values = mx.take_along_axis(rows[:-1], best, axis=-1).tolist()
+    cache = make_prompt_cache(model)
+    for start in range(0, len(prompt), SCORE_CHUNK):
+        logits = model(mx.array([prompt[start : start + SCORE_CHUNK]]), cache=cache)[0].astype(mx.float32)
+        following = prompt[start + 1 : start + SCORE_CHUNK + 1]  # what each row predicted (the last: nothing)
+        if not following:
+            break
+        rows = (logits - mx.logsumexp(logits, axis=-1, keepdims=True))[: len(following)]
+        chosen = mx.take_along_axis(rows, mx.array(following)[:, None], axis=-1)[:, 0].tolist()
+        logprobs += [p.Alternative(t, decode(t), lp) for t, lp in zip(following, chosen, strict=True)]
+        if not k:
+            top += [[] for _ in following]
+            continue
+        best = mx.argpartition(-rows, kth=k - 1, axis=-1)[:, :k]
+        values = mx.take_along_axis(rows, best, axis=-1).tolist()
         for ids, row in zip(best.tolist(), values, strict=True):
-            top.append(
-                sorted(
-                    (p.Alternative(i, decode(i), v) for i, v in zip(ids, row, strict=True)), key=lambda a: -a.logprob
-                )
-            )
-    else:
-        top += [[] for _ in prompt[1:]]
+            alternatives = (p.Alternative(i, decode(i), v) for i, v in zip(ids, row, strict=True))
+            top.append(sorted(alternatives, key=lambda a: -a.logprob))
     return {"logprobs": logprobs, "top_logprobs": top}
 
 
