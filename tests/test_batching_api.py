@@ -288,3 +288,16 @@ def test_completions_take_a_list_of_prompts_n_choices_each_numbered_as_openai_do
     assert echoed.choices[0].text.startswith(tokens_text) and len(echoed.choices[0].text) > len(tokens_text)
     streamed = list(client.completions.create(model=MODEL, prompt=prompts, max_tokens=3, temperature=0, stream=True))
     assert {c.choices[0].index for c in streamed if c.choices} == {0, 1}
+
+
+def test_a_long_list_of_inputs_or_prompts_waits_its_turn_instead_of_being_refused(client):
+    """One call's inputs are requests of the instance, a few at a time: 40 inputs or 30 prompts are more than
+    the instance's bound of requests at once (16 by default), and none is refused for it."""
+    inputs = [f"sentence number {i}" for i in range(40)]
+    embedded = client.embeddings.create(model=MODEL, input=inputs)
+    assert sorted(d.index for d in embedded.data) == list(range(40))
+    again = client.embeddings.create(model=MODEL, input=inputs[7])
+    assert again.data[0].embedding == next(d.embedding for d in embedded.data if d.index == 7)
+    prompts = [f"prompt {i}" for i in range(30)]
+    completed = client.completions.create(model=MODEL, prompt=prompts, max_tokens=2, temperature=0)
+    assert sorted(c.index for c in completed.choices) == list(range(30))

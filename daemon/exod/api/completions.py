@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import trio
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import Field, field_validator, model_validator
@@ -16,7 +16,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from exod import generated as g
 from exod.api.chat import LENIENT, MAX_CHOICES, MAX_MESSAGE_CHARS, Guided, StreamOptions, Text, stop_list
 from exod.api.errors import ApiError, responses
-from exod.api.generation import Generation, Output, Usage, event_stream, sse, usage
+from exod.api.generation import Generation, Output, Usage, event_stream, gathered, sse, usage
 from exod.controller import Controller
 from exod.requests import RequestFailed
 
@@ -86,25 +86,6 @@ class CompletionRequest(Guided):
         return [{"prompt_text": p} if isinstance(p, str) else {"prompt_tokens": p} for p in self.prompt]  # type: ignore[union-attr]
 
 
-async def _started(generations: list[Generation], n: int, submits: list[dict[str, Any]]) -> list[list[Any]]:
-    """Every prompt's ``n`` generations started together (the runners batch them); the first refusal is
-    the request's."""
-    streams: list[list[Any]] = [[] for _ in generations]
-
-    async def start(i: int) -> None:
-        streams[i] = await generations[i].start(n, **submits[i])
-
-    try:
-        async with trio.open_nursery() as nursery:
-            for i in range(len(generations)):
-                nursery.start_soon(start, i)
-    except* ApiError as group:
-        for generation in generations:
-            generation.close()
-        raise group.exceptions[0] from None
-    return streams
-
-
 def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> APIRouter:
     api = APIRouter()
 
@@ -114,10 +95,6 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
         if max_tokens > max_tokens_ceiling:
             refused = ApiError(400, f"max_tokens must be at most {max_tokens_ceiling}", param="max_tokens")
             raise Generation(controller, metrics, body.model).rejected(refused)
-        generations = [
-            Generation(controller, metrics, body.model, prompt="prompt", constraint=body.guided_param)
-            for _ in body.prompt
-        ]
         common = {
             "max_tokens": max_tokens,
             "seed": body.seed,
@@ -133,20 +110,31 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
         if body.echo:  # the prompt as the model read it, scored where log-probabilities are asked for
             common |= {"echo_prompt": True, "prompt_logprobs": body.logprobs}
         submits = [common | prompt for prompt in body.submits()]
-        streams = await _started(generations, body.n, submits)
         head = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time())}
         head["model"] = body.model
 
+        def generation() -> Generation:
+            return Generation(controller, metrics, body.model, prompt="prompt", constraint=body.guided_param)
+
         if not body.stream:
-            choices, dones = [], []
-            for i, generation in enumerate(generations):
-                outputs = await generation.outputs()
-                for j, output in enumerate(outputs):
-                    choices.append(_choice(i * body.n + j, body, body.prompt[i], output))
-                dones.append(usage(outputs))
-            total = Usage(sum(u.prompt for u in dones), sum(u.completion for u in dones), sum(u.cached for u in dones))
+
+            async def complete_one(i: int) -> list[Output]:
+                one = generation()
+                await one.start(body.n, **submits[i])
+                return await one.outputs()
+
+            done = await gathered(controller, [functools.partial(complete_one, i) for i in range(len(submits))], body.n)
+            choices = [
+                _choice(i * body.n + j, body, body.prompt[i], output)
+                for i, outputs in enumerate(done)
+                for j, output in enumerate(outputs)
+            ]
+            counted = [usage(outputs) for outputs in done]
+            total = Usage(sum(u.prompt for u in counted), sum(u.completion for u in counted))
             return JSONResponse(head | {"choices": choices, "usage": total.openai()})
 
+        first = generation()  # refused before the stream begins: an HTTP error, like any request's
+        first_streams = await first.start(body.n, **submits[0])
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None) -> ServerSentEvent:
@@ -155,12 +143,18 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
 
         async def events() -> AsyncIterator[ServerSentEvent]:
             counted: list[Usage] = []
+            current = first
             try:
-                for i, generation in enumerate(generations):
+                for i in range(len(submits)):  # prompt by prompt, each started as the one before ends
+                    if i:
+                        current = generation()
+                        streams = await current.start(body.n, **submits[i])
+                    else:
+                        streams = first_streams
                     dones: list[g.Done] = []
-                    for j, stream in enumerate(streams[i]):
+                    for j, stream in enumerate(streams):
                         index = i * body.n + j
-                        async for item in generation.pieces(stream):
+                        async for item in current.pieces(stream):
                             if isinstance(item, g.Prompt):
                                 text = body.prompt[i] if isinstance(body.prompt[i], str) else item.text
                                 logprobs = _prompt_logprobs(item, text) if body.logprobs is not None else None
@@ -171,18 +165,17 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                             elif isinstance(item, g.Done):
                                 dones.append(item)
                                 yield chunk(index, "", _finish(Output(done=item)))
-                    generation.record("ok", sum(d.completion_tokens for d in dones))
+                    current.record("ok", sum(d.completion_tokens for d in dones))
                     counted.append(Usage.of(dones))
                 if include_usage:
                     total = Usage(sum(u.prompt for u in counted), sum(u.completion for u in counted))
                     yield sse(head | {"choices": [], "usage": total.openai()})
-            except RequestFailed as exc:
-                for generation in generations:
-                    generation.record("error")
-                yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
+            except (RequestFailed, ApiError) as exc:
+                current.record("error")
+                message = exc.message if isinstance(exc, ApiError) else str(exc)
+                yield sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
             finally:
-                for generation in generations:
-                    generation.close()
+                current.close()
             yield sse("[DONE]")
 
         return event_stream(events())

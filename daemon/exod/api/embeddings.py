@@ -9,16 +9,16 @@ The inputs of one call are submitted together, so the runners take them in the s
 from __future__ import annotations
 
 import base64
+import functools
 import struct
 from typing import Any, Literal
 
-import trio
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
 from exod.api.chat import LENIENT, MAX_MESSAGE_CHARS, Text
 from exod.api.errors import ApiError, responses
-from exod.api.generation import Generation
+from exod.api.generation import Generation, gathered
 from exod.controller import Controller
 
 MAX_INPUTS = 2048  # OpenAI's own bound on one call's inputs
@@ -60,23 +60,18 @@ class EmbeddingsRequest(BaseModel):
 async def embed(
     controller: Controller, metrics: Any, model: str, prompts: list[dict[str, Any]]
 ) -> tuple[list[list[float]], int]:
-    """Every prompt's embedding, in order, and the tokens read; errors as any generation's (the first one)."""
-    generations = [Generation(controller, metrics, model, prompt="input") for _ in prompts]
-    vectors: list[list[float]] = [[] for _ in prompts]
-    tokens = [0] * len(prompts)
+    """Every prompt's embedding, in order, and the tokens read; errors as any generation's (the first one).
+    A few at a time (`gathered`): a list of 2,048 is not refused as over the instance's bound."""
 
-    async def one(i: int) -> None:
-        await generations[i].start(max_tokens=0, embed=True, **prompts[i])
-        [output] = await generations[i].outputs()
+    async def one(prompt: dict[str, Any]) -> tuple[list[float], int]:
+        generation = Generation(controller, metrics, model, prompt="input")
+        await generation.start(max_tokens=0, embed=True, **prompt)
+        [output] = await generation.outputs()
         assert output.embedding is not None and output.done is not None
-        vectors[i], tokens[i] = output.embedding.vector, output.done.prompt_tokens
+        return output.embedding.vector, output.done.prompt_tokens
 
-    try:
-        async with trio.open_nursery() as nursery:
-            for i in range(len(prompts)):
-                nursery.start_soon(one, i)
-    except* ApiError as group:
-        raise group.exceptions[0] from None
+    done = await gathered(controller, [functools.partial(one, prompt) for prompt in prompts])
+    vectors, tokens = [v for v, _ in done], [n for _, n in done]
     label = metrics.label(model)
     metrics.embedded.labels(label).inc(len(prompts))
     metrics.embedded_tokens.labels(label).inc(sum(tokens))

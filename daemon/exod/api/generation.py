@@ -12,10 +12,11 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import attrs
+import trio
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from exod import generated as g
@@ -37,6 +38,7 @@ from exod.requests import (
 )
 
 log = logging.getLogger("exod.requests")
+T = TypeVar("T")
 
 
 @attrs.frozen
@@ -277,3 +279,25 @@ def event_stream(events: AsyncIterator[ServerSentEvent]) -> EventSourceResponse:
     """The response that streams ``events`` (sse-starlette: the framing, and the client going away cancels
     the stream, whose ``finally`` then counts the request as cancelled)."""
     return EventSourceResponse(events, sep="\n", headers={"Cache-Control": "no-cache"})
+
+
+async def gathered(controller: Controller, jobs: list[Callable[[], Awaitable[T]]], each: int = 1) -> list[T]:
+    """The results of ``jobs`` (one call's prompts: its inputs to embed, its prompts to complete), in order,
+    run a few at a time: each takes ``each`` of the instance's request slots, and together they take at most
+    half of them (`[limits] max_requests_per_instance`), so that a long list waits its turn instead of being
+    refused as over the bound, and other clients keep room. The first error is the call's."""
+    slots = max(1, controller.config.max_requests_per_instance // (2 * each))
+    limiter = trio.CapacityLimiter(slots)
+    results: list[Any] = [None] * len(jobs)
+
+    async def run(i: int) -> None:
+        async with limiter:
+            results[i] = await jobs[i]()
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for i in range(len(jobs)):
+                nursery.start_soon(run, i)
+    except* ApiError as group:
+        raise group.exceptions[0] from None
+    return results
