@@ -226,6 +226,9 @@ def test_embeddings_are_the_models_pooled_states_from_every_rank_in_openais_and_
     wrong = httpx.post(f"{daemon}/v1/embeddings", json={"model": MODEL, "input": "x", "dimensions": 16})
     assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "dimensions"
     assert httpx.post(f"{daemon}/v1/embeddings", json={"model": MODEL, "input": []}).status_code == 400
+    too_long = httpx.post(f"{daemon}/v1/embeddings", json={"model": MODEL, "input": "tokens " * 3000})
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    assert too_long.json()["error"]["param"] == "input"
     llama = ollama.Client(host=daemon, timeout=60).embed(model="tiny-qwen2", input=texts[:2])
     assert max(abs(a - b) for a, b in zip(llama.embeddings[1], vectors[1], strict=True)) < 1e-5
     metrics = httpx.get(f"{daemon}/metrics").text

@@ -359,17 +359,20 @@ class Runner:
             message = f"{type(exc).__name__}: {exc}"
             self.channel.send(p.RequestError, request_id=request.request_id, message=message, invalid=True)
             return
+        forward = request.embed or (request.echo_prompt and request.prompt_logprobs is not None)
+        context = self.batch.context
+        if forward and context is not None and len(prompt) > context:  # the batch checks its own
+            message = f"the input has {len(prompt)} tokens; this model's context is {context} tokens: shorten it"
+            fields = {"invalid": True, "prompt_tokens": len(prompt), "context": context}
+            self.channel.send(p.RequestError, request_id=request.request_id, message=message, **fields)
+            return
         scored: dict[str, Any] = {}
         if request.echo_prompt and request.prompt_logprobs is not None:  # every rank: a pipeline needs them all
             scored = score(self.model, self.tokenizer, prompt, request.prompt_logprobs)
         if request.echo_prompt and self.rank == 0:
             self.channel.send(p.Prompt, request_id=request.request_id, tokens=prompt, text=text, **scored)
         if request.embed:  # every rank runs the forward pass (a pipeline needs them all), rank 0 says it
-            try:
-                vector = embed(self.model, prompt, self.batch.context)
-            except ValueError as exc:
-                self.channel.send(p.RequestError, request_id=request.request_id, message=str(exc), invalid=True)
-                return
+            vector = embed(self.model, prompt)
             if self.rank == 0:
                 self.channel.send(p.Embedding, request_id=request.request_id, vector=vector)
         if request.max_tokens == 0:  # the prompt only: every rank skips the batch alike, and says it is done
@@ -413,14 +416,12 @@ def score(model: Any, tokenizer: Any, prompt: list[int], k: int) -> dict[str, An
     return {"logprobs": logprobs, "top_logprobs": top}
 
 
-def embed(model: Any, prompt: list[int], context: int | None) -> list[float]:
+def embed(model: Any, prompt: list[int]) -> list[float]:
     """The prompt's embedding: the last layer's hidden states (after the final norm, before the head),
     mean-pooled over its tokens and L2-normalised, as Ollama and llama.cpp pool a generative model's. On a
     pipeline every rank runs its layers; mlx-lm gathers the result on each."""
     import mlx.core as mx
 
-    if context is not None and len(prompt) > context:
-        raise ValueError(f"the input has {len(prompt)} tokens; this model's context is {context} tokens: shorten it")
     inner = getattr(model, "model", None) or model.language_model.model
     hidden = inner(mx.array([prompt]))[0].astype(mx.float32)
     pooled = hidden.mean(axis=0)
