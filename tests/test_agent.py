@@ -553,6 +553,34 @@ def test_files_of_a_model_that_go_missing_while_it_loads_are_the_hosts_failure_n
     with_agent(tmp_path, body)
 
 
+def test_a_node_restarted_since_its_download_still_knows_missing_files_for_the_hosts(tmp_path):
+    """Found by the fourth 30-min campaign (seed 16553628): a node's daemon restarted after the model was
+    downloaded there never found it whole itself, so the model's files removed while a rank loaded (the whole
+    directory) were charged as the model's defect. The whole directory gone is always the host's (a load comes
+    only after the node's download completed); a file is the host's loss when the cache still holds its entry
+    (a snapshot's link to a blob that is gone), whoever found the model."""
+    from exod.host.models import ModelFiles
+
+    hf = tmp_path / "hf"
+    snapshot = cached_model(hf)
+    blobs = snapshot.parent.parent / "blobs"
+    blobs.mkdir()
+    for name in ("model.safetensors", "tokenizer.json"):  # the cache's layout: links to blobs
+        blob = blobs / f"sha-{name}"
+        (snapshot / name).unlink(missing_ok=True)
+        blob.write_bytes(b"x")
+        (snapshot / name).symlink_to(blob)
+    restarted = ModelFiles(hf_home=hf, offline=True)  # found nothing yet
+    gone = f"model 'org/m' is neither cached in {hf / 'hub'} nor reachable"
+    assert restarted.lost("org/m", "ModelNotFound", gone)
+    (blobs / "sha-model.safetensors").unlink()  # a cleanup removed a blob: its link dangles
+    missing = f"[Errno 2] No such file or directory: '{snapshot / 'model.safetensors'}'"
+    assert restarted.lost("org/m", "FileNotFoundError", missing)
+    never = f"[Errno 2] No such file or directory: '{snapshot / 'merges.txt'}'"  # not in the model: its defect
+    assert not restarted.lost("org/m", "FileNotFoundError", never)
+    assert not restarted.lost("org/m", "ValueError", missing)
+
+
 def test_a_report_for_a_controller_that_closed_its_stream_ends_the_session_instead_of_raising(tmp_path):
     """Found by the suite on a busy machine (#26): the controller closed its report stream (it was shutting
     down) before the agent ended the session; a runner's exit reported into it raised BrokenResourceError in the

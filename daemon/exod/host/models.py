@@ -296,6 +296,11 @@ def _template_takes_tools(directory: Path) -> bool:
     return "tools" in json.dumps(template)
 
 
+def _dangling(path: str) -> bool:
+    """A link whose target is gone: in the Hugging Face cache, a snapshot's file whose blob was removed."""
+    return os.path.islink(path) and not os.path.exists(path)
+
+
 def is_complete(directory: Path) -> bool:
     """A model directory with its config and every weight file readable (the cache's symlinks not dangling)."""
     try:
@@ -418,18 +423,22 @@ class ModelFiles:
 
     def lost(self, model_id: str, exception_type: str | None, message: str) -> bool:
         """Whether a runner's failure to find a file of the model is this host's loss, not the model's defect:
-        the model was found whole here with that file, so it went missing since (a cache cleanup, a full
-        disk's), whether or not it is back by now. A file that never was is the model's, and stays so.
+        the file was here, so it went missing since (a cache cleanup, a full disk's), whether or not it is
+        back by now. A file that never was is the model's, and stays so.
 
-        Found by the fault campaign (#26): files removed for a few seconds while a rank loaded charged the
-        instance retries, or deleted it as a defect of the model if they were back before the failure was.
+        The model's whole directory gone (ModelNotFound) is always the host's: a load is asked only once this
+        node's download of the model completed. A file was here if this process found the model whole with it,
+        or if the cache still holds its entry in the snapshot (a link to a blob that is gone): what a daemon
+        restarted since then still knows. Found by the fault campaigns (#26): files removed for a few seconds
+        while a rank loaded charged the instance retries, or deleted it as a defect of the model; and, on a
+        node whose daemon had restarted since the download, still charged one (seed 16553628).
         """
-        files = self._manifest.get(model_id)
-        if files is None or exception_type not in MISSING:
+        if exception_type not in MISSING:
             return False
-        if exception_type == ModelNotFound.__name__:  # the whole directory gone from the cache
+        if exception_type == ModelNotFound.__name__:
             return True
-        return any(PurePath(named).name in files for named in re.findall(r"'([^']+)'", message))
+        files = self._manifest.get(model_id, frozenset())
+        return any(PurePath(named).name in files or _dangling(named) for named in re.findall(r"'([^']+)'", message))
 
     def _found(self, model_id: str, path: Path) -> Path:
         self._paths[model_id] = path
