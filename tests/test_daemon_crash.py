@@ -127,7 +127,8 @@ def test_fifty_requests_while_a_runner_dies_all_end_and_resources_return(tmp_pat
         threads = [threading.Thread(target=one, args=(seed,)) for seed in range(50)]
         for t in threads:
             t.start()
-        time.sleep(1.0)
+        # while requests are in flight: a fixed second once came after all fifty had finished (a quiet machine)
+        wait_instance(url, lambda i: any(r["phase"] == "busy" for r in i["runners"]), timeout=60)
         os.kill(runner_pid(1), signal.SIGKILL)
         deadline = time.monotonic() + 120
         for t in threads:

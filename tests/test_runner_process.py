@@ -273,7 +273,7 @@ def test_every_message_round_trips_as_one_json_line(message: p.Message) -> None:
         b'{"type": "status", "runner_id": "r", "incarnation": "1", "phase": "ready"}',
         b'{"type": "status", "runner_id": "r", "incarnation": 1, "phase": "dancing"}',
         b'{"type": "generate", "request_id": "q"}',
-        b'{"type": "generate", "request_id": "q", "prompt_tokens": [1], "max_tokens": 0}',
+        b'{"type": "generate", "request_id": "q", "prompt_tokens": [1], "max_tokens": -1}',
         b"\xff\xfe",
     ],
 )

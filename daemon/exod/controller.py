@@ -36,7 +36,7 @@ from exod.cluster.remote import Fleet
 from exod.config import DaemonConfig
 from exod.downloads import Downloads
 from exod.executor import Executor
-from exod.host.models import ModelFiles
+from exod.host.models import ModelCard, ModelFiles
 from exod.host.orphans import reap_orphans, start_ticks
 from exod.host.supervisor import RunnerSpec, Spawn, Supervisor
 from exod.narrate import narrate
@@ -256,6 +256,10 @@ class Controller:
 
     def status(self) -> dict[str, Any]:
         return {**status_of(self.cluster), "degraded": self.journal.degraded}
+
+    def model_card(self, model_id: str) -> ModelCard:
+        """What the API tells of a model (its context, architecture, size), from this node's files."""
+        return self.models.card(model_id)
 
     def placed_models(self, *, ready: bool = False) -> list[str]:
         """Models with a live (not deleted) instance, sorted; ``ready``: with a Ready one."""

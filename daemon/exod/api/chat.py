@@ -345,7 +345,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
 
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model(m, controller.models.card(m)) for m in controller.placed_models()]}
+        return {"object": "list", "data": [_model(m, controller.model_card(m)) for m in controller.placed_models()]}
 
     @api.get("/v1/models/{model_id:path}", responses=responses(404))
     async def model(model_id: str) -> dict[str, Any]:
@@ -356,7 +356,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                 param="model",
                 code="model_not_found",
             )
-        return _model(model_id, controller.models.card(model_id))
+        return _model(model_id, controller.model_card(model_id))
 
     @api.post("/v1/chat/completions", response_model=None, responses=responses(400, 404, 429, 502, 503))
     async def chat(body: ChatRequest, request: Request) -> JSONResponse | EventSourceResponse:

@@ -205,14 +205,14 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
     @api.get("/tags")
     async def tags() -> dict[str, Any]:
         """The models served here (placed), as Ollama lists its local ones."""
-        return {"models": [_listed(m, controller.models.card(m)) for m in controller.placed_models()]}
+        return {"models": [_listed(m, controller.model_card(m)) for m in controller.placed_models()]}
 
     @api.get("/ps")
     async def ps() -> dict[str, Any]:
         """The models with a Ready instance: loaded, in Ollama's words."""
         running = []
         for model_id in controller.placed_models(ready=True):
-            card = controller.models.card(model_id)
+            card = controller.model_card(model_id)
             listed = _listed(model_id, card)
             running.append(
                 listed | {"expires_at": "0001-01-01T00:00:00Z", "size_vram": 0, "context_length": card.context_length}
@@ -226,7 +226,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
             raise ApiError(400, "model is required", param="model")
         model_id = model_of(name)
         _served(model_id, controller)
-        card = controller.models.card(model_id)
+        card = controller.model_card(model_id)
         family = card.model_type or "unknown"
         info = {"general.architecture": family, f"{family}.context_length": card.context_length}
         return {

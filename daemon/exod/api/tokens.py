@@ -80,7 +80,7 @@ def router(controller: Controller, metrics: Any, _max_tokens_ceiling: int) -> AP
             tools = [t.for_template() for t in body.tools or []] or None
             output = await read(generation, messages=[m.for_template() for m in body.messages], tools=tools)
         assert output.prompt is not None
-        context = controller.models.card(body.model).context_length
+        context = controller.model_card(body.model).context_length
         return {"count": len(output.prompt.tokens), "max_model_len": context, "tokens": output.prompt.tokens}
 
     @api.post("/detokenize", responses=responses(400, 404, 429, 502, 503))
