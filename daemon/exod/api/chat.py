@@ -193,12 +193,15 @@ class ResponseFormat(BaseModel):
         return self
 
     def grammar(self) -> dict[str, Any] | None:
-        """The constraint on the output (`exod.runner.grammar`)."""
-        if self.type == "json_object":
-            return {"json_schema": {"type": "object"}}
-        if self.type == "json_schema" and self.json_schema is not None:
-            return {"json_schema": self.json_schema.schema_}
-        return None
+        return format_grammar(self.type, None if self.json_schema is None else self.json_schema.schema_)
+
+
+def format_grammar(kind: str, schema: dict[str, Any] | bool | None) -> dict[str, Any] | None:
+    """A response format as the constraint on the output (`exod.runner.grammar`): any JSON object, or JSON
+    of the schema; None for plain text."""
+    if kind == "json_object":
+        return {"json_schema": {"type": "object"}}
+    return {"json_schema": schema} if kind == "json_schema" and schema is not None else None
 
 
 class Guided(BaseModel):

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, model_validator
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from exod import generated as g
-from exod.api.chat import LENIENT, MAX_MESSAGE_CHARS, MAX_MESSAGES, Text, text_of
+from exod.api.chat import LENIENT, MAX_MESSAGE_CHARS, MAX_MESSAGES, Text, format_grammar, text_of
 from exod.api.errors import ApiError, responses
 from exod.api.generation import Generation, Output, ToolCall, event_stream, sse
 from exod.controller import Controller
@@ -57,9 +57,7 @@ class TextFormat(BaseModel):
         return self
 
     def grammar(self) -> dict[str, Any] | None:
-        if self.type == "json_object":
-            return {"json_schema": {"type": "object"}}
-        return {"json_schema": self.schema_} if self.type == "json_schema" else None
+        return format_grammar(self.type, self.schema_)
 
 
 class TextOptions(BaseModel):
