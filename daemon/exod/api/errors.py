@@ -45,6 +45,11 @@ def _encodable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+class Answered(Exception):
+    """Raised through a route whose answer is already complete, to end it there (a HEAD's headers are sent:
+    `exod.api.middleware.HeadAsGet`); the error handlers let it pass unlogged."""
+
+
 class ApiError(Exception):
     def __init__(
         self,
@@ -146,6 +151,8 @@ def install(app: FastAPI, *, everywhere: Callable[[str], tuple[int, ...]] = lamb
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, Answered):  # nothing went wrong; the response below is never sent
+            return JSONResponse({}, status_code=200)
         logging.getLogger("exod.api").exception("unhandled error")
         error = ApiError(500, f"internal error ({type(exc).__name__}); see the daemon's log")
         return error.response(request.url.path)

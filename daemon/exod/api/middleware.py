@@ -14,7 +14,7 @@ from typing import Any
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from exod.api.errors import ApiError
+from exod.api.errors import Answered, ApiError
 
 REQUEST_ID = b"x-request-id"
 _CLIENTS_ID = re.compile(rb"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces: safe to echo in a header
@@ -86,11 +86,6 @@ class RequestId:
         await self.app(scope, receive, send_with_id)
 
 
-class _Answered(Exception):
-    """A HEAD's headers are sent: what the GET would go on to write is not wanted (an endless stream
-    included), so the route is ended here."""
-
-
 class HeadAsGet:
     """HEAD answered wherever GET is, as HTTP says: the GET's status and headers, no body. (FastAPI routes
     declared with GET take no HEAD, and hypercorn leaves a HEAD's body to the application.)"""
@@ -107,11 +102,11 @@ class HeadAsGet:
             if message["type"] == "http.response.start":
                 await send(message)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
-                raise _Answered
+                raise Answered  # what the GET would go on to write (an endless stream too) is not wanted
 
         try:
             await self.app({**scope, "method": "GET"}, receive, headers_only)
-        except* _Answered:
+        except* Answered:
             pass
 
 
