@@ -15,6 +15,7 @@ import re
 from typing import Any, Literal
 
 import anthropic
+import attrs
 import httpx
 import jsonschema
 import openai
@@ -299,3 +300,19 @@ def test_the_other_dialects_constrain_alike(client, daemon):
     llama = ollama.Client(host=daemon, timeout=60)
     formatted = llama.chat(model=MODEL, messages=ASK, format=WEATHER, stream=False, options={"num_predict": 200})
     jsonschema.validate(json.loads(formatted.message.content), WEATHER)
+
+
+def test_a_tokenizer_the_engine_cannot_read_refuses_the_request_and_the_batch_goes_on(tiny):
+    """A model whose tokenizer llguidance cannot take (a slow, pure-Python one, say) refuses constrained
+    requests with a 400, not a runner failure."""
+    from exod.runner.batch import Batch, BatchLimits
+
+    model, tokenizer = tiny
+    batch = Batch(model, tokenizer, limits=BatchLimits(), send=lambda *_, **__: None, rank=0, lockstep=_Alone())
+    batch.grammars = attrs.evolve(
+        batch.grammars, tokenizer=type("Slow", (), {"_tokenizer": object(), "eos_token_id": 0})()
+    )
+    out = generate(tiny, [{"regex": "a+"}, None], batch=batch)
+    cls, fields = out["r0"][1]
+    assert cls is p.RequestError and fields["grammar"] and "cannot be constrained" in fields["message"]
+    assert out["r1"][1][0] is p.Done

@@ -107,9 +107,14 @@ class Grammars:
         if self._engine is None:
             import llguidance.hf
 
-            self._engine = llguidance.hf.from_tokenizer(
-                self.tokenizer._tokenizer, n_vocab=self.width, eos_token=self.tokenizer.eos_token_id
-            )
+            try:
+                self._engine = llguidance.hf.from_tokenizer(
+                    self.tokenizer._tokenizer, n_vocab=self.width, eos_token=self.tokenizer.eos_token_id
+                )
+            except Exception as exc:  # e.g. a slow (pure Python) tokenizer: the request's error, not the runner's
+                raise GrammarError(
+                    f"this model's tokenizer cannot be constrained ({type(exc).__name__}: {exc})"
+                ) from exc
         return self._engine
 
 
