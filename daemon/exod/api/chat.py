@@ -204,6 +204,9 @@ def format_grammar(kind: str, schema: dict[str, Any] | bool | None) -> dict[str,
     return {"json_schema": schema} if kind == "json_schema" and schema is not None else None
 
 
+_GUIDED = ("guided_json", "guided_regex", "guided_grammar")
+
+
 class Guided(BaseModel):
     """vLLM's extensions that constrain the output, on chat and completions: at most one of them."""
 
@@ -215,7 +218,7 @@ class Guided(BaseModel):
 
     @model_validator(mode="after")
     def _one(self) -> Guided:
-        given = [f for f in ("guided_json", "guided_regex", "guided_grammar") if getattr(self, f) is not None]
+        given = [f for f in _GUIDED if getattr(self, f) is not None]
         if len(given) > 1:
             raise ValueError(f"one constraint at a time, got {given}")
         return self
@@ -231,7 +234,7 @@ class Guided(BaseModel):
 
     @property
     def guided_param(self) -> str:
-        return next((f for f in ("guided_json", "guided_regex", "guided_grammar") if getattr(self, f) is not None), "")
+        return next((f for f in _GUIDED if getattr(self, f) is not None), "")
 
 
 class StreamOptions(BaseModel):

@@ -63,8 +63,8 @@ class BodyCap:
 
 
 class RequestId:
-    """Every answer carries ``x-request-id``: the client's own if it sent a usable one (so its logs and ours
-    name the same request), else a fresh one; the daemon's log names it too."""
+    """Every answer carries ``x-request-id``: the client's own if it sent a usable one (so that its logs and
+    the answer name the same request), else a fresh one."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -75,7 +75,6 @@ class RequestId:
             return
         given = dict(scope.get("headers") or []).get(REQUEST_ID, b"")
         request_id = given if _CLIENTS_ID.fullmatch(given) else f"req_{secrets.token_hex(12)}".encode()
-        scope.setdefault("state", {})["request_id"] = request_id.decode()
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

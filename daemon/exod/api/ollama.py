@@ -168,7 +168,7 @@ def _now() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
-def _details(model_id: str, card: ModelCard) -> dict[str, Any]:
+def _details(card: ModelCard) -> dict[str, Any]:
     family = card.model_type or "unknown"
     return {
         "parent_model": "",
@@ -188,7 +188,7 @@ def _listed(model_id: str, card: ModelCard) -> dict[str, Any]:
         "modified_at": modified,
         "size": card.size_bytes,
         "digest": card.revision,
-        "details": _details(model_id, card),
+        "details": _details(card),
     }
 
 
@@ -227,13 +227,13 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
         model_id = model_of(name)
         _served(model_id, controller)
         card = controller.model_card(model_id)
-        family = card.model_type or "unknown"
-        info = {"general.architecture": family, f"{family}.context_length": card.context_length}
+        details = _details(card)
+        info = {"general.architecture": details["family"], f"{details['family']}.context_length": card.context_length}
         return {
             "modelfile": "",
             "parameters": "",
             "template": "",
-            "details": _details(model_id, card),
+            "details": details,
             "model_info": info,
             "capabilities": ["completion", "tools"] if card.tools else ["completion"],
             "modified_at": _listed(model_id, card)["modified_at"],

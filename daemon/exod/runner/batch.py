@@ -226,19 +226,7 @@ class Batch:
 
     def join(self, request: p.Generate, prompt: list[int]) -> None:
         """Queue ``request`` (its tokenized ``prompt``) for the batch, or refuse it now with a `RequestError`."""
-        if self.context is not None and len(prompt) >= self.context:
-            message = (
-                f"the prompt has {len(prompt)} tokens; this model's context is {self.context} tokens: "
-                "shorten the conversation"
-            )
-            self.send(
-                p.RequestError,
-                request_id=request.request_id,
-                message=message,
-                invalid=True,
-                prompt_tokens=len(prompt),
-                context=self.context,
-            )
+        if not self.fits(request, prompt, room=1):
             return
         room = request.max_tokens if self.context is None else min(request.max_tokens, self.context - len(prompt))
         try:
@@ -247,6 +235,16 @@ class Batch:
             self.send(p.RequestError, request_id=request.request_id, message=str(exc), invalid=True, grammar=True)
             return
         self.waiting.append(self._sequence(request, prompt, room, constraint))
+
+    def fits(self, request: p.Generate, prompt: list[int], *, room: int) -> bool:
+        """Whether ``prompt`` leaves ``room`` tokens of the model's context (a generation needs one, a forward
+        pass over the prompt alone none); refused with a `RequestError` saying so if not."""
+        if self.context is None or len(prompt) + room <= self.context:
+            return True
+        message = f"the prompt has {len(prompt)} tokens; this model's context is {self.context} tokens: shorten it"
+        fields = {"invalid": True, "prompt_tokens": len(prompt), "context": self.context}
+        self.send(p.RequestError, request_id=request.request_id, message=message, **fields)
+        return False
 
     def cancel(self, request_id: str) -> None:
         """Drop ``request_id`` (its caller went away): every rank drops it at the same step."""

@@ -360,11 +360,7 @@ class Runner:
             self.channel.send(p.RequestError, request_id=request.request_id, message=message, invalid=True)
             return
         forward = request.embed or (request.echo_prompt and request.prompt_logprobs is not None)
-        context = self.batch.context
-        if forward and context is not None and len(prompt) > context:  # the batch checks its own
-            message = f"the input has {len(prompt)} tokens; this model's context is {context} tokens: shorten it"
-            fields = {"invalid": True, "prompt_tokens": len(prompt), "context": context}
-            self.channel.send(p.RequestError, request_id=request.request_id, message=message, **fields)
+        if forward and not self.batch.fits(request, prompt, room=0):  # a pass over the prompt, outside the batch
             return
         scored: dict[str, Any] = {}
         if request.echo_prompt and request.prompt_logprobs is not None:  # every rank: a pipeline needs them all
