@@ -315,7 +315,8 @@ def test_through_a_short_etcd_outage_the_controller_keeps_serving_its_instances(
     finally:
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(timeout=30) == 0
-    assert "etcd cannot be reached" in health["reason"]  # it noticed the outage …
+    # it noticed the outage (whichever noticed first: the lease's keep-alive or a write of the state) …
+    assert "etcd" in health["reason"] and etcd_server.url.rstrip("/") in health["reason"]
     assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] >= 1  # … and served
     assert during["state"] == after["state"] == "ready"
     assert during["generation"] == after["generation"] == before["generation"]
