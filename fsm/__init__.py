@@ -19,6 +19,11 @@ Where to start (the rest of this page is the reference, class by class):
 * Policies. ``RetryPolicy`` (backoff, retries, budget reset), ``PhaseLimits``
   (watchdogs), ``Backoff``; ``admit`` and ``place`` decide where an instance
   fits (``ModelFacts``, ``NodeRoom``, ``Limits``).
+* Residency. ``Cluster.park`` / ``Cluster.unpark``, or a keep-alive given to
+  ``Cluster.place`` and ``Cluster.hold``, by which the plan parks idle instances
+  (``ParkInstance``); a request for a parked instance unparks it
+  (``UnparkInstance``); ``admit(..., evict=True)`` and ``admit_unpark`` name the
+  idle instances to park for memory (``Admission.evict``); ``Residency``.
 * Restarts. ``Cluster.to_dict`` / ``Cluster.from_dict``, ``Cluster.recover(now,
   adopt=...)``, ``Handle`` (your process id on a runner), ``log`` (the
   transition log as JSON lines), ``Clock`` (which clock the times are on).
@@ -46,13 +51,16 @@ from fsm.actions import (
     ForwardRequest,
     KillRunner,
     LoadModel,
+    ParkInstance,
+    ParkReason,
     StartDownload,
     StartGeneration,
     StopReason,
     StopRunner,
+    UnparkInstance,
     WarmUp,
 )
-from fsm.admit import Admission, Limits, ModelFacts, Refusal, UnknownModel, admit, place_again
+from fsm.admit import Admission, Limits, ModelFacts, Refusal, UnknownModel, admit, admit_unpark, place_again
 from fsm.backoff import Backoff, KeyedBackoff
 from fsm.clock import Clock, ClockKind
 from fsm.cluster import Cluster, Handle
@@ -75,7 +83,16 @@ from fsm.owed import Owed, Report, owed, owed_after
 from fsm.placement import NodeRoom, NoFit, place
 from fsm.plan import next_deadline, plan
 from fsm.runner import RunnerLifecycle, RunnerPhase, RunnerState
-from fsm.view import ClusterView, DownloadStatus, InstanceView, PendingRequest, RetryStatus, RunnerStatus, Slot
+from fsm.view import (
+    ClusterView,
+    DownloadStatus,
+    InstanceView,
+    PendingRequest,
+    Residency,
+    RetryStatus,
+    RunnerStatus,
+    Slot,
+)
 from fsm.watchdog import PhaseLimits
 
 __version__ = "0.1.0"
@@ -129,10 +146,13 @@ __all__ = [
     "NodeRoom",
     "Outcome",
     "Owed",
+    "ParkInstance",
+    "ParkReason",
     "PendingRequest",
     "PhaseLimits",
     "Refusal",
     "Report",
+    "Residency",
     "RetryPolicy",
     "RetryStatus",
     "Round",
@@ -150,9 +170,11 @@ __all__ = [
     "StopRunner",
     "UnknownEvent",
     "UnknownModel",
+    "UnparkInstance",
     "WarmUp",
     "__version__",
     "admit",
+    "admit_unpark",
     "budget_exhausted",
     "diagram",
     "download",

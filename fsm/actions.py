@@ -22,6 +22,15 @@ class StopReason(enum.Enum):
     SIBLING_FAILED = "sibling_failed"  # one_for_all: a rank of the same generation failed
     RECOVERING = "recovering"  # the instance is tearing the generation down
     STALE_GENERATION = "stale_generation"  # a newer generation has been started
+    PARKED = "parked"  # the instance is parked on purpose (`ParkInstance`)
+
+
+class ParkReason(enum.Enum):
+    """Why an instance is parked: for logs and metrics; every reason parks it the same way."""
+
+    IDLE = "idle"  # unused for its keep-alive
+    EVICTED = "evicted"  # another instance needed its memory (`fsm.admit`'s ``evict``)
+    REQUESTED = "requested"  # an operator asked (`Cluster.park`)
 
 
 @attrs.frozen
@@ -58,6 +67,24 @@ class StartGeneration:
 
     instance_id: str
     generation: int
+
+
+@attrs.frozen
+class ParkInstance:
+    """Machines only: the instance is parked (``reason``), its placement and budget kept. Its runners are stopped
+    by later StopRunner actions (what is owed is their exits); no runner starts for it until it is unparked."""
+
+    instance_id: str
+    reason: ParkReason
+
+
+@attrs.frozen
+class UnparkInstance:
+    """Machines only: a request waits for a parked instance, whose next generation then starts by the usual
+    rules (download first). A caller that accounts for memory takes it only once `fsm.admit_unpark` finds the
+    instance room (the driver's ``before`` may hold it back until then: the request waits)."""
+
+    instance_id: str
 
 
 @attrs.frozen
@@ -144,6 +171,8 @@ Action = (
     CancelRequest
     | StopRunner
     | DeleteInstance
+    | ParkInstance
+    | UnparkInstance
     | StartGeneration
     | CreateRunner
     | StartDownload

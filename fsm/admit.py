@@ -17,13 +17,19 @@ A model that is fetchable but not yet on the node is admitted with what can be c
 files (the limits); its runners wait for its download (`fsm.plan`).
 
 Reservations count admitted placements, not live processes: an instance that is backing off still
-holds its ranks, so a crash loop never frees room for a flood.
+holds its ranks, so a crash loop never frees room for a flood. A parked instance (`fsm.instance`) holds
+nothing: it takes its room again when it is unparked (`admit_unpark`), and may find it taken.
+
+Eviction (``evict=True``): a placement or an unpark that does not fit names the idle instances to park
+first, least recently used first, until it fits: Ready, nothing in flight or waiting, and a finite
+keep-alive (one kept forever is never evicted: forever means forever). If parking all of them is not
+enough, it is refused as without eviction, saying what each node lacks.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import attrs
 
@@ -32,6 +38,8 @@ from fsm.errors import InvalidConfig
 from fsm.instance import InstanceState
 from fsm.placement import MIB, NodeRoom, NoFit, place
 from fsm.view import ClusterView, InstanceView
+
+_PARKED = (InstanceState.PARKING, InstanceState.PARKED)
 
 
 class Refusal(enum.Enum):
@@ -103,6 +111,7 @@ class Admission:
     nodes: tuple[str, ...] = ()
     refusal: Refusal | None = None
     message: str = ""
+    evict: tuple[str, ...] = ()  # instances to park first (least recently used first): then it fits
 
     @property
     def admitted(self) -> bool:
@@ -120,6 +129,7 @@ def admit(
     facts: Mapping[str, ModelFacts] | None = None,
     cached: Mapping[str, Iterable[str]] | None = None,
     pin: Sequence[str] | None = None,
+    evict: bool = False,
 ) -> Admission:
     """May ``ranks`` ranks of ``model_id`` be placed now, and where?
 
@@ -128,6 +138,7 @@ def admit(
     the facts of models already placed (a model missing there reserves only the runner floor per rank);
     ``cached`` the models each node holds; ``pin`` the only nodes to use. Where the ranks go is
     `fsm.placement.place`: distinct nodes first, those holding the model first, then the most room.
+    ``evict``: if it does not fit, park idle instances first (the module docstring); ``Admission.evict``.
     """
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise InvalidConfig(f"ranks must be an int >= 1, got {ranks!r}")
@@ -160,8 +171,8 @@ def admit(
             f"model {model_id!r} cannot be split into {ranks} ranks ({how}); at most {model.max_ranks()}"
             + ("" if model.pipeline else ", and the rank count must divide the heads"),
         )
-    live = [inst for inst in view.instances.values() if inst.retry.state is not InstanceState.DELETED]
-    same_model = sum(1 for inst in live if inst.model_id == model_id)
+    live = _reserving(view)
+    same_model = sum(1 for inst in view.instances.values() if _placed(inst) and inst.model_id == model_id)
     if same_model >= limits.instances_per_model:
         return _refuse(
             Refusal.LIMIT_REACHED,
@@ -169,11 +180,52 @@ def admit(
             f"{limits.instances_per_model}); delete one first, or raise [limits] instances_per_model",
         )
     need = _rank_bytes(model, ranks, limits)
-    rooms, runners = _rooms(live, nodes, limits, facts, cached or {})
-    placement = place(model_id, ranks, need, rooms, pin=pin)
+
+    def fit(reserving: list[InstanceView]) -> tuple[tuple[str, ...] | NoFit, dict[str, int]]:
+        rooms, runners = _rooms(reserving, nodes, limits, facts, cached or {})
+        return place(model_id, ranks, need, rooms, pin=pin), runners
+
+    (placement, runners), evicted = _evicting(fit, live, _evictable(view) if evict else [])
     if isinstance(placement, NoFit):
         return _no_room(ranks, runners, placement, limits)
-    return Admission(nodes=placement)
+    return Admission(nodes=placement, evict=evicted)
+
+
+def admit_unpark(
+    instance_id: str,
+    *,
+    model: ModelFacts | UnknownModel | None,
+    view: ClusterView,
+    nodes: Mapping[str, int],
+    limits: Limits,
+    facts: Mapping[str, ModelFacts] | None = None,
+    cached: Mapping[str, Iterable[str]] | None = None,
+    evict: bool = True,
+) -> Admission:
+    """May the parked ``instance_id`` come back now? Its ranks keep their nodes (or, a node gone, go where
+    `place_again` puts them); ``evict``: park idle instances first if it does not fit (``Admission.evict``).
+    Refused with `Refusal.NO_MEMORY` (or `LIMIT_REACHED`) while it cannot: its requests wait, then fail."""
+    inst = view.instances[instance_id]
+    facts = dict(facts or {})
+    known = model if isinstance(model, ModelFacts) else None
+    need = _rank_bytes(known, inst.world_size, limits)
+    where = [slot.node_id for slot in inst.slots]
+
+    def fit(reserving: list[InstanceView]) -> tuple[tuple[str, ...] | NoFit, dict[str, int]]:
+        rooms, runners = _rooms(reserving, nodes, limits, facts, cached or {})
+        if not all(node in nodes for node in where):  # a node is gone: its ranks move at the next generation
+            return place(inst.model_id, inst.world_size, need, rooms), runners
+        short = [r for r in rooms if r.capacity(need) < where.count(r.node_id)]
+        if not short:
+            return tuple(where), runners
+        return _no_fit_on(inst.world_size, need, short), runners
+
+    others = [i for i in _reserving(view) if i.instance_id != instance_id]
+    candidates = [i for i in _evictable(view) if i.instance_id != instance_id] if evict else []
+    (placement, runners), evicted = _evicting(fit, others, candidates)
+    if isinstance(placement, NoFit):
+        return _no_room(inst.world_size, runners, placement, limits)
+    return Admission(nodes=placement, evict=evicted)
 
 
 def place_again(
@@ -193,12 +245,70 @@ def place_again(
     inst = view.instances[instance_id]
     if all(slot.node_id in nodes for slot in inst.slots):
         return None
-    others = [i for i in view.instances.values() if i.retry.state is not InstanceState.DELETED and i is not inst]
+    others = [i for i in _reserving(view) if i is not inst]
     facts = dict(facts or {})
     known = model if isinstance(model, ModelFacts) else None
     rooms, _ = _rooms(others, nodes, limits, facts, cached or {})
     placement = place(inst.model_id, inst.world_size, _rank_bytes(known, inst.world_size, limits), rooms)
     return None if isinstance(placement, NoFit) else placement
+
+
+def _placed(inst: InstanceView) -> bool:
+    return inst.retry.state is not InstanceState.DELETED
+
+
+def _reserving(view: ClusterView) -> list[InstanceView]:
+    """The instances that hold their ranks' room: placed and not parked (a parking one's room is freed as its
+    processes go; the plan starts nothing on its nodes until they have)."""
+    return [i for i in view.instances.values() if _placed(i) and i.retry.state not in _PARKED]
+
+
+def _evictable(view: ClusterView) -> list[InstanceView]:
+    """Idle instances that may be parked for another's memory, least recently used first: Ready, no request
+    in flight or waiting, a finite keep-alive."""
+    waiting = {req.instance_id for req in view.requests}
+
+    def in_flight(inst: InstanceView) -> bool:
+        return any(r is not None and r.alive and r.in_flight for _, r in view.slot_runners(inst))
+
+    idle = [
+        i
+        for i in view.instances.values()
+        if i.retry.state is InstanceState.READY
+        and i.keep_alive is not None
+        and i.instance_id not in waiting
+        and not in_flight(i)
+    ]
+    return sorted(idle, key=_last_use)
+
+
+def _last_use(inst: InstanceView) -> tuple[float, str]:
+    times = [t for t in (inst.last_used, inst.retry.ready_since) if t is not None]
+    return (max(times, default=float("-inf")), inst.instance_id)
+
+
+def _evicting(
+    fit: Callable[[list[InstanceView]], tuple[tuple[str, ...] | NoFit, dict[str, int]]],
+    reserving: list[InstanceView],
+    candidates: list[InstanceView],
+) -> tuple[tuple[tuple[str, ...] | NoFit, dict[str, int]], tuple[str, ...]]:
+    """``fit`` with the fewest of ``candidates`` parked, taken least recently used first: add them until it
+    fits, then give back every one it still fits without (the newest first)."""
+    result = fit(reserving)
+    chosen: list[InstanceView] = []
+    for candidate in candidates:
+        if not isinstance(result[0], NoFit):
+            break
+        chosen.append(candidate)
+        result = fit([i for i in reserving if i not in chosen])
+    if isinstance(result[0], NoFit):
+        return result, ()
+    for candidate in reversed(chosen[:-1]):
+        without = [c for c in chosen if c is not candidate]
+        again = fit([i for i in reserving if i not in without])
+        if not isinstance(again[0], NoFit):
+            chosen, result = without, again
+    return result, tuple(c.instance_id for c in chosen)
 
 
 def _rooms(
@@ -232,6 +342,14 @@ def _rooms(
 def _rank_bytes(model: ModelFacts | None, ranks: int, limits: Limits) -> int:
     """What one rank needs: its share of the weights (unknown until downloaded: none) and the runner floor."""
     return limits.runner_floor_bytes + (0 if model is None else -(-model.weight_bytes // ranks))
+
+
+def _no_fit_on(ranks: int, need: int, short: list[NodeRoom]) -> NoFit:
+    lacks = "; ".join(
+        f"{room.node_id} has {room.memory_free // MIB} MiB free and {room.runners_free} runner(s) to give"
+        for room in short
+    )
+    return NoFit(f"{ranks} ranks of {need // MIB} MiB each do not fit back on their nodes: {lacks}", False)
 
 
 def _no_room(ranks: int, runners: Mapping[str, int], no_fit: NoFit, limits: Limits) -> Admission:

@@ -35,7 +35,7 @@ from fsm import download as dl
 from fsm import instance as inst
 from fsm import runner as rn
 from fsm._machine import Lifecycle, Outcome, converter, describe_structure_error
-from fsm._validate import show
+from fsm._validate import as_finite_float, show
 from fsm.backoff import Backoff
 from fsm.clock import Clock, ClockKind
 from fsm.errors import InvalidConfig, InvalidEvent, SnapshotError
@@ -75,6 +75,9 @@ class _Placement:
     slots: tuple[Slot, ...]
     machine: inst.InstanceRetry
     local: bool = False  # the model's files are on its nodes already (the caller answers for them)
+    keep_alive: float | None = None  # its own keep-alive, in seconds (None: kept loaded forever)
+    keep_alive_now: float | None = None  # the one in force: its own, or the last request's (`Cluster.hold`)
+    last_used: float | None = None  # when a request last started or ended on it
 
 
 class Cluster:
@@ -111,9 +114,12 @@ class Cluster:
         policy: inst.RetryPolicy | None = None,
         seed: int = 0,
         local: bool = False,
+        keep_alive: float | None = None,
     ) -> None:
         """A new instance of ``model_id`` on ``slots``; ``local``: its files are on each node already (a model
-        directory the caller owns), so nothing is downloaded and no download is owed."""
+        directory the caller owns), so nothing is downloaded and no download is owed. ``keep_alive``: seconds
+        it stays loaded unused before the plan parks it (None: forever)."""
+        _check_keep_alive(keep_alive)
         if instance_id in self.instances:
             raise InvalidConfig(f"instance {instance_id!r} already exists; delete it first or pick another id")
         view = InstanceView(instance_id, model_id, tuple(slots))  # validates the slots
@@ -121,7 +127,7 @@ class Cluster:
         if clash := taken & {s.runner_id for s in view.slots}:
             raise InvalidConfig(f"runner ids already used by another instance: {sorted(clash)}")
         machine = self.instance_cls(instance_id, world_size=view.world_size, policy=policy, seed=seed)
-        self.instances[instance_id] = _Placement(model_id, view.slots, machine, local)
+        self.instances[instance_id] = _Placement(model_id, view.slots, machine, local, keep_alive, keep_alive)
 
     def move(self, instance_id: str, nodes: Sequence[str]) -> None:
         """Put the ranks of ``instance_id`` on ``nodes`` (rank 0 first) from its next generation on: only
@@ -140,6 +146,27 @@ class Cluster:
 
     def delete(self, instance_id: str, now: float) -> Outcome:
         return self.instance_event(inst.Delete(instance_id, now))
+
+    def park(self, instance_id: str, now: float, reason: act.ParkReason = act.ParkReason.REQUESTED) -> Outcome:
+        """Park the instance (`fsm.instance`): refused while requests are in flight on its runners."""
+        self._check_time(now)
+        placement = self._placement(instance_id)
+        busy = sum(
+            e.machine.in_flight for s in placement.slots if (e := self.runners.get(s.runner_id)) and e.machine.alive
+        )
+        outcome = placement.machine.apply(inst.Park(instance_id, now, busy=busy))
+        self._record("instance", instance_id, now, outcome, reason.value)
+        return outcome
+
+    def unpark(self, instance_id: str, now: float) -> Outcome:
+        return self.instance_event(inst.Unpark(instance_id, now))
+
+    def hold(self, instance_id: str, keep_alive: float | None) -> None:
+        """Keep the instance loaded ``keep_alive`` seconds after its last use (None: forever) until its next
+        request, which brings back its own keep-alive unless it says otherwise (Ollama's per-request
+        ``keep_alive``; 0 parks it once it is idle)."""
+        _check_keep_alive(keep_alive)
+        self._placement(instance_id).keep_alive_now = keep_alive
 
     def forget(self, instance_id: str) -> None:
         """Drop a Deleted instance whose runners are all reaped (its retry budget goes with it)."""
@@ -183,6 +210,10 @@ class Cluster:
         placement = self.instances.get(instance_id)
         if placement is None:
             return outcome
+        if isinstance(event, (rn.RequestStarted, rn.RequestFinished)):
+            placement.last_used = now
+            if isinstance(event, rn.RequestStarted):  # a request's own keep-alive comes after (`hold`)
+                placement.keep_alive_now = placement.keep_alive
         gen, rank = machine.incarnation, machine.rank
         if not was_ready and machine.runner_state is rn.RunnerState.READY:
             self.instance_event(inst.RankReady(instance_id, now, gen, rank))
@@ -261,6 +292,10 @@ class Cluster:
                 return self.instance_event(inst.Start(instance_id, now, generation))
             case act.DeleteInstance(instance_id, _reason):
                 return self.instance_event(inst.GiveUp(instance_id, now))
+            case act.ParkInstance(instance_id, reason):
+                return self.park(instance_id, now, reason)
+            case act.UnparkInstance(instance_id):
+                return self.unpark(instance_id, now)
             case act.CreateRunner():
                 return self._create_runner(action, now)
             case act.StopRunner(runner_id, incarnation, _reason):
@@ -341,7 +376,9 @@ class Cluster:
         """The planner's input; ``requests`` come from whoever keeps the request book (the daemon, a `World`)."""
         return ClusterView.build(
             instances=[
-                InstanceView(iid, p.model_id, p.slots, RetryStatus.of(p.machine), p.local)
+                InstanceView(
+                    iid, p.model_id, p.slots, RetryStatus.of(p.machine), p.local, p.keep_alive_now, p.last_used
+                )
                 for iid, p in self.instances.items()
             ],
             runners=[
@@ -405,6 +442,9 @@ class Cluster:
                     "machine": p.machine.to_dict(),
                 }
                 | ({"local": True} if p.local else {})
+                | ({} if p.keep_alive is None else {"keep_alive": p.keep_alive})
+                | ({} if p.keep_alive_now == p.keep_alive else {"keep_alive_now": p.keep_alive_now})
+                | ({} if p.last_used is None else {"last_used": p.last_used})
                 for iid, p in self.instances.items()
             },
             "runners": {
@@ -497,10 +537,15 @@ def _restore_placements(value: object) -> dict[str, _Placement]:
     owner: dict[str, str] = {}  # runner id -> the instance whose slot it is
     for iid, raw in _mapping(value, "instances").items():
         where = f"instances.{iid}"
-        p = _fields(raw, where, ("model_id", "slots", "machine"), ignored=("local",))
+        p = _fields(
+            raw, where, ("model_id", "slots", "machine"), ignored=("local", "keep_alive", "keep_alive_now", "last_used")
+        )
         local = raw.get("local", False)
         if not isinstance(local, bool):
             raise SnapshotError(f"{where}.local: expected a bool, got {show(local)}")
+        keep_alive = _optional_time(raw.get("keep_alive"), f"{where}.keep_alive")
+        keep_alive_now = _optional_time(raw.get("keep_alive_now", keep_alive), f"{where}.keep_alive_now")
+        last_used = _optional_time(raw.get("last_used"), f"{where}.last_used")
         if not isinstance(p["model_id"], str):
             raise SnapshotError(f"{where}.model_id: expected a str, got {show(p['model_id'])}")
         slots = _slots(p["slots"], f"{where}.slots")
@@ -515,8 +560,21 @@ def _restore_placements(value: object) -> dict[str, _Placement]:
             raise SnapshotError(f"{where}.machine.instance_id: {machine.instance_id!r} is not {iid!r}")
         if machine.world_size != len(slots):
             raise SnapshotError(f"{where}.machine.world_size: {machine.world_size}, but {len(slots)} slots")
-        placements[iid] = _Placement(p["model_id"], slots, machine, local)
+        placements[iid] = _Placement(p["model_id"], slots, machine, local, keep_alive, keep_alive_now, last_used)
     return placements
+
+
+def _optional_time(value: object, where: str) -> float | None:
+    if value is None:
+        return None
+    if as_finite_float(value) is None or value < 0:  # type: ignore[operator]
+        raise SnapshotError(f"{where}: expected a finite number >= 0 or nothing, got {show(value)}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def _check_keep_alive(keep_alive: float | None) -> None:
+    if keep_alive is not None and (as_finite_float(keep_alive) is None or keep_alive < 0):
+        raise InvalidConfig(f"keep_alive must be finite seconds >= 0, or None (forever); got {keep_alive!r}")
 
 
 def _restore_runners(value: object, placements: dict[str, _Placement]) -> dict[str, RunnerEntry]:

@@ -77,7 +77,7 @@ _HANDLER: dict[type, str] = {
     act.ForwardRequest: "forward_request",
     act.CancelRequest: "cancel_request",
     act.KillRunner: "kill_runner",
-}  # StartGeneration, DeleteInstance and FailStalled move only the machines
+}  # StartGeneration, DeleteInstance, ParkInstance, UnparkInstance and FailStalled move only the machines
 
 
 @attrs.frozen

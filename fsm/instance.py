@@ -5,13 +5,14 @@ Theory of operation
 ::
 
     Pending → Starting → Ready → Recovering → BackingOff → Starting … → Deleted
+                           Ready → Parking → Parked → Pending → Starting …
 
 Two compound states group what is handled alike: **Alive** (everything but
-Deleted: ``delete`` from anywhere, ``tick`` anywhere) and, inside it,
-**Generation running** (Starting and Ready: a rank's failure or exit ends the
-generation the same way from both). The leaves, not the compounds, are the
-states (``InstanceState``, snapshots); a leaf's own transitions are tried
-before its compound's.
+Deleted: ``delete`` from anywhere, ``tick`` anywhere, ``give_up`` wherever the
+planner would start runners) and, inside it, **Generation running** (Starting
+and Ready: a rank's failure or exit ends the generation the same way from
+both). The leaves, not the compounds, are the states (``InstanceState``,
+snapshots); a leaf's own transitions are tried before its compound's.
 
 * **one_for_all**: a failure of any rank ends the whole generation. The
   instance goes to Recovering, where every rank of that generation is stopped;
@@ -49,8 +50,36 @@ before its compound's.
   (seed, instance, attempt), so the same events, clock and seed give the same
   schedule, also after a restore.
 
+Residency (parking) is part of this machine, not a machine of its own
+-----------------------------------------------------------------------
+An instance nobody uses can be *parked*: its runners stopped on purpose, its
+placement and its budget kept, and started again (a new generation, download
+first, by the same rules) when a request comes for it (``unpark``). It is a
+pair of leaves here, Parking (its ranks being stopped) and Parked (none
+alive), because residency and retries are not independent: a generation
+cannot be running and parked at once, and what a rank's failure means depends
+on which it is (while Parking it is absorbed and charges nothing: the stop
+was ours). As two machines, every event would need a guard looking at the
+other's state, and the pair "parked, starting" would exist to be forbidden;
+as one, it cannot be written.
+
+* ``park`` takes Generation running to Parking only while no request is in
+  flight on its runners (guard ``idle``: the cluster counts them), and Pending
+  straight to Parked (nothing alive); it is refused while a failed generation
+  is retried (Recovering, Backing off: its backoff and budget rule it) and
+  ignored once parking or parked.
+* Parking → Parked when the last rank is reaped (eventless, like Recovering).
+* ``unpark`` takes Parked back to Pending: the next generation starts there.
+* Neither spends a retry (``attempts`` and ``uncharged`` are untouched), and
+  ``waking`` marks an unparked instance until it is Ready (what users see as
+  "unparking").
+
+*When* to park (idle for its keep-alive, or evicted for a newer demand) is the
+planner's and admission's to decide (`fsm.plan`, `fsm.admit`), not this
+machine's.
+
 Stopping runners is not this machine's job: the planner reads its state and
-emits the stop actions (Recovering or Deleted ⇒ stop every live rank).
+emits the stop actions (Recovering, Parking or Deleted ⇒ stop every live rank).
 """
 
 from __future__ import annotations
@@ -77,6 +106,8 @@ class InstanceState(enum.Enum):
     READY = "ready"
     RECOVERING = "recovering"
     BACKING_OFF = "backing_off"
+    PARKING = "parking"
+    PARKED = "parked"
     DELETED = "deleted"
 
 
@@ -205,6 +236,25 @@ class Delete(InstanceEvent):
 
 
 @attrs.frozen
+class Park(InstanceEvent):
+    """Stop the instance's runners on purpose and keep it (refused while ``busy`` requests are in flight on
+    them: `fsm.cluster.Cluster.park` counts them)."""
+
+    name = "park"
+    busy: int = attrs.field(default=0, kw_only=True, validator=integer(InvalidEvent))
+
+    def payload(self) -> dict[str, Any]:
+        return {"busy": self.busy}
+
+
+@attrs.frozen
+class Unpark(InstanceEvent):
+    """Bring a parked instance back: its next generation starts by the usual rules."""
+
+    name = "unpark"
+
+
+@attrs.frozen
 class GiveUp(InstanceEvent):
     """The planner found the budget exhausted where it would otherwise start runners."""
 
@@ -231,6 +281,7 @@ class InstanceSnapshot:
     ready_ranks: tuple[int, ...] = ()
     delete_reason: DeleteReason | None = None
     last_failure: Failure | None = None
+    waking: bool = False  # unparked, not Ready yet
 
 
 _UNEXPECTED_STOP = Failure(FailureKind.EXIT, "a rank stopped without reporting a failure")
@@ -241,7 +292,7 @@ class InstanceRetry(Lifecycle):
 
     machine_name = "instance"
     snapshot_type = InstanceSnapshot
-    snapshot_version = 2  # 2 added `uncharged`
+    snapshot_version = 3  # 2 added `uncharged`, 3 `waking` (and the leaves parking and parked)
 
     class alive(State.Compound):
         pending = State(initial=True)
@@ -252,6 +303,8 @@ class InstanceRetry(Lifecycle):
 
         recovering = State()
         backing_off = State("Backing off")
+        parking = State()
+        parked = State()
 
     deleted = State(final=True)
 
@@ -263,14 +316,17 @@ class InstanceRetry(Lifecycle):
     start = alive.pending.to(alive.running, on="_begin_generation") | alive.backing_off.to(
         alive.running, cond="deadline_passed", on="_begin_generation"
     )
-    rank_created = alive.running.starting.to.itself(internal=True, on="_rank_alive") | alive.recovering.to.itself(
-        internal=True, on="_rank_alive"
+    rank_created = (
+        alive.running.starting.to.itself(internal=True, on="_rank_alive")
+        | alive.recovering.to.itself(internal=True, on="_rank_alive")
+        | alive.parking.to.itself(internal=True, on="_rank_alive")
     )
     rank_ready = (
         alive.running.starting.to.itself(internal=True, on="_rank_ready")
         | alive.running.ready.to.itself(internal=True)
         | alive.recovering.to.itself(internal=True)
         | alive.backing_off.to.itself(internal=True)
+        | alive.parking.to.itself(internal=True)
     )
     alive.running.starting.to(alive.running.ready, cond="all_ranks_ready", on="_mark_ready")
     rank_failed = (
@@ -280,29 +336,32 @@ class InstanceRetry(Lifecycle):
         | alive.running.to(alive.recovering, on="_count_failure")
         | alive.recovering.to.itself(internal=True, on="_another_failure")
         | alive.backing_off.to.itself(internal=True)
+        | alive.parking.to.itself(internal=True)  # its generation was ending on purpose: nothing charged
     )
     rank_failed_while_stopping = (
         alive.recovering.to.itself(internal=True, on="_another_failure")
         | alive.backing_off.to.itself(internal=True, on="_another_failure")
         | alive.running.to(None)
+        | alive.parking.to.itself(internal=True)
     )
     rank_stopped = (
         alive.running.to(deleted, cond="last_allowed_failure", on="_stopped_and_exhausted")
         | alive.running.to(alive.recovering, on="_stopped_unexpectedly")
         | alive.recovering.to.itself(internal=True, on="_rank_gone")
         | alive.backing_off.to.itself(internal=True, on="_rank_gone")
+        | alive.parking.to.itself(internal=True, on="_rank_gone")
     )
     alive.recovering.to(alive.backing_off, cond="nothing_alive", on="_arm_timer")
+    alive.parking.to(alive.parked, cond="nothing_alive")
     resume = alive.running.starting.to.itself(on="_begin_generation") | alive.running.ready.to(
         alive.running.starting, on="_begin_generation"
     )
     tick = alive.to(None)
-    give_up = (  # the planner sends it only where it would start runners; refused elsewhere
-        alive.pending.to(deleted, cond="budget_spent", on="_give_up_exhausted")
-        | alive.running.starting.to(deleted, cond="budget_spent", on="_give_up_exhausted")
-        | alive.backing_off.to(deleted, cond="budget_spent", on="_give_up_exhausted")
-    )
+    # the planner sends it only where it would start runners (Pending, Starting, Backing off); refused elsewhere
+    give_up = alive.to(deleted, cond="budget_spent", on="_give_up_exhausted")
     delete = alive.to(deleted, on="_deleted_by_user")
+    park = alive.running.to(alive.parking, cond="idle", on="_park") | alive.pending.to(alive.parked, on="_park")
+    unpark = alive.parked.to(alive.pending, on="_unpark")
 
     def __init__(
         self,
@@ -344,6 +403,7 @@ class InstanceRetry(Lifecycle):
             ready_ranks=set(snap.ready_ranks),
             delete_reason=snap.delete_reason,
             last_failure=snap.last_failure,
+            waking=snap.waking,
         )
 
     # -- guards ---------------------------------------------------------------
@@ -362,7 +422,15 @@ class InstanceRetry(Lifecycle):
 
     @property
     def budget_spent(self) -> bool:
-        return budget_exhausted(self.attempts, self.policy.max_retries)
+        """Out of retries where a start would come next (Pending, Starting, Backing off): the only place the
+        planner gives up (elsewhere a generation runs or is torn down, and a host cause may still give a retry
+        back)."""
+        return self.leaf in _WAITING_TO_START and budget_exhausted(self.attempts, self.policy.max_retries)
+
+    @staticmethod
+    def idle(busy: int) -> bool:
+        """No request in flight on its runners: parking never cuts one short."""
+        return busy == 0
 
     @property
     def last_allowed_failure(self) -> bool:
@@ -393,6 +461,15 @@ class InstanceRetry(Lifecycle):
 
     def _mark_ready(self) -> None:
         self.ready_since = self.clock
+        self.waking = False
+
+    def _park(self) -> None:
+        self.ready_since = None  # a ready streak ends; the budget (attempts, uncharged) is kept as it is
+        self.ready_ranks.clear()
+        self.waking = False
+
+    def _unpark(self) -> None:
+        self.waking = True
 
     def _count_failure(self, failure: Failure) -> None:
         if failure.charged:
@@ -443,6 +520,7 @@ class InstanceRetry(Lifecycle):
     def on_enter_deleted(self) -> None:
         self.deadline = None  # cancels the pending timer
         self.ready_since = None
+        self.waking = False
 
     # -- policy arithmetic ------------------------------------------------------
 
@@ -469,7 +547,15 @@ class InstanceRetry(Lifecycle):
         if event == "start" and self.leaf == "backing_off":
             return f"backoff deadline {self.deadline} not reached (now {self.clock})"
         if event == "give_up":
-            return f"budget not exhausted ({self.attempts} of {self.policy.max_retries} failed generations)"
+            if not budget_exhausted(self.attempts, self.policy.max_retries):
+                return f"budget not exhausted ({self.attempts} of {self.policy.max_retries} failed generations)"
+            return f"an instance is given up on only where it would start runners, not in {self.leaf}"
+        if event == "park" and self.leaf in (_RECOVERING, _BACKING_OFF):
+            return "a failed generation is being retried: park it once it runs again, or delete it"
+        if event == "park":
+            return "requests are in flight on its runners: park it once they end"
+        if event == "unpark" and self.leaf == _PARKING:
+            return "its runners are still being stopped: unpark it once it is parked"
         return ""
 
     def apply(self, event: InstanceEvent) -> Outcome:
@@ -480,6 +566,10 @@ class InstanceRetry(Lifecycle):
             raise InvalidEvent(f"event for instance {event.instance_id!r} sent to {self.instance_id!r}")
         if self.is_deleted:
             return Outcome.ignored(f"instance is deleted ({self.delete_reason.value})")
+        if isinstance(event, Park) and self.leaf in (_PARKING, _PARKED):
+            return Outcome.ignored(f"instance is {self.leaf} already")
+        if isinstance(event, Unpark) and self.leaf not in (_PARKING, _PARKED):
+            return Outcome.ignored(f"instance is not parked ({self.leaf})")
         if isinstance(event, Start):
             if event.generation <= self.generation:
                 return Outcome.ignored(f"generation {event.generation} already started")
@@ -529,6 +619,7 @@ class InstanceRetry(Lifecycle):
             ready_ranks=tuple(sorted(self.ready_ranks)),
             delete_reason=self.delete_reason,
             last_failure=self.last_failure,
+            waking=self.waking,
         )
 
     @classmethod
@@ -536,7 +627,11 @@ class InstanceRetry(Lifecycle):
         if version == 1:
             if "uncharged" in body:
                 raise SnapshotError("invalid instance snapshot: uncharged: version 1 has no such field")
-            return {**body, "uncharged": 0}  # version 1 charged every failure
+            body = {**body, "uncharged": 0}  # version 1 charged every failure
+        if version <= 2:
+            if "waking" in body:
+                raise SnapshotError(f"invalid instance snapshot: waking: version {version} has no such field")
+            body = {**body, "waking": False}  # nothing was ever parked before version 3
         return body
 
     @classmethod
@@ -578,13 +673,15 @@ class InstanceRetry(Lifecycle):
             and (not live or _plain_ranks(live, ws))
             and type(ready) is tuple
             and (not ready or _plain_ranks(ready, ws))
-            and (live or s.leaf != _RECOVERING)  # eventless transitions leave these at once
+            and (live or (s.leaf != _RECOVERING and s.leaf != _PARKING))  # eventless transitions leave these at once
             and not (live and s.leaf == _BACKING_OFF)
             and (len(ready) < ws or s.leaf != _STARTING)
             and (not deleted or s.deadline is None)
             and (s.ready_since is None or s.leaf in _READY_STREAK)
             and (type(reason) is DeleteReason if deleted else reason is None)
             and (s.last_failure is None or type(s.last_failure) is Failure)
+            and (s.waking is False or (s.waking is True and s.leaf in _WAKING))
+            and (not live or s.leaf != _PARKED)
         )
 
     @classmethod
@@ -635,6 +732,14 @@ class InstanceRetry(Lifecycle):
             return f"delete_reason must be None unless deleted (leaf {show(s.leaf)}), got {s.delete_reason.value!r}"
         if s.last_failure is not None and not isinstance(s.last_failure, Failure):
             return f"last_failure must be a Failure or None, got {type(s.last_failure).__name__}"
+        if not isinstance(s.waking, bool):
+            return f"waking must be a bool, got {show(s.waking)}"
+        if s.waking and s.leaf not in _WAKING:
+            return f"waking: only an unparked instance on its way to Ready wakes, not one {s.leaf}"
+        if s.leaf == _PARKED and s.live_ranks:
+            return "live_ranks: a parked instance has no live process (parking goes on until the last is reaped)"
+        if s.leaf == _PARKING and not s.live_ranks:
+            return "live_ranks: parking with no live rank is not a resting state (it goes on to parked)"
         return None
 
 
@@ -642,12 +747,18 @@ class InstanceRetry(Lifecycle):
 _AFTER_A_FAILURE = frozenset({InstanceState.RECOVERING.value, InstanceState.BACKING_OFF.value})
 # Leaves where ready_since may be set: Ready, and Starting after a Resume (Ready then sets a new one).
 _READY_STREAK = frozenset({InstanceState.READY.value, InstanceState.STARTING.value})
-_BACKING_OFF, _DELETED, _RECOVERING, _STARTING = (
+_BACKING_OFF, _DELETED, _RECOVERING, _STARTING, _PARKING, _PARKED = (
     InstanceState.BACKING_OFF.value,
     InstanceState.DELETED.value,
     InstanceState.RECOVERING.value,
     InstanceState.STARTING.value,
+    InstanceState.PARKING.value,
+    InstanceState.PARKED.value,
 )
+# Where the planner would start runners next (and gives a spent budget up instead).
+_WAITING_TO_START = frozenset({InstanceState.PENDING.value, _STARTING, _BACKING_OFF})
+# Where an unparked instance may be on its way back to Ready.
+_WAKING = frozenset({InstanceState.PENDING.value, _STARTING, _RECOVERING, _BACKING_OFF})
 
 
 def _plain_ranks(ranks: tuple[int, ...], world_size: int) -> bool:

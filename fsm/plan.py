@@ -3,8 +3,9 @@
 ``plan(view, node_id, now)`` looks at a snapshot of the whole cluster and
 returns every action this node should take now, in priority order::
 
-    cancel requests → stop runners → watch phases → give up at the cap → start generations
-    → downloads → create runners → connect → load → warm up → forward requests
+    cancel requests → stop runners → watch phases → park idle instances → give up at the cap
+    → unpark wanted instances → start generations → downloads → create runners → connect → load
+    → warm up → forward requests
 
 Each rule is one function, named after the rule, that reads the view and
 yields actions; none of them sees the others' output. Returning all enabled
@@ -26,6 +27,15 @@ The rules carried over from exo's two fixes, by function:
 * ``_download_models`` — a failed download is retried once its per-model
   backoff has elapsed; a local placement (its files on its nodes already)
   downloads nothing.
+
+And the residency rules (`fsm.instance`, "Residency"):
+
+* ``_park_idle`` — a Ready instance nobody used for its keep-alive is parked,
+  never one with a request in flight or waiting for it.
+* ``_unpark_wanted`` — a parked instance with a request waiting is unparked
+  (the caller may hold it back until `fsm.admit_unpark` finds it memory).
+* ``_create_runners`` — no runner starts on a node where an instance is
+  still parking: the memory it frees is not free until its processes are gone.
 """
 
 from __future__ import annotations
@@ -42,10 +52,13 @@ from fsm.actions import (
     ForwardRequest,
     KillRunner,
     LoadModel,
+    ParkInstance,
+    ParkReason,
     StartDownload,
     StartGeneration,
     StopReason,
     StopRunner,
+    UnparkInstance,
     WarmUp,
 )
 from fsm.download import DownloadState
@@ -54,6 +67,7 @@ from fsm.runner import RunnerPhase, RunnerState
 from fsm.view import ClusterView, InstanceView, RunnerStatus
 
 _TEARDOWN = (InstanceState.RECOVERING, InstanceState.BACKING_OFF)
+_PARKED = (InstanceState.PARKING, InstanceState.PARKED)
 
 
 def plan(view: ClusterView, node_id: str, now: float) -> list[Action]:
@@ -67,7 +81,9 @@ def plan(view: ClusterView, node_id: str, now: float) -> list[Action]:
         *_cancel_requests(view, node_id),
         *_stop_runners(view, node_id),
         *_watch_phases(view, node_id, now),
+        *_park_idle(view, node_id, now),
         *_give_up_at_cap(view, node_id),
+        *_unpark_wanted(view, node_id),
         *_start_generations(view, node_id, now),
         *_download_models(view, node_id, now),
         *_create_runners(view, node_id, now),
@@ -87,6 +103,7 @@ def next_deadline(view: ClusterView, node_id: str, now: float) -> float | None:
         if inst.retry.state in (InstanceState.BACKING_OFF, InstanceState.STARTING) and node_id in inst.nodes
     ]
     times += [inst.retry.reset_due for inst in view.instances.values() if node_id in inst.nodes]
+    times += [inst.park_at for inst in view.instances.values() if inst.leader == node_id]
     times += [
         d.retry_at for (node, _), d in view.downloads.items() if node == node_id and d.state is DownloadState.FAILED
     ]
@@ -146,6 +163,8 @@ def _stop_reason(view: ClusterView, runner: RunnerStatus) -> StopReason | None:
         return StopReason.RUNNER_FAILED
     if runner.incarnation < inst.retry.generation:
         return StopReason.STALE_GENERATION
+    if inst.retry.state in _PARKED:
+        return StopReason.PARKED
     if inst.retry.state in _TEARDOWN:
         return StopReason.RECOVERING
     for _, sibling in view.slot_runners(inst):
@@ -205,6 +224,28 @@ def _give_up_at_cap(view: ClusterView, node_id: str) -> Iterator[Action]:
             yield DeleteInstance(inst.instance_id, DeleteReason.RETRIES_EXHAUSTED)
 
 
+def _busy(view: ClusterView, inst: InstanceView) -> bool:
+    """A request is in flight on the instance's runners, or waits for it."""
+    in_flight = any(r is not None and r.alive and r.in_flight for _, r in view.slot_runners(inst))
+    return in_flight or any(req.instance_id == inst.instance_id for req in view.requests)
+
+
+def _park_idle(view: ClusterView, node_id: str, now: float) -> Iterator[Action]:
+    """The leader parks a Ready instance nobody used for its keep-alive (never one with a request)."""
+    for inst in view.instances.values():
+        park_at = inst.park_at
+        if inst.leader == node_id and park_at is not None and now >= park_at and not _busy(view, inst):
+            yield ParkInstance(inst.instance_id, ParkReason.IDLE)
+
+
+def _unpark_wanted(view: ClusterView, node_id: str) -> Iterator[Action]:
+    """The leader unparks a parked instance a request waits for."""
+    wanted = {req.instance_id for req in view.requests}
+    for inst in view.instances.values():
+        if inst.leader == node_id and inst.retry.state is InstanceState.PARKED and inst.instance_id in wanted:
+            yield UnparkInstance(inst.instance_id)
+
+
 def _start_generations(view: ClusterView, node_id: str, now: float) -> Iterator[Action]:
     """The leader starts generation 1, and each later one once its backoff deadline has passed."""
     for inst in view.instances.values():
@@ -232,6 +273,8 @@ def _create_runners(view: ClusterView, node_id: str, now: float) -> Iterator[Act
             continue  # never two generations alive at once
         if not _model_on(view, node_id, inst):
             continue  # the instance waits for its download; `_download_models` is fetching it
+        if any(o.retry.state is InstanceState.PARKING and node_id in o.nodes for o in view.instances.values()):
+            continue  # the memory a parking instance frees here is free once its processes are gone
         for slot, ours in statuses.items():
             if slot.node_id != node_id or (ours is not None and ours.incarnation >= retry.generation):
                 continue
@@ -257,7 +300,7 @@ def _download_models(view: ClusterView, node_id: str, now: float) -> Iterator[Ac
         {
             inst.model_id
             for inst in view.instances.values()
-            if node_id in inst.nodes and inst.retry.state is not InstanceState.DELETED and not inst.local
+            if node_id in inst.nodes and inst.retry.state not in (InstanceState.DELETED, *_PARKED) and not inst.local
         }
     )
     for model_id in wanted:

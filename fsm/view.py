@@ -9,6 +9,7 @@ visible after it was reaped, which the sibling rule of `fsm.plan` relies on.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterator, Mapping
 
 import attrs
@@ -90,6 +91,17 @@ class Slot:
     runner_id: str
 
 
+class Residency(enum.Enum):
+    """Whether an instance's model is in memory, as users see it (read from its state: `InstanceView.residency`)."""
+
+    LOADING = "loading"  # placed, its generation on its way to Ready (or retried after a failure)
+    LOADED = "loaded"  # Ready: its runners hold the model
+    PARKING = "parking"  # parked on purpose, its runners being stopped
+    PARKED = "parked"  # no process; a request brings it back
+    UNPARKING = "unparking"  # a request brought it back: on its way to Ready
+    DELETED = "deleted"
+
+
 @attrs.frozen
 class RetryStatus:
     """An instance's retry state and policy as the planner sees it (`of` reads it from its machine)."""
@@ -102,6 +114,7 @@ class RetryStatus:
     delete_reason: DeleteReason | None = None
     ready_since: float | None = None
     reset_after: float | None = 600.0  # None: the budget never refills
+    waking: bool = False  # unparked, not Ready yet
 
     @property
     def reset_due(self) -> float | None:
@@ -123,6 +136,7 @@ class RetryStatus:
             delete_reason=machine.delete_reason,
             ready_since=machine.ready_since,
             reset_after=machine.policy.reset_after,
+            waking=machine.waking,
         )
 
 
@@ -144,6 +158,24 @@ class InstanceView:
     slots: tuple[Slot, ...] = attrs.field(converter=_slots)
     retry: RetryStatus = RetryStatus(InstanceState.PENDING)
     local: bool = False  # its model's files are on each of its nodes already: nothing to download
+    keep_alive: float | None = None  # seconds it stays loaded unused (the last request's, or its own); None: forever
+    last_used: float | None = None  # when a request last started or ended on it
+
+    @property
+    def park_at(self) -> float | None:
+        """When a Ready instance left unused is parked: its keep-alive after its last use (or after it became
+        Ready, if used since by nobody); None while not Ready or kept forever."""
+        if self.retry.state is not InstanceState.READY or self.keep_alive is None:
+            return None
+        since = [t for t in (self.last_used, self.retry.ready_since) if t is not None]
+        return None if not since else max(since) + self.keep_alive
+
+    @property
+    def residency(self) -> Residency:
+        state = self.retry.state
+        if state in _RESIDENCY:
+            return _RESIDENCY[state]
+        return Residency.UNPARKING if self.retry.waking else Residency.LOADING
 
     @property
     def world_size(self) -> int:
@@ -157,6 +189,14 @@ class InstanceView:
     def leader(self) -> str:
         """The node of rank 0: the one that issues instance-level actions."""
         return self.slots[0].node_id
+
+
+_RESIDENCY = {
+    InstanceState.READY: Residency.LOADED,
+    InstanceState.PARKING: Residency.PARKING,
+    InstanceState.PARKED: Residency.PARKED,
+    InstanceState.DELETED: Residency.DELETED,
+}
 
 
 @attrs.frozen

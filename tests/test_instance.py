@@ -331,9 +331,13 @@ def test_snapshot_rejects_bad_input():
     good = started().to_dict()
     for bad in (
         {**good, "machine": "runner"},
-        {**good, "version": 3},
+        {**good, "version": 4},
         {**good, "version": 0},
         {**good, "version": 1},  # version 1 had no `uncharged`
+        {**good, "version": 2},  # nor version 2 `waking`
+        {**good, "waking": 1},
+        {**good, "waking": True, "leaf": "parked", "live_ranks": []},  # wakes only once unparked
+        {**good, "leaf": "parking", "live_ranks": []},  # parking ends when the last rank is reaped
         {**good, "leaf": "exploded"},
         {**good, "extra": 1},
         {k: v for k, v in good.items() if k != "instance_id"},
@@ -1035,11 +1039,20 @@ def test_a_version_1_snapshot_is_read_as_charging_every_failure():
     i = started(world_size=1)
     i.apply(RankFailed("inst", 1.0, 1, 0, failure=CRASH))
     fail_generation(i, 1.0, failures=())
-    old = {k: v for k, v in i.to_dict().items() if k != "uncharged"} | {"version": 1}
+    old = {k: v for k, v in i.to_dict().items() if k not in ("uncharged", "waking")} | {"version": 1}
     restored = InstanceRetry.from_dict(old)
-    assert restored.snapshot() == i.snapshot() and restored.to_dict()["version"] == 2
+    assert restored.snapshot() == i.snapshot() and restored.to_dict()["version"] == 3
     with pytest.raises(fsm.SnapshotError, match="uncharged"):
         InstanceRetry.from_dict({**i.to_dict(), "version": 1})
+
+
+def test_a_version_2_snapshot_is_read_as_never_parked():
+    i = started(world_size=1)
+    old = {k: v for k, v in i.to_dict().items() if k != "waking"} | {"version": 2}
+    restored = InstanceRetry.from_dict(old)
+    assert restored.snapshot() == i.snapshot() and not restored.waking
+    with pytest.raises(fsm.SnapshotError, match="waking"):
+        InstanceRetry.from_dict({**i.to_dict(), "version": 2})
 
 
 @pytest.mark.parametrize("uncharged", [-1, 1.0, True, None])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import tomllib
 from importlib import resources
@@ -18,6 +17,7 @@ from exod.cluster.etcd import EtcdSecurity
 from exod.cluster.membership import DEFAULT_PREFIX, ClusterConfig
 from exod.cluster.nodes import DEFAULT_TTL
 from exod.cluster.token import read_secret, read_token
+from exod.host.memory import model_room
 from exod.host.models import validate_model_id
 from exod.host.supervisor import Timeouts
 from exod.runner.batch import BatchLimits
@@ -41,7 +41,7 @@ class DaemonConfig:
     queue_timeout: float = 30.0  # a request no Ready runner took by then fails instead of waiting on
     faults: tuple[FaultSpec, ...] = ()  # injected faults, for tests (exod.runner.faults); empty in production
     script: str | None = None  # text every generation emits instead of sampling ([script], tests only)
-    memory_bytes: int = attrs.Factory(lambda: host_memory())  # what admission may reserve on this node
+    memory_bytes: int = attrs.Factory(lambda: model_room())  # what admission may reserve here (exod.host.memory)
     limits: fsm.Limits = attrs.Factory(lambda self: fsm.Limits.for_memory(self.memory_bytes), takes_self=True)
     retention: Retention = attrs.Factory(Retention)  # what the transition log and the runner files keep
     batch: BatchLimits = attrs.Factory(BatchLimits)  # what each runner decodes at once (exod.runner.batch)
@@ -49,27 +49,6 @@ class DaemonConfig:
     @property
     def db_path(self) -> Path:
         return self.state_dir / "state.db"
-
-
-def host_memory() -> int:
-    """This machine's physical memory in bytes (Linux and macOS)."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def free_memory() -> int:
-    """This machine's memory available to a new process, in bytes: Linux's MemAvailable (free memory plus
-    what the page cache would give back), else the free pages, else the physical memory."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (ValueError, OSError):
-        return host_memory()
 
 
 class ConfigError(ValueError):
@@ -307,7 +286,7 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
         origins = tuple(cors_origin(o) for o in file.api.cors_origins)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{where}: {exc}") from exc
-    memory = host_memory()
+    memory = model_room()
     sized = fsm.Limits.for_memory(memory, runner_floor_bytes=limits.runner_memory_mib * MIB)
     admission = fsm.Limits(
         runners_per_node=limits.runners_per_node or sized.runners_per_node,

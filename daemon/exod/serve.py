@@ -43,8 +43,9 @@ from exod.cluster.etcd_state import EtcdState
 from exod.cluster.membership import Membership
 from exod.cluster.nodes import NodeRecord, list_nodes, live_runners
 from exod.cluster.remote import Fleet
-from exod.config import ServeConfig, free_memory
+from exod.config import ServeConfig
 from exod.controller import Controller, StoreUnavailable
+from exod.host.memory import free_memory
 from exod.host.models import ModelFiles
 from exod.host.orphans import reap_orphans
 from exod.state.sqlite import Store

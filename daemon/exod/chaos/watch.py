@@ -11,6 +11,7 @@ from collections.abc import Callable
 import psutil
 import trio
 
+import fsm
 from exod.chaos.history import History, InstanceSample, ProcessLife
 from exod.cluster.etcd import Etcd, EtcdError
 from exod.cluster.etcd_state import stored_cluster
@@ -114,7 +115,7 @@ class Watcher:
                             p.machine.attempts,
                             p.machine.uncharged,
                             p.machine.is_deleted,
-                            p.machine.budget_spent,
+                            fsm.budget_exhausted(p.machine.attempts, p.machine.policy.max_retries),
                         )
                         for iid, p in cluster.instances.items()
                     )
