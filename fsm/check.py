@@ -15,7 +15,10 @@ checker takes every event there is:
 * ``tick`` — the clock jumps to the next deadline (backoff, download retry, budget reset);
 * ``delete`` — the user deletes the instance;
 * ``submit`` — a chat request arrives (up to ``requests`` of them): it must be forwarded to Ready
-  runners of the current generation, or cancelled with a Deleted instance, and never left waiting.
+  runners of the current generation, or cancelled with a Deleted instance, and never left waiting;
+* ``park`` — the instance is parked by someone else than its plan (an operator, or an eviction for
+  another instance starting), up to ``parks`` times, in whatever state it is; with a ``keep_alive`` the
+  plan parks it by itself once idle that long, and a request that comes for it unparks it.
 
 With ``hosts`` set, the ranks live on a cluster of that many nodes (a node per host, as on etcd), and the adversary also
 hits whole nodes (up to ``node_failures`` times):
@@ -51,7 +54,11 @@ and checks these invariants (numbered as the specs number them) on every transit
 8. The budget resets iff Ready continuously for ≥ reset_after.
 9. Determinism: a sample of transitions is recomputed and must agree.
 10. No deadlock: in every state, some progress event (plan, complete, tick) changes the state,
-    unless the instance is Ready with every rank Ready, or Deleted with every runner reaped.
+    unless the instance is Ready with every rank Ready, Parked, or Deleted with every runner reaped
+    (and no request waits: a request for a parked instance is served, never refused).
+11. A parked instance has no live process.
+12. Parking and unparking spend no retry (a rank failing while its instance parks charges nothing).
+13. An instance is parked only while no request is in flight on its runners.
 
 The machines stay the single source of truth: a transition is computed by the
 real python-statemachine classes, re-pointed at each state with `reload`
@@ -62,6 +69,7 @@ machine with a bug planted — plug in through `CheckConfig`.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import random
 from collections import deque
@@ -76,6 +84,7 @@ from fsm import instance as inst
 from fsm import runner as rn
 from fsm.cluster import Cluster, RunnerEntry
 from fsm.download import DownloadLifecycle
+from fsm.errors import FsmError
 from fsm.failure import Failure
 from fsm.instance import InstanceRetry, InstanceState, RetryPolicy
 from fsm.owed import Owed, Report
@@ -86,6 +95,7 @@ from fsm.world import InvariantViolated, World, applies, check_runners, complete
 
 INSTANCE = "i"
 MODEL = "org/model"
+_PARKED = (InstanceState.PARKING.value, InstanceState.PARKED.value)
 
 
 class Fault(enum.Enum):
@@ -171,6 +181,14 @@ class Submit:
         return "submit"
 
 
+@attrs.frozen
+class Park:
+    """Someone other than the plan parks the instance (an operator; an eviction for another instance)."""
+
+    def __str__(self) -> str:
+        return "park"
+
+
 class NodeFault(enum.Enum):
     """What the adversary does to a whole node (with ``hosts``)."""
 
@@ -227,7 +245,7 @@ class Confirm:
 
 Event = (
     Plan | CompleteAll | FailDownloads | Deliver | Tick | Inject | Delete | Submit | HitNode | Heal | Fence | Expire
-) | Confirm
+) | (Confirm | Park)
 
 UP, CUT, DEAD = "up", "cut", "dead"  # a node's link, with hosts
 NEVER_GIVE_UP_HORIZON = 4  # with max_retries None: time runs as far as that many failed generations take
@@ -257,6 +275,8 @@ class CheckConfig:
     download_cls: type[DownloadLifecycle] = DownloadLifecycle
     determinism_samples: int = 200
     requests: int = 0  # chat requests the adversary may send (each is forwarded, finished or cancelled)
+    parks: int = 0  # parks from outside the plan (an operator, an eviction), at any moment
+    keep_alive: float | None = None  # the instance's keep-alive: the plan parks it once idle that long
     transition_table: bool = True  # memoize each machine's transitions (see _TransitionTable)
     # The clock stops here: time is unbounded (a budget that resets can fail and recover forever), so the
     # space is finite only up to a horizon. None: one budget reset plus a whole give-up fit before it.
@@ -351,6 +371,8 @@ class _State:
     lost: tuple[tuple[str, int, str, bool], ...] = ()  # runners given up with their node: (id, inc, node, key)
     ghosts: tuple[tuple[str, int, str], ...] = ()  # their processes, still running on a cut node
     node_faults: int = 0  # node faults the adversary has caused so far
+    parks: int = 0  # parks from outside the plan so far
+    last_used: float | None = None  # when a request last started or ended on the instance
 
 
 class _Fail(Exception):
@@ -428,7 +450,7 @@ class _System:
         self.config = config
         self.cluster = _PooledCluster(config, table)
         self.slots = [Slot(r, node, f"{INSTANCE}/{r}") for r, node in enumerate(config.nodes[: config.ranks])]
-        self.cluster.place(INSTANCE, MODEL, self.slots, policy=config.policy)
+        self.cluster.place(INSTANCE, MODEL, self.slots, policy=config.policy, keep_alive=config.keep_alive)
         self.placement = self.cluster.instances[INSTANCE]
         self.cluster.adopt(self.placement.machine)
         self.download_objects: dict[str, Any] = {}
@@ -439,6 +461,7 @@ class _System:
         self.lost: dict[tuple[str, int], tuple[str, bool]] = {}  # (id, inc) → (node, its key still there)
         self.ghosts: set[tuple[str, int, str]] = set()
         self.node_faults = 0
+        self.parks = 0
 
     # -- state <-> cluster -----------------------------------------------------------------
 
@@ -468,6 +491,9 @@ class _System:
         self.lost = {(rid, inc): (node, key) for rid, inc, node, key in state.lost}
         self.ghosts = set(state.ghosts)
         self.node_faults = state.node_faults
+        self.parks = state.parks
+        self.placement.last_used = state.last_used
+        self.placement.keep_alive_now = self.config.keep_alive
         live = dict(state.runners)
         for rid in list(c.runners):
             if rid not in live:
@@ -513,6 +539,8 @@ class _System:
             tuple(sorted((rid, inc, node, key) for (rid, inc), (node, key) in self.lost.items())),
             tuple(sorted(self.ghosts)),
             self.node_faults,
+            self.parks,
+            self.placement.last_used,
         )
 
     # -- events ------------------------------------------------------------------------
@@ -555,6 +583,8 @@ class _System:
         yield from self._node_events(state)
         if state.instance.leaf == InstanceState.DELETED.value:
             return  # the adversary rests: all that is left to prove is the teardown
+        if state.parks < self.config.parks and state.instance.leaf not in _PARKED:
+            yield Park()
         if state.node_faults < self.config.node_failures:
             for node, link, lease in state.hosts:
                 if link == UP and lease:
@@ -656,6 +686,10 @@ class _System:
                 label = f"{fault.value} {rid}#{machine.incarnation}"
             case Delete():
                 c.delete(INSTANCE, world.now)
+            case Park():
+                with contextlib.suppress(FsmError):  # refused (a request in flight, a retry under way): unchanged
+                    if c.park(INSTANCE, world.now, act.ParkReason.EVICTED).accepted:
+                        self.parks += 1
             case HitNode(fault, node):
                 self.node_faults += 1
                 self.links[node] = DEAD if fault is NodeFault.KILL else CUT
@@ -685,7 +719,8 @@ class _System:
 
     def _plan(self, world: World, node: str) -> int:
         """Plan and execute on ``node`` (`World.step` checks 1, 5 and 6 per action); returns the charged
-        generations it started: the first, and each after a failure that was not the host's."""
+        generations it started: the first, and each retry after a failure that was not the host's."""
+        mark = len(world.cluster.log)
         try:
             actions = world.step(node)
         except InvariantViolated:
@@ -697,9 +732,10 @@ class _System:
             if isinstance(action, act.CreateRunner) and self.links.get(action.node_id, UP) != UP:
                 self._give_up(action.runner_id, action.node_id, key=False, running=False, now=world.now)
         last = world.cluster.instance(INSTANCE).last_failure  # a start leaves it: the previous generation's
-        return sum(
-            isinstance(a, act.StartGeneration) and (a.generation == 1 or last is None or last.charged) for a in actions
-        )
+        first = sum(isinstance(a, act.StartGeneration) and a.generation == 1 for a in actions)
+        # a retry starts from Backing off; a start from Pending after an unpark follows no failure
+        retries = [e for e in world.cluster.log[mark:] if e.event == "start" and e.source == "backing_off"]
+        return first + (len(retries) if last is None or last.charged else 0)
 
     # -- the nodes (with hosts) ----------------------------------------------------------------
 
@@ -775,6 +811,19 @@ class _System:
                 if not policy.backoff.jitter and delay < streak:
                     raise _Fail("3 backoff never decreases", f"delay {delay:g} after {streak:g} in one streak")
                 streak = delay
+        steps = [(e.event, e.target) for e in c.log if e.machine == "instance"]
+        if after.leaf == InstanceState.PARKED.value and any(e.machine.alive for e in c.runners.values()):
+            alive = sorted(rid for rid, e in c.runners.items() if e.machine.alive)
+            raise _Fail("11 parked means no process", f"instance parked while {alive} alive")
+        parking = any(event in ("park", "unpark") or target == InstanceState.PARKED.value for event, target in steps)
+        if parking and (after.attempts, after.uncharged) != (before.attempts, before.uncharged):
+            raise _Fail(
+                "12 parking spends no retry",
+                f"attempts {before.attempts} → {after.attempts}, uncharged {before.uncharged} → {after.uncharged}",
+            )
+        if any(event == "park" for event, _ in steps) and any(snap.in_flight for _, snap in pre.runners):
+            busy = sorted(rid for rid, snap in pre.runners if snap.in_flight)
+            raise _Fail("13 park only when idle", f"parked with requests in flight on {busy}")
         for rid, snap in pre.runners:
             entry = c.runners.get(rid)
             m = None if entry is None else entry.machine
@@ -830,7 +879,7 @@ class _System:
             return False  # every request forwarded or cancelled, every completion in, every lost runner gone
         m = state.instance
         runners = [s for _, s in state.runners]
-        if m.leaf == InstanceState.DELETED.value:
+        if m.leaf in (InstanceState.DELETED.value, InstanceState.PARKED.value):
             return all(s.leaf == RunnerPhase.STOPPED.value for s in runners)
         serving = (RunnerPhase.AVAILABLE.value, RunnerPhase.BUSY.value)
         return (

@@ -50,6 +50,9 @@ snapshots); a leaf's own transitions are tried before its compound's.
   (seed, instance, attempt), so the same events, clock and seed give the same
   schedule, also after a restore.
 
+Stopping runners is not this machine's job: the planner reads its state and
+emits the stop actions (Recovering, Parking or Deleted ⇒ stop every live rank).
+
 Residency (parking) is part of this machine, not a machine of its own
 -----------------------------------------------------------------------
 An instance nobody uses can be *parked*: its runners stopped on purpose, its
@@ -78,8 +81,6 @@ as one, it cannot be written.
 planner's and admission's to decide (`fsm.plan`, `fsm.admit`), not this
 machine's.
 
-Stopping runners is not this machine's job: the planner reads its state and
-emits the stop actions (Recovering, Parking or Deleted ⇒ stop every live rank).
 """
 
 from __future__ import annotations

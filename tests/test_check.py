@@ -269,3 +269,81 @@ def test_policy_variants_are_explored_as_themselves():
         attrs.evolve(base, policy=attrs.evolve(base.policy, reset_after=None), horizon=None, instance_cls=RefillsAnyway)
     )
     assert planted.violation is not None and planted.violation.invariant.startswith("8 "), planted.report()
+
+
+# -- residency: parking and unparking (issue #29) ------------------------------------------------
+
+# One rank, parked by its plan the moment it is idle (keep-alive 0) and once more from outside (an operator,
+# or an eviction for another instance that starts), two requests: requests come while it parks, while it is
+# parked and while it comes back; a rank fails while it parks and while it comes back.
+PARKING = CheckConfig(ranks=1, requests=2, parks=1, keep_alive=0.0, policy=fsm.RetryPolicy(max_retries=2))
+
+
+def test_parking_and_unparking_are_exhaustively_correct():
+    result = check(PARKING)
+    assert result.ok, result.report()
+    assert result.exhaustive
+    assert {"parking", "parked", "ready", "deleted:retries_exhausted"} <= result.reached
+
+
+def test_a_keep_alive_parks_a_two_rank_instance_by_its_plan_and_a_request_brings_it_back():
+    result = check(CheckConfig(ranks=2, requests=1, keep_alive=3.0, policy=fsm.RetryPolicy(max_retries=2)))
+    assert result.ok and result.exhaustive, result.report()
+    assert {"parking", "parked"} <= result.reached
+
+
+class BusyParking(fsm.InstanceRetry):
+    """A machine whose park ignores the requests in flight."""
+
+    @staticmethod
+    def idle(busy: int) -> bool:
+        return True
+
+
+class ChargedParking(fsm.InstanceRetry):
+    """A machine whose park spends a retry."""
+
+    def _park(self) -> None:
+        super()._park()
+        self.attempts += 1
+
+
+class ForgetfulParking(fsm.InstanceRetry):
+    """A machine that forgets its live ranks when it parks: it is parked with its processes still running."""
+
+    def _park(self) -> None:
+        super()._park()
+        self.live_ranks.clear()
+
+
+def never_unparks_plan(view, node_id, now):
+    return [a for a in fsm.plan(view, node_id, now) if not isinstance(a, fsm.UnparkInstance)]
+
+
+def parks_busy_plan(view, node_id, now):
+    """A planner that parks a Ready instance as soon as a request is in flight on it."""
+    actions = fsm.plan(view, node_id, now)
+    for inst in view.instances.values():
+        busy = any(r is not None and r.in_flight for _, r in view.slot_runners(inst))
+        if inst.retry.state is fsm.InstanceState.READY and busy:
+            actions.append(fsm.ParkInstance(inst.instance_id, fsm.ParkReason.IDLE))
+    return actions
+
+
+@pytest.mark.parametrize(
+    ("config", "invariant", "needs"),
+    [
+        (attrs.evolve(PARKING, instance_cls=BusyParking, keep_alive=None), "13 park only when idle", "submit"),
+        (attrs.evolve(PARKING, instance_cls=ChargedParking), "12 parking spends no retry", "park"),
+        (attrs.evolve(PARKING, instance_cls=ForgetfulParking), "11 parked means no process", "park"),
+        (attrs.evolve(PARKING, plan=never_unparks_plan), "10 no deadlock", "submit"),
+    ],
+    ids=["busy", "charged", "forgetful", "never-unparks"],
+)
+def test_a_residency_bug_is_found(config, invariant, needs):
+    """Each found, on a shortest trace that parks the instance (or sends the request the bug needs)."""
+    assert needs in found(config, invariant)
+
+
+def test_a_plan_that_parks_a_busy_instance_is_refused_by_the_machine_and_found():
+    found(attrs.evolve(PARKING, plan=parks_busy_plan, keep_alive=None), "actions apply")

@@ -91,9 +91,17 @@ INVARIANTS: dict[str, tuple[tuple[int, str], ...]] = {
         (9, "Determinism: the same events, clock and seed give the same states and the same backoff schedule."),
         (
             10,
-            "No deadlock: from every reachable state Ready or Deleted is reachable (`delete` is accepted from "
-            "every non-final state).",
+            "No deadlock: from every reachable state Ready, Parked or Deleted is reachable (`delete` is accepted "
+            "from every non-final state), and a request that waits is served: one for a parked instance unparks "
+            "it, and is never refused while the instance can start.",
         ),
+        (11, "A parked instance has no live process: Parking goes on to Parked only once the last rank is reaped."),
+        (
+            12,
+            "Parking and unparking spend no retry: `attempts` and `uncharged` are what they were, and a rank that "
+            "fails while its instance parks charges nothing (the stop was ours).",
+        ),
+        (13, "An instance is parked only while no request is in flight on its runners (guard `idle`)."),
     ),
     "download": (
         (
