@@ -734,7 +734,8 @@ class _System:
         last = world.cluster.instance(INSTANCE).last_failure  # a start leaves it: the previous generation's
         first = sum(isinstance(a, act.StartGeneration) and a.generation == 1 for a in actions)
         # a retry starts from Backing off; a start from Pending after an unpark follows no failure
-        retries = [e for e in world.cluster.log[mark:] if e.event == "start" and e.source == "backing_off"]
+        backing_off = InstanceState.BACKING_OFF.value
+        retries = [e for e in world.cluster.log[mark:] if e.event == "start" and e.source == backing_off]
         return first + (len(retries) if last is None or last.charged else 0)
 
     # -- the nodes (with hosts) ----------------------------------------------------------------

@@ -33,6 +33,7 @@ class IllegalTransition(FsmError):
         self.machine = machine
         self.event = event
         self.state = state
+        self.why = why  # which guard refused it, in words ("" when the state itself does not take the event)
         detail = f": {why}" if why else ""
         super().__init__(f"{machine}: event {event!r} is not allowed in state {state!r}{detail}")
 

@@ -226,7 +226,7 @@ def test_corrupt_model_is_deleted_as_non_retryable_with_zero_retries(tmp_path):
 
 
 def test_an_unknown_model_offline_is_refused_up_front_and_says_what_to_do(tmp_path, hf_home):
-    from exod.controller import PlacementRefused
+    from exod.placer import PlacementRefused
 
     async def body(controller):  # a fetchable model that fails to download: test_controller_clock
         with pytest.raises(PlacementRefused) as refused:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import re
 import tomllib
 from importlib import resources
@@ -26,6 +27,22 @@ from exod.state.retention import Retention
 from fsm.admit import MIB
 
 
+class Default(enum.Enum):
+    DEFAULT = "default"  # not given: the configuration's value
+
+
+DEFAULT = Default.DEFAULT
+
+
+@attrs.frozen
+class Models:
+    """How models come and go (`fsm.instance`, "Residency"): placed on a first request, kept loaded while used."""
+
+    on_demand: bool = False  # a request for a model not placed places it (`default_ranks` ranks) and waits for it
+    default_ranks: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    keep_alive: float | None = None  # seconds an instance stays loaded unused before it is parked; None: forever
+
+
 @attrs.frozen
 class DaemonConfig:
     """What the controller needs: where state lives, how models are found, the policies and the limits."""
@@ -45,6 +62,7 @@ class DaemonConfig:
     limits: fsm.Limits = attrs.Factory(lambda self: fsm.Limits.for_memory(self.memory_bytes), takes_self=True)
     retention: Retention = attrs.Factory(Retention)  # what the transition log and the runner files keep
     batch: BatchLimits = attrs.Factory(BatchLimits)  # what each runner decodes at once (exod.runner.batch)
+    models: Models = attrs.Factory(Models)  # on-demand placement and keep-alive
 
     @property
     def db_path(self) -> Path:
@@ -55,6 +73,40 @@ class ConfigError(ValueError):
     """The configuration file is wrong; the message names the file, the key and what is expected."""
 
 
+_DURATION = re.compile(r"(?:(\d+(?:\.\d*)?|\.\d+)(h|ms|m|s))+")
+_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(h|ms|m|s)")
+_UNIT = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+
+
+def keep_alive(value: object) -> float | None:
+    """A keep-alive as Ollama takes it: seconds (a number or its text), or a duration (``"5m"``, ``"1h30m"``,
+    ``"90s"``); negative keeps the model loaded forever (None), 0 parks it as soon as it is idle. ValueError
+    saying what is accepted otherwise."""
+    if isinstance(value, bool):
+        raise ValueError(f"keep_alive must be seconds or a duration such as '5m', got {value!r}")
+    text = value.strip() if isinstance(value, str) else value
+    sign = 1.0
+    if isinstance(text, str) and text.startswith("-"):
+        sign, text = -1.0, text[1:]
+    seconds: float | None = None
+    if isinstance(text, (int, float)):
+        seconds = float(text)
+    elif isinstance(text, str) and _DURATION.fullmatch(text):
+        seconds = sum(float(n) * _UNIT[unit] for n, unit in _PART.findall(text))
+    elif isinstance(text, str):
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = None
+    if seconds is None or seconds != seconds or seconds in (float("inf"), float("-inf")):
+        raise ValueError(
+            f"keep_alive must be seconds or a duration such as '5m', '1h30m' or '90s' (negative: forever), "
+            f"got {value!r}"
+        )
+    seconds *= sign
+    return None if seconds < 0 else seconds
+
+
 @attrs.frozen
 class Placement:
     """A model to keep placed: a repo id, or (config and CLI only) a local directory."""
@@ -62,6 +114,7 @@ class Placement:
     ranks: int
     model: str | None = None
     path: Path | None = None
+    keep_alive: float | Default | None = DEFAULT  # seconds (None: forever); by default [models] keep_alive
 
 
 @attrs.frozen
@@ -148,6 +201,15 @@ class _Place(BaseModel):
     model: str | None = None
     path: str | None = None
     ranks: Whole = 1
+    keep_alive: float | str | None = None  # None: [models] keep_alive
+
+
+class _Models(BaseModel):
+    model_config = _STRICT
+
+    on_demand: bool = False
+    default_ranks: Whole = 1
+    keep_alive: float | str = -1
 
 
 class _Cluster(BaseModel):
@@ -230,6 +292,7 @@ class _File(BaseModel):
     retention: _Retention = Field(default_factory=_Retention)
     limits: _Limits = Field(default_factory=_Limits)
     api: _Api = Field(default_factory=_Api)
+    models: _Models = Field(default_factory=_Models)
 
 
 _LISTS = frozenset({"place", "fault"})  # the sections written [[...]], once per entry
@@ -271,7 +334,8 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
         file = _File.model_validate(data)
     except ValidationError as exc:
         raise _named(exc, where) from None
-    d = file.daemon.model_copy(update={k: v for k, v in overrides.items() if v is not None})
+    given = {k: v for k, v in overrides.items() if v is not None and k in _Daemon.model_fields}
+    d = file.daemon.model_copy(update=given)
     retry, limits = file.retry, file.limits
     try:
         policy = fsm.RetryPolicy(
@@ -284,6 +348,11 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
             FaultSpec(Fault.parse(f"{f.phase}:{f.kind}"), rank=f.rank, generation=f.generation) for f in file.fault
         )
         origins = tuple(cors_origin(o) for o in file.api.cors_origins)
+        models = Models(
+            on_demand=file.models.on_demand if overrides.get("on_demand") is None else overrides["on_demand"],
+            default_ranks=file.models.default_ranks,
+            keep_alive=keep_alive(file.models.keep_alive),
+        )
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{where}: {exc}") from exc
     memory = model_room()
@@ -313,6 +382,7 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
             prompt_cache_bytes=limits.prompt_cache_mib * MIB,
             prefill_step=limits.prefill_step,
         ),
+        models=models,
     )
     return ServeConfig(
         daemon=daemon,
@@ -369,6 +439,7 @@ def _cluster(section: _Cluster | None, where: str) -> ClusterConfig | None:
 def _placement(entry: _Place) -> Placement:
     if (entry.model is None) == (entry.path is None):
         raise ValueError("each [[place]] needs exactly one of model = 'org/name' or path = '/a/model/dir'")
+    kept = DEFAULT if entry.keep_alive is None else keep_alive(entry.keep_alive)
     if entry.model is not None:
-        return Placement(entry.ranks, model=validate_model_id(entry.model))
-    return Placement(entry.ranks, path=Path(entry.path).expanduser())  # type: ignore[arg-type]
+        return Placement(entry.ranks, model=validate_model_id(entry.model), keep_alive=kept)
+    return Placement(entry.ranks, path=Path(entry.path).expanduser(), keep_alive=kept)  # type: ignore[arg-type]

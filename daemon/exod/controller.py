@@ -22,9 +22,8 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ import trio
 import fsm
 from exod.cluster.election import Deposed
 from exod.cluster.remote import Fleet
-from exod.config import DaemonConfig
+from exod.config import DEFAULT, DaemonConfig, Default
 from exod.downloads import Downloads
 from exod.executor import Executor
 from exod.host.models import ModelCard, ModelFiles
@@ -45,9 +44,10 @@ from exod.processes import Processes
 from exod.reports import Reports
 from exod.requests import InstanceNotFound, RequestBook
 from exod.state import retention
-from exod.state.journal import WRITE_RETRY, Journal, StoreUnavailable
+from exod.state.journal import WRITE_RETRY, Journal
+from exod.state.journal import StoreUnavailable as StoreUnavailable  # the front ends hear of the store from here
 from exod.state.sqlite import ProcessRecord, Store
-from exod.state.store import SqliteState, StateStore, StateUnavailable
+from exod.state.store import SqliteState, StateStore
 from exod.status import NODE, status_of
 from fsm import download as dl
 from fsm import runner as rn
@@ -59,14 +59,6 @@ SHUTDOWN_WRITE_S = 5.0  # how long a stopping daemon tries to write its last sta
 MAX_PLAN_ROUNDS = 64  # one change rarely needs more than a handful of plan → execute rounds
 KEEP_DELETED = 32  # deleted instances kept for `status` before they are forgotten
 RETRY_AFTER = WRITE_RETRY  # seconds: a degraded daemon tries to write its state again this often
-
-
-class PlacementRefused(Exception):
-    """`fsm.admit` refused a placement; ``refusal`` says why (the API maps it to 404, 409 or 422)."""
-
-    def __init__(self, refusal: fsm.Refusal, message: str) -> None:
-        super().__init__(message)
-        self.refusal = refusal
 
 
 class Controller:
@@ -95,7 +87,7 @@ class Controller:
         self.processes = Processes(config, spawn, self._reports, fleet, self._published, recorded)  # on their nodes
         self.requests = self._new_book()
         self._downloads = Downloads(self.models, fleet, lambda: self.cluster, self.now, self._changed)
-        self._placer = Placer(lambda: self.cluster, self.models, config, fleet)
+        self._placer = Placer(lambda: self.cluster, self.models, config, fleet, lambda: self.requests.pending())
         self._executor = Executor(
             lambda: self.cluster,
             lambda: self.requests,
@@ -112,6 +104,7 @@ class Controller:
         self._nursery: trio.Nursery | None = None
         self.reaped_orphans: list[ProcessRecord] = []
         self.failure_counts: collections.Counter[str] = collections.Counter()  # by FailureKind value
+        self.residency_counts: collections.Counter[tuple[str, str]] = collections.Counter()  # (park|unpark, reason)
         # the cluster's state: SQLite (this host's store) unless a cluster's store is given
         self.journal = Journal(state or SqliteState(store), store)  # degraded while it refuses writes
 
@@ -138,6 +131,7 @@ class Controller:
             max_per_instance=c.max_requests_per_instance,
             queue_timeout=c.queue_timeout,
             post=self.processes.post,
+            place=(lambda model_id: self.place(model_id, c.models.default_ranks)) if c.models.on_demand else None,
         )
 
     # -- lifecycle of the controller --------------------------------------------------------
@@ -212,10 +206,18 @@ class Controller:
     # -- the public surface of the daemon's front ends ---------------------------------------
 
     async def place(
-        self, model_id: str, ranks: int, *, policy: fsm.RetryPolicy | None = None, nodes: list[str] | None = None
+        self,
+        model_id: str,
+        ranks: int,
+        *,
+        policy: fsm.RetryPolicy | None = None,
+        nodes: list[str] | None = None,
+        keep_alive: float | Default | None = DEFAULT,
     ) -> str:
-        """Place ``model_id`` on ``ranks`` ranks (on ``nodes`` only, if given) if `fsm.admit` admits it; returns
-        the instance id once it is stored. Raises `PlacementRefused` (and stores nothing) if not."""
+        """Place ``model_id`` on ``ranks`` ranks (on ``nodes`` only, if given) if `fsm.admit` admits it, parking
+        the idle instances it names to make room; returns the instance id once it is stored. Raises
+        `PlacementRefused` (and stores nothing) if not. ``keep_alive``: seconds it stays loaded unused (None:
+        forever; by default ``[models] keep_alive``)."""
         if not self.models.placeable(model_id):
             raise fsm.InvalidConfig(
                 f"{model_id}: local model directories are placed from the config file or `exod serve --place` only"
@@ -223,21 +225,24 @@ class Controller:
         self.journal.writable("new placements")  # the caller would be told of a placement a crash could lose
         if self.fleet is not None:
             await self.fleet.refresh()
-        answer = self.admission(model_id, ranks, nodes)
-        if not answer.admitted:
-            assert answer.refusal is not None
-            raise PlacementRefused(answer.refusal, answer.message)
-        instance_id = f"{model_id.split('/')[-1]}-{secrets.token_hex(3)}"
-        slots = [fsm.Slot(rank, node, f"{instance_id}/{rank}") for rank, node in enumerate(answer.nodes)]
-        self.cluster.place(instance_id, model_id, slots, policy=policy or self.config.policy)
-        self.cluster.log.append(LogEntry(self.now(), "instance", instance_id, "place", "", "pending"))
+        kept = self.config.models.keep_alive if keep_alive is DEFAULT else keep_alive
+        instance_id = self._placer.place(model_id, ranks, self.now(), policy or self.config.policy, nodes, kept)
         self._changed()
         await self.journal.stored(f"instance {instance_id} is placed")
         return instance_id
 
-    def admission(self, model_id: str, ranks: int, nodes: list[str] | None = None) -> fsm.Admission:
-        """What `fsm.admit` answers for placing ``model_id`` on ``ranks`` ranks (on ``nodes``) now."""
-        return self._placer.admission(model_id, ranks, nodes)
+    async def park(self, instance_id: str) -> None:
+        """Park the instance now (`exod.placer.Placer.park`; `InstanceBusy` if it cannot be now)."""
+        self.instance(instance_id)
+        await self._change("parks", lambda: self._placer.park(instance_id, self.now()), f"{instance_id} is parked")
+
+    async def unpark(self, instance_id: str) -> None:
+        """Bring a parked instance back now (`exod.placer.Placer.unpark`: `PlacementRefused`, `InstanceBusy`)."""
+        self.instance(instance_id)
+        await self._change("unparks", lambda: self._placer.unpark(instance_id, self.now()), f"{instance_id} is back")
+
+    def residency(self, instance_id: str) -> fsm.Residency:
+        return self._view().instances[self.instance(instance_id).instance_id].residency
 
     def register_local_model(self, directory: Path) -> str:
         """Name a local model directory ``local/NAME`` so it can be placed; never reachable from the API."""
@@ -249,10 +254,14 @@ class Controller:
     async def delete(self, instance_id: str) -> None:
         if instance_id not in self.cluster.instances:
             raise InstanceNotFound(f"no instance {instance_id!r}; `exod status` lists them")
-        self.journal.writable("deletes")
-        self.cluster.delete(instance_id, self.now())
+        await self._change("deletes", lambda: self.cluster.delete(instance_id, self.now()), f"{instance_id} is deleted")
+
+    async def _change(self, what: str, change: Callable[[], object], done: str) -> None:
+        """Make a change the caller is told of once it is stored (refused at once while ``what`` cannot be)."""
+        self.journal.writable(what)
+        change()
         self._changed()
-        await self.journal.stored(f"instance {instance_id} is deleted")
+        await self.journal.stored(f"instance {done}")
 
     def status(self) -> dict[str, Any]:
         return {**status_of(self.cluster), "degraded": self.journal.degraded}
@@ -275,26 +284,20 @@ class Controller:
 
     async def transitions(self, after: int = 0, limit: int | None = None) -> list[tuple[int, LogEntry]]:
         """The durable transition log after sequence number ``after``; `log_written` is set when it grows."""
-        return await self._read(self.journal.state.transitions(after=after, limit=limit))
+        return await self.journal.read(self.journal.state.transitions(after=after, limit=limit))
 
     async def log_start(self) -> int:
         """The first sequence number the log still holds: the entries before it were pruned (`exod.state.retention`)."""
-        return await self._read(self.journal.state.log_start())
+        return await self.journal.read(self.journal.state.log_start())
 
     async def log_grew(self, after: int) -> None:
         """Return once the durable log holds an entry past ``after``."""
-        await self._read(self.journal.state.changed(after))
+        await self.journal.read(self.journal.state.changed(after))
 
     @property
     def log_written(self) -> trio.Event:
         """Set (and replaced) at every write of the state by this controller."""
         return self.journal.written
-
-    async def _read(self, reading: Awaitable[Any]) -> Any:
-        try:
-            return await reading
-        except StateUnavailable as exc:  # the front ends hear of it in the controller's words
-            raise StoreUnavailable(str(exc)) from exc
 
     # -- plan → execute ------------------------------------------------------------------
 
@@ -310,6 +313,8 @@ class Controller:
         if self.cluster.log:
             for entry in self.cluster.log:
                 narrate(entry)
+                if entry.machine == "instance" and entry.event in ("park", "unpark"):
+                    self.residency_counts[(entry.event, entry.cause)] += 1
             self.journal.save(self.cluster.to_dict, self.cluster.log, self.now())
             self.cluster.log.clear()
 
@@ -335,7 +340,7 @@ class Controller:
         if not done.settled:
             log.error("plan did not settle after %d rounds; will retry on the next change", MAX_PLAN_ROUNDS)
         self.requests.fail_orphaned()
-        self._forget_old_deleted(done.now)
+        retention.forget_deleted(self.cluster, self.config.state_dir, done.now, KEEP_DELETED)
         self._commit()
 
     def _running_nursery(self) -> trio.Nursery:
@@ -350,18 +355,6 @@ class Controller:
         """The nodes to plan for: this one, and every node a rank is placed on."""
         slots = {slot.node_id for pl in self.cluster.instances.values() for slot in pl.slots}
         return sorted(slots | {self.node_id})
-
-    def _forget_old_deleted(self, now: float) -> None:
-        """Keep the newest `KEEP_DELETED` deleted instances (for `status`: why did it go?); drop older ones."""
-        done = [
-            iid
-            for iid, pl in self.cluster.instances.items()
-            if pl.machine.is_deleted and not self.cluster.has_live_runners(iid)
-        ]
-        for iid in done[: max(0, len(done) - KEEP_DELETED)]:
-            self.cluster.forget(iid)
-            retention.forget_instance(self.config.state_dir, iid)
-            self.cluster.log.append(LogEntry(now, "instance", iid, "forget", "deleted", ""))
 
     # -- exod.reports.Sink: what the runners' reports became ------------------------------------
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import trio
 
 import fsm
+from exod.config import DEFAULT
 from exod.downloads import Downloads
 from exod.host.models import ModelFiles, ModelNotFound
 from exod.placer import Placer
@@ -53,8 +54,16 @@ class Executor:
 
     def before(self, action: fsm.Action) -> bool:
         """The I/O that can fail comes before the machines move: a model gone from the cache since it was
-        downloaded is fetched again instead of loaded; a new generation's ranks leave nodes that are gone."""
+        downloaded is fetched again instead of loaded; a new generation's ranks leave nodes that are gone; a
+        parked instance comes back only once it has room (idle instances parked for it), else its requests
+        wait (and fail at their queue timeout, 503)."""
         cluster = self._cluster()
+        if isinstance(action, fsm.UnparkInstance):
+            answer = self.placer.room_to_unpark(action.instance_id)
+            if not answer.admitted:
+                log.info("instance %s stays parked for now: %s", action.instance_id, answer.message)
+                return False
+            self.placer.evict(answer, self._now())
         if isinstance(action, fsm.LoadModel) and self.processes.is_local(cluster.runners[action.runner_id].node_id):
             try:
                 self._paths[(action.runner_id, action.incarnation)] = self.models.path(action.model_id)
@@ -94,9 +103,12 @@ class Executor:
         self.processes.post(action.runner_id, action.incarnation, p.WarmUp())
 
     def forward_request(self, action: fsm.ForwardRequest) -> None:
-        command = self._requests().forwarded(action, self._cluster().runner(action.runner_id).rank)
+        book, cluster = self._requests(), self._cluster()
+        command = book.forwarded(action, cluster.runner(action.runner_id).rank)
         if command is not None:
             self.processes.post(action.runner_id, action.incarnation, command)
+        if (keep_alive := book.keep_alive(action.request_id)) is not DEFAULT:  # Ollama's, for this request
+            cluster.hold(cluster.runners[action.runner_id].instance_id, keep_alive)
 
     def cancel_request(self, action: fsm.CancelRequest) -> None:
         self._requests().cancel(action.request_id, action.reason)

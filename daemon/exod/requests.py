@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import attrs
@@ -23,6 +23,7 @@ import trio
 
 import fsm
 from exod import generated as g
+from exod.config import DEFAULT, Default
 from exod.host.models import validate_model_id
 from exod.runner import protocol as p
 from fsm.cluster import Cluster
@@ -84,6 +85,7 @@ class _Request:
     instance_id: str
     command: p.Generate
     channel: trio.MemorySendChannel[Any]
+    keep_alive: float | Default | None = DEFAULT  # how long its instance stays loaded after it (Ollama's field)
     leader: str = ""  # runner id of rank 0 once forwarded
     incarnation: int = -1
     runners: list[tuple[str, int]] = attrs.Factory(list)  # every rank it was sent to: (runner id, incarnation)
@@ -164,9 +166,14 @@ class RequestBook:
         max_per_instance: int,
         queue_timeout: float,
         post: Callable[[str, int, p.Command], None] = lambda _runner_id, _incarnation, _command: None,
+        place: Callable[[str], Awaitable[str]] | None = None,
     ) -> None:
+        """``place``: models are placed on demand (`serving`) by it, and a request for a model whose instance is
+        still loading waits for it instead of being told to retry (`ModelNotReady`)."""
         self.cluster = cluster
         self.queue_timeout = queue_timeout
+        self._place = place
+        self._placing = trio.Lock()  # two first requests for a model place it once
         self._wake = wake
         self._now = now
         self._post = post
@@ -177,7 +184,8 @@ class RequestBook:
     # -- callers -----------------------------------------------------------------------------
 
     def pick(self, model_id: str) -> str:
-        """The Ready instance of ``model_id`` with the fewest requests; `ModelNotReady` says when to retry."""
+        """The Ready instance of ``model_id`` with the fewest requests; else one on its way back from being parked
+        (its requests wait for it, bounded by the queue timeout); `ModelNotReady` says when to retry."""
         live = [
             (iid, pl)
             for iid, pl in self.cluster.instances.items()
@@ -188,9 +196,32 @@ class RequestBook:
         ready = [iid for iid, pl in live if pl.machine.instance_state is fsm.InstanceState.READY]
         if ready:
             return min(ready, key=lambda iid: (self.load(iid), iid))
+        coming = [iid for iid, pl in live if self._coming(pl.machine)]
+        if coming:
+            return min(coming, key=lambda iid: (self.load(iid), iid))
         now = self._now()
         waits = [pl.machine.deadline - now for _, pl in live if pl.machine.deadline is not None]
         raise ModelNotReady(model_id, max(1, math.ceil(min(waits, default=1.0))))
+
+    async def serving(self, model_id: str) -> str:
+        """The instance a request for ``model_id`` goes to (`pick`); placed on demand, if the book places models
+        and this is one that can be (refused as `place` refuses), the request then waiting for it."""
+        try:
+            return self.pick(model_id)
+        except InstanceNotFound:
+            if self._place is None or not _is_model_id(model_id):  # `pick` said what is served instead
+                raise
+        async with self._placing:
+            try:
+                return self.pick(model_id)
+            except InstanceNotFound:
+                return await self._place(model_id)
+
+    def _coming(self, machine: fsm.InstanceRetry) -> bool:
+        """Parked, or on its way to Ready after an unpark (or, placed on demand, at all)."""
+        parked = machine.instance_state in (fsm.InstanceState.PARKING, fsm.InstanceState.PARKED)
+        loading = machine.instance_state in (fsm.InstanceState.PENDING, fsm.InstanceState.STARTING)
+        return parked or machine.waking or (self._place is not None and loading)
 
     def _not_placed(self, model_id: str) -> str:
         """Why ``model_id`` cannot be served, and what to do: place it, where it can be a model's id at all;
@@ -217,11 +248,13 @@ class RequestBook:
         top_p: float = 1.0,
         seed: int | None = None,
         stop: list[str] | None = None,
+        keep_alive: float | Default | None = DEFAULT,
         **options: Any,
     ) -> RequestStream:
         """Queue a generation on an instance: chat ``messages``, or a prompt (``prompt_text``,
         ``prompt_tokens``); ``options`` are `exod.runner.protocol.Generate`'s others (tools, logprobs, penalties).
-        Refuses at once (not later) when it cannot take it."""
+        ``keep_alive``: seconds its instance stays loaded after it (None: forever; by default, the instance's
+        own). Refuses at once (not later) when it cannot take it."""
         if self._closed is not None:
             raise ShuttingDown(self._closed)
         placement = self.cluster.instances.get(instance_id)
@@ -247,7 +280,7 @@ class RequestBook:
         except p.ProtocolError as exc:
             raise InvalidRequest(f"invalid request: {exc}") from exc
         send, receive = trio.open_memory_channel[Any](math.inf)
-        request = _Request(instance_id, command, send)
+        request = _Request(instance_id, command, send, keep_alive)
         self._requests[request_id] = request
         self._wake()
         return RequestStream(self, request_id, request, receive)
@@ -283,6 +316,11 @@ class RequestBook:
         request.forwarded.set()
         request.answered.set()
         return request.command
+
+    def keep_alive(self, request_id: str) -> float | Default | None:
+        """The keep-alive the request asked for its instance (`DEFAULT`: none of its own)."""
+        request = self._requests.get(request_id)
+        return DEFAULT if request is None else request.keep_alive
 
     def drop(self, request_id: str) -> None:
         """Its caller went away: every rank drops it from its batch, at the same step (`exod.runner.protocol.Cancel`).
@@ -364,6 +402,14 @@ class RequestBook:
             return f"instance was deleted ({reason.value if reason else 'gone'})"
         cause = machine.failure.message if machine is not None and machine.failure else "runner stopped"
         return f"the runner serving this request failed: {cause}"
+
+
+def _is_model_id(text: str) -> bool:
+    try:
+        validate_model_id(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _alternative(alt: p.Alternative) -> g.Alternative:

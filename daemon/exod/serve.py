@@ -43,7 +43,7 @@ from exod.cluster.etcd_state import EtcdState
 from exod.cluster.membership import Membership
 from exod.cluster.nodes import NodeRecord, list_nodes, live_runners
 from exod.cluster.remote import Fleet
-from exod.config import ServeConfig
+from exod.config import DEFAULT, Default, ServeConfig
 from exod.controller import Controller, StoreUnavailable
 from exod.host.memory import free_memory
 from exod.host.models import ModelFiles
@@ -85,10 +85,12 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
             state = SqliteState(store) if membership is None else _cluster_state(membership, config, None)
             fleet = None if membership is None else _fleet(membership, config)
             controller = Controller(config.daemon, store, state=state, fleet=fleet, models=models)
-            wanted = [(p.model or controller.register_local_model(p.path), p.ranks) for p in config.placements]
+            named = [(p.model or controller.register_local_model(p.path), p) for p in config.placements]
+            wanted = [(model_id, p.ranks) for model_id, p in named]
+            kept = {model_id: p.keep_alive for model_id, p in named}  # the last entry wins, as for its ranks
             if membership is None:
                 await _restore(controller, state)
-                await _place_configured(controller, wanted)
+                await _place_configured(controller, wanted, kept)
             logging.getLogger("hypercorn.error").propagate = False  # it has its own handler
             async with trio.open_nursery() as nursery:
                 if membership is None:
@@ -115,7 +117,7 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                     await nursery.start(membership.run)
                     assert agent is not None
                     await nursery.start(agent.run, membership.presence)
-                    nursery.start_soon(_lead, controller, membership, config, wanted)
+                    nursery.start_soon(_lead, controller, membership, config, wanted, kept)
                     announce(f"exod: node {membership.node_id} of the cluster at {membership.config.url}")
                 announce(f"exod serving on {url} (state in {state_dir})")
                 exod = _command()
@@ -172,11 +174,13 @@ async def _restore(controller: Controller, state: StateStore) -> None:
         log.warning("reaped %d runner(s) left by a previous daemon", len(controller.reaped_orphans))
 
 
-async def _place_configured(controller: Controller, wanted: list[tuple[str, int]]) -> None:
-    """Place what the configuration asks for and is not placed yet (`fsm.to_place`)."""
+async def _place_configured(
+    controller: Controller, wanted: list[tuple[str, int]], kept: dict[str, float | Default | None]
+) -> None:
+    """Place what the configuration asks for and is not placed yet (`fsm.to_place`), each with its keep-alive."""
     for model_id, ranks in fsm.to_place(wanted, controller.placed_models()):
         try:
-            await controller.place(model_id, ranks)
+            await controller.place(model_id, ranks, keep_alive=kept.get(model_id, DEFAULT))
         except StoreUnavailable as exc:  # serve what is placed; the configuration places again next start
             log.error("%s not placed: %s", model_id, exc)
 
@@ -209,7 +213,7 @@ def _cluster_state(membership: Membership, config: ServeConfig, term: Term | Non
     return EtcdState(membership.etcd, membership.prefix, term, retention=config.daemon.retention)
 
 
-async def _lead(controller: Controller, membership: Membership, config: ServeConfig, wanted) -> None:
+async def _lead(controller: Controller, membership: Membership, config: ServeConfig, wanted, kept) -> None:
     """Each time this node is elected: the controller's term, on etcd's state, until the term ends. Then
     its runners are stopped (cancelling `controller.run` kills and reaps them): the next controller
     resumes the instances from etcd, as a restarted one-host daemon resumes from SQLite."""
@@ -220,7 +224,7 @@ async def _lead(controller: Controller, membership: Membership, config: ServeCon
         unreachable = False
         try:
             await _restore(controller, state)
-            await _place_configured(controller, wanted)
+            await _place_configured(controller, wanted, kept)
             async with trio.open_nursery() as leading:
                 await leading.start(controller.run)
                 await membership.deposed(term)

@@ -21,7 +21,7 @@ def status_of(cluster: Cluster) -> dict[str, Any]:
     view = cluster.view()
     instances = []
     for iid, placement in cluster.instances.items():
-        m = placement.machine
+        m, seen = placement.machine, view.instances[iid]
         runners = []
         for slot, r in view.slot_runners(view.instances[iid]):
             runners.append(
@@ -55,6 +55,11 @@ def status_of(cluster: Cluster) -> dict[str, Any]:
                 "delete_reason": None if m.delete_reason is None else m.delete_reason.value,
                 "last_failure": None if m.last_failure is None else m.last_failure.message,
                 "waiting_for": waiting_for,
+                # loaded, parked, unparking … (fsm.Residency); when it was last used, when it will be parked
+                "residency": seen.residency.value,
+                "keep_alive": seen.keep_alive,  # seconds it stays loaded unused (None: forever)
+                "last_used": seen.last_used,
+                "park_at": seen.park_at,
                 "download": None
                 if download is None
                 else {

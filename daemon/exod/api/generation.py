@@ -19,10 +19,13 @@ import attrs
 import trio
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
+import fsm
 from exod import generated as g
 from exod.api.drain import unavailable
 from exod.api.errors import ApiError
-from exod.controller import Controller
+from exod.api.instances import refused
+from exod.controller import RETRY_AFTER, Controller, StoreUnavailable
+from exod.placer import PlacementRefused
 from exod.requests import (
     ConstraintRejected,
     ContextExceeded,
@@ -102,13 +105,18 @@ class Generation:
         """Queue ``n`` generations (``submit``: `exod.requests.RequestBook.submit`'s arguments) and wait until
         runners took them. Errors before the first token are HTTP errors, streaming or not."""
         try:
-            instance_id = self.controller.requests.pick(self.model)
+            instance_id = await self.controller.requests.serving(self.model)  # placed now, if on demand
+            cold = self.controller.residency(instance_id) is not fsm.Residency.LOADED
             seed = submit.pop("seed", None)
             for i in range(n):
                 each = None if seed is None else seed + i  # n samples, not one sample n times
                 self.streams.append(self.controller.requests.submit(instance_id, seed=each, **submit))
         except InstanceNotFound as exc:
             raise self.rejected(ApiError(404, str(exc), param="model", code="model_not_found")) from exc
+        except PlacementRefused as exc:  # placed on demand, and refused
+            raise self.rejected(refused(exc)) from exc
+        except StoreUnavailable as exc:
+            raise self.rejected(ApiError(503, str(exc), headers={"Retry-After": str(int(RETRY_AFTER))})) from exc
         except ModelNotReady as exc:
             raise self.rejected(ApiError(503, str(exc), headers={"Retry-After": str(exc.retry_after)})) from exc
         except InvalidRequest as exc:
@@ -145,6 +153,8 @@ class Generation:
         except BaseException:
             self.close()
             raise
+        if cold:  # it waited for its instance to load (placed on demand, or unparked)
+            self.metrics.cold_starts.labels(self.metrics.label(self.model)).observe(self.elapsed)
         return self.streams
 
     async def collect(self, stream: RequestStream) -> Output:

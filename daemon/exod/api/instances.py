@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -13,8 +14,10 @@ from exod.api.errors import ApiError, responses
 from exod.cluster.etcd import EtcdUnavailable
 from exod.cluster.etcd_state import MalformedState, stored_cluster
 from exod.cluster.membership import Membership
-from exod.controller import RETRY_AFTER, Controller, PlacementRefused, StoreUnavailable
+from exod.config import DEFAULT, keep_alive
+from exod.controller import RETRY_AFTER, Controller, StoreUnavailable
 from exod.host.models import InvalidModelId
+from exod.placer import InstanceBusy, PlacementRefused
 from exod.requests import InstanceNotFound
 from exod.status import NODE, status_of, unvouched
 
@@ -36,6 +39,11 @@ class PlaceRequest(BaseModel):
     ranks: int = Field(1, ge=1, le=64)
     nodes: list[str] | None = Field(None, min_length=1, max_length=64, description="place on these nodes only")
     retry: RetryOverrides | None = None
+    keep_alive: float | str | None = Field(
+        None,
+        description="park it when unused this long: seconds, or a duration (5m, 1h); negative: never. "
+        "Default: [models] keep_alive",
+    )
 
 
 def _policy(base: fsm.RetryPolicy, overrides: RetryOverrides | None) -> fsm.RetryPolicy | None:
@@ -63,6 +71,26 @@ _REFUSAL_STATUS = {
     fsm.Refusal.LIMIT_REACHED: (409, None),
     fsm.Refusal.NO_MEMORY: (409, "ranks"),
 }
+
+
+def refused(exc: PlacementRefused) -> ApiError:
+    """A refused placement (or unpark), in HTTP: 404, 422 or 409 (`_REFUSAL_STATUS`)."""
+    status, param = _REFUSAL_STATUS[exc.refusal]
+    return ApiError(status, str(exc), param=param, code=exc.refusal.value)
+
+
+async def _residency(change: Callable[[str], Awaitable[None]], instance_id: str) -> None:
+    """A park or an unpark, its refusals as HTTP errors."""
+    try:
+        await change(instance_id)
+    except InstanceNotFound as exc:
+        raise ApiError(404, str(exc)) from exc
+    except InstanceBusy as exc:
+        raise ApiError(409, str(exc), headers={"Retry-After": "1"}) from exc
+    except PlacementRefused as exc:
+        raise ApiError(409, str(exc), code=exc.refusal.value) from exc
+    except StoreUnavailable as exc:
+        raise ApiError(503, str(exc), headers={"Retry-After": str(int(RETRY_AFTER))}) from exc
 
 
 CONTROLLER_CHECK_S = 2.0  # how long a node waits for the controller's /health before it vouches for nothing
@@ -114,13 +142,18 @@ def router(controller: Controller, membership: Membership | None) -> APIRouter:
         if membership is not None and membership.presence.lost is not None:
             raise ApiError(503, f"degraded: {membership.presence.lost}", headers={"Retry-After": "1"})
         try:
+            kept = DEFAULT if body.keep_alive is None else keep_alive(body.keep_alive)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="keep_alive") from exc
+        try:
             policy = _policy(controller.config.policy, body.retry)
-            instance_id = await controller.place(body.model, body.ranks, policy=policy, nodes=body.nodes)
+            instance_id = await controller.place(
+                body.model, body.ranks, policy=policy, nodes=body.nodes, keep_alive=kept
+            )
         except (InvalidModelId, fsm.InvalidConfig) as exc:
             raise ApiError(400, str(exc), param="ranks" if str(exc).startswith("ranks") else "model") from exc
         except PlacementRefused as exc:
-            status, param = _REFUSAL_STATUS[exc.refusal]
-            raise ApiError(status, str(exc), param=param, code=exc.refusal.value) from exc
+            raise refused(exc) from exc
         except StoreUnavailable as exc:
             raise ApiError(503, str(exc), headers={"Retry-After": str(int(RETRY_AFTER))}) from exc
         return await find(instance_id)
@@ -142,6 +175,20 @@ def router(controller: Controller, membership: Membership | None) -> APIRouter:
 
     @api.get("/instances/{instance_id}", responses=responses(404))
     async def instance(instance_id: str) -> dict[str, Any]:
+        return await find(instance_id)
+
+    @api.post("/instances/{instance_id}/park", responses=responses(404, 409, 503))
+    async def park(instance_id: str) -> dict[str, Any]:
+        """Park the instance: its runners stop and free their memory; its placement and retry budget stay, and
+        the next request for it (or an unpark) brings it back. 409 while a request is in flight on it."""
+        await _residency(controller.park, instance_id)
+        return await find(instance_id)
+
+    @api.post("/instances/{instance_id}/unpark", responses=responses(404, 409, 503))
+    async def unpark(instance_id: str) -> dict[str, Any]:
+        """Bring a parked instance back now, parking least recently used idle ones if it needs their memory;
+        409 if it does not fit even so (saying what each node lacks), or while it is still parking."""
+        await _residency(controller.unpark, instance_id)
         return await find(instance_id)
 
     @api.delete("/instances/{instance_id}", responses=responses(404, 503))

@@ -67,6 +67,13 @@ class Metrics:
             ["model"],
             registry=self.registry,
         )
+        self.cold_starts = Histogram(
+            "exod_cold_start_seconds",
+            "Requests that waited for their instance to load (unparked, or placed on demand): the wait",
+            ["model"],
+            buckets=(0.5, 1, 2.5, 5, 10, 20, 30, 60, 120),
+            registry=self.registry,
+        )
         self.registry.register(_StateCollector(controller))
         if malformed is not None:
             self.registry.register(_MalformedCollector(malformed))
@@ -126,6 +133,21 @@ class _StateCollector(Collector):
         for i in status:
             attempts.add_metric([i["instance_id"]], i["attempts"])
         yield attempts
+        parks = CounterMetricFamily(
+            "exod_parks",
+            "Instances parked since start, by reason (idle, evicted: for another's memory, requested)",
+            labels=["reason"],
+        )
+        tally = self.controller.residency_counts
+        for reason in fsm.ParkReason:
+            parks.add_metric([reason.value], tally.get(("park", reason.value), 0))
+        yield parks
+        yield CounterMetricFamily("exod_unparks", "Parked instances brought back since start", tally[("unpark", "")])
+        residency = GaugeMetricFamily("exod_instance_residency", "Instances by residency", labels=["residency"])
+        by_residency = Tally(i.get("residency") for i in status)
+        for where in fsm.Residency:
+            residency.add_metric([where.value], by_residency.get(where.value, 0))
+        yield residency
         failures = CounterMetricFamily("exod_runner_failures", "Runner failures since start, by cause", labels=["kind"])
         counts = self.controller.failure_counts
         for kind in fsm.FailureKind:

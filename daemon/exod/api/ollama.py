@@ -10,6 +10,7 @@ without its organisation (``tiny-qwen2``) where exactly one served model has tha
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
@@ -19,14 +20,20 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field, field_validator
 
+import fsm
 from exod import generated as g
 from exod.api.chat import LENIENT, MAX_MESSAGE_CHARS, MAX_MESSAGES, Text, stop_list
 from exod.api.embeddings import embed
 from exod.api.errors import ApiError, responses
 from exod.api.generation import Generation, Output, ToolCall
-from exod.controller import Controller
+from exod.api.instances import refused
+from exod.config import DEFAULT, Default, keep_alive
+from exod.controller import RETRY_AFTER, Controller, StoreUnavailable
 from exod.host.models import ModelCard
-from exod.requests import RequestFailed, RequestStream
+from exod.placer import InstanceBusy, PlacementRefused
+from exod.requests import InstanceNotFound, ModelNotReady, RequestFailed, RequestStream
+
+log = logging.getLogger("exod.ollama")
 
 API_VERSION = "0.6.0"  # the Ollama API this speaks, for clients that check it before using a feature
 
@@ -114,7 +121,16 @@ class _Request(BaseModel):
     options: OllamaOptions = Field(default_factory=OllamaOptions)
     stream: bool = True  # Ollama streams unless told not to
     format: Literal["json", ""] | dict[str, Any] | None = None  # the output held to JSON, or to this schema
-    keep_alive: float | str | None = None  # accepted: models here stay placed until deleted
+    keep_alive: float | str | None = None  # how long the model stays loaded after this request (0: unload now)
+
+    def kept(self) -> float | Default | None:
+        """The request's keep-alive (`exod.config.keep_alive`), or `DEFAULT`: its instance's own."""
+        if self.keep_alive is None:
+            return DEFAULT
+        try:
+            return keep_alive(self.keep_alive)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="keep_alive") from exc
 
     def grammar(self) -> dict[str, Any] | None:
         if self.format == "json":
@@ -209,15 +225,21 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
 
     @api.get("/ps")
     async def ps() -> dict[str, Any]:
-        """The models with a Ready instance: loaded, in Ollama's words."""
-        running = []
-        for model_id in controller.placed_models(ready=True):
-            card = controller.model_card(model_id)
-            listed = _listed(model_id, card)
-            running.append(
-                listed | {"expires_at": "0001-01-01T00:00:00Z", "size_vram": 0, "context_length": card.context_length}
-            )
-        return {"models": running}
+        """The models in memory (an instance loaded, or on its way back from being parked), each with when it
+        will be parked (``expires_at``; kept forever: Ollama's zero time)."""
+        running: dict[str, dict[str, Any]] = {}
+        for inst in controller.status()["instances"]:
+            if inst["residency"] not in _IN_MEMORY or inst["model_id"] in running:
+                continue
+            card = controller.model_card(inst["model_id"])
+            expires = "0001-01-01T00:00:00Z" if inst["park_at"] is None else _at(inst["park_at"])
+            running[inst["model_id"]] = _listed(inst["model_id"], card) | {
+                "expires_at": expires,
+                "size_vram": 0,
+                "context_length": card.context_length,
+                "residency": inst["residency"],
+            }
+        return {"models": list(running.values())}
 
     @api.post("/show", responses=responses(400, 404, ollama=True))
     async def show(body: ShowRequest) -> dict[str, Any]:
@@ -264,16 +286,17 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
         model_id = model_of(body.model)
         generation = Generation(controller, metrics, model_id, constraint="format")
         head = {"model": body.model}
-        if not body.messages:  # Ollama's way to load a model: placed here means loaded, or loading
-            _served(model_id, controller)
+        if not body.messages:  # Ollama's way to load a model, or (keep_alive 0) to unload it
+            reason = await _load(controller, model_id, body.kept())
             return JSONResponse(
-                head | {"created_at": _now(), "message": _message(""), "done": True, "done_reason": "load"}
+                head | {"created_at": _now(), "message": _message(""), "done": True, "done_reason": reason}
             )
         tools = [t.model_dump() for t in body.tools or []] or None
         streams = await generation.start(
             messages=body.chat_messages(),
             tools=tools,
             grammar=body.grammar(),
+            keep_alive=body.kept(),
             **body.options.sampling(max_tokens_ceiling),
         )
         if not body.stream:
@@ -290,15 +313,17 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
         head = {"model": body.model}
         if body.images:
             raise generation.rejected(ApiError(400, "images: exod serves text models; send text only", param="images"))
-        if not body.prompt:  # Ollama's way to load a model: placed here means loaded, or loading
-            _served(model_id, controller)
-            return JSONResponse(head | {"created_at": _now(), "response": "", "done": True, "done_reason": "load"})
+        if not body.prompt:  # Ollama's way to load a model, or (keep_alive 0) to unload it
+            reason = await _load(controller, model_id, body.kept())
+            return JSONResponse(head | {"created_at": _now(), "response": "", "done": True, "done_reason": reason})
         if body.raw:
             prompt: dict[str, Any] = {"prompt_text": body.prompt}
         else:
             system = [{"role": "system", "content": body.system}] if body.system else []
             prompt = {"messages": [*system, {"role": "user", "content": body.prompt}]}
-        streams = await generation.start(**prompt, grammar=body.grammar(), **body.options.sampling(max_tokens_ceiling))
+        streams = await generation.start(
+            **prompt, grammar=body.grammar(), keep_alive=body.kept(), **body.options.sampling(max_tokens_ceiling)
+        )
         if not body.stream:
             [output] = await generation.outputs()
             return JSONResponse(head | {"created_at": _now(), "response": output.text} | _final(output, generation))
@@ -306,6 +331,42 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
         return _streamed(generation, streams[0], head, lambda text, _calls: {"response": text})
 
     return api
+
+
+_IN_MEMORY = frozenset({fsm.Residency.LOADED.value, fsm.Residency.UNPARKING.value})
+
+
+def _at(when: float) -> str:
+    return datetime.fromtimestamp(when, UTC).isoformat().replace("+00:00", "Z")
+
+
+async def _load(controller: Controller, model_id: str, kept: float | Default | None) -> str:
+    """Ollama's load (a request with nothing to say) and unload (the same, ``keep_alive`` 0): the model's idle
+    instances are parked; else it is brought into memory (placed, if on demand; unparked, if parked). Returns
+    Ollama's ``done_reason``."""
+    try:
+        instance_id = await controller.requests.serving(model_id)
+    except InstanceNotFound as exc:
+        raise ApiError(404, f"{exc}; GET /api/tags lists those served", code="model_not_found") from exc
+    except PlacementRefused as exc:
+        raise refused(exc) from exc
+    except StoreUnavailable as exc:
+        raise ApiError(503, str(exc), headers={"Retry-After": str(int(RETRY_AFTER))}) from exc
+    except ModelNotReady:  # loading already
+        return "load"
+    residency = controller.residency(instance_id)
+    try:
+        if kept == 0:
+            if residency is fsm.Residency.LOADED:
+                await controller.park(instance_id)
+            return "unload"
+        if residency is fsm.Residency.PARKED:
+            await controller.unpark(instance_id)
+    except InstanceBusy as exc:  # a request in flight, or still parking: as Ollama, it is done after it
+        log.info("%s: %s", model_id, exc)
+    except PlacementRefused as exc:
+        raise refused(exc) from exc
+    return "load"
 
 
 def _served(model_id: str, controller: Controller) -> None:

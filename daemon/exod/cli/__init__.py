@@ -9,7 +9,7 @@ from exod.cli.chaos import chaos
 from exod.cli.completions import chat
 from exod.cli.daemon import cluster_demo, cluster_token, serve
 from exod.cli.documents import diagram, machines, specs
-from exod.cli.instances import delete, logs, place, status
+from exod.cli.instances import delete, logs, park, place, status, unpark
 from exod.cli.models import model
 from exod.cli.verify import check, check_fencing, replay
 
@@ -25,6 +25,8 @@ main.add_command(model)
 main.add_command(serve)
 main.add_command(place)
 main.add_command(delete)
+main.add_command(park)
+main.add_command(unpark)
 main.add_command(status)
 main.add_command(logs)
 main.add_command(chat)

@@ -52,6 +52,12 @@ from exod.cli._common import STATE_DIR, etcd_options, etcd_security
     help="Let browser pages of ORIGIN (scheme://host[:port], or * for any) call the API; off by default. "
     "Repeatable; replaces [api] cors_origins.",
 )
+@click.option(
+    "--on-demand/--no-on-demand",
+    default=None,
+    help="A request for a model that is not placed places it ([models] default_ranks) and waits for it "
+    "(default: [models] on_demand, off).",
+)
 @etcd_options
 def serve(
     config_path,
@@ -69,6 +75,7 @@ def serve(
     cluster_token_file,
     extra,
     cors_origins,
+    on_demand,
     **etcd,
 ) -> None:
     """Run the daemon: restore state, reap orphans, place, serve the API until SIGINT/SIGTERM."""
@@ -80,8 +87,8 @@ def serve(
     import fsm
     from exod.api.http_server import BindError
     from exod.config import ConfigError, cors_origin, load
-    from exod.controller import PlacementRefused
     from exod.host.models import ModelNotFound
+    from exod.placer import PlacementRefused
     from exod.serve import ClusterUnavailable
     from exod.serve import serve as run_daemon
     from exod.state.sqlite import StoreError
@@ -89,7 +96,15 @@ def serve(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = load(config_path, host=host, port=port, state_dir=state_dir, hf_home=hf_home, offline=offline)
+        cfg = load(
+            config_path,
+            host=host,
+            port=port,
+            state_dir=state_dir,
+            hf_home=hf_home,
+            offline=offline,
+            on_demand=on_demand,
+        )
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     try:

@@ -1,4 +1,4 @@
-"""The instances of a daemon: `exod place`, `delete`, `status` and their runners' `logs`."""
+"""The instances of a daemon: `exod place`, `delete`, `park`, `unpark`, `status` and their runners' `logs`."""
 
 from __future__ import annotations
 
@@ -14,13 +14,21 @@ from exod.cli._common import STATE_DIR, URL, _call, _client, _state_dir
 @click.argument("model_id")
 @click.option("--ranks", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--nodes", default=None, metavar="A,B", help="In a cluster: place on these nodes only.")
+@click.option(
+    "--keep-alive",
+    default=None,
+    metavar="DURATION",
+    help="Park it when unused this long (seconds, or 5m, 1h …; -1: never). Default: [models] keep_alive.",
+)
 @URL
 @STATE_DIR
-def place(model_id: str, ranks: int, nodes: str | None, url, state_dir) -> None:
+def place(model_id: str, ranks: int, nodes: str | None, keep_alive: str | None, url, state_dir) -> None:
     """Place MODEL_ID (a Hugging Face repo id) on RANKS ranks."""
     body: dict = {"model": model_id, "ranks": ranks}
     if nodes:
         body["nodes"] = [node.strip() for node in nodes.split(",") if node.strip()]
+    if keep_alive is not None:
+        body["keep_alive"] = keep_alive
     with _client(url, state_dir) as client:
         instance = _call(client, "POST", "/instances", json=body)
     click.echo(instance["instance_id"])
@@ -35,6 +43,29 @@ def delete(instance_id: str, url, state_dir) -> None:
     with _client(url, state_dir) as client:
         _call(client, "DELETE", f"/instances/{instance_id}")
     click.echo(f"deleted {instance_id}")
+
+
+@click.command()
+@click.argument("instance_id")
+@URL
+@STATE_DIR
+def park(instance_id: str, url, state_dir) -> None:
+    """Park an instance: its runners stop and free their memory; its placement stays, and a request brings it
+    back."""
+    with _client(url, state_dir) as client:
+        instance = _call(client, "POST", f"/instances/{instance_id}/park")
+    click.echo(f"{instance_id} {instance['residency']}")
+
+
+@click.command()
+@click.argument("instance_id")
+@URL
+@STATE_DIR
+def unpark(instance_id: str, url, state_dir) -> None:
+    """Bring a parked instance back now (parking idle ones if it needs their memory)."""
+    with _client(url, state_dir) as client:
+        instance = _call(client, "POST", f"/instances/{instance_id}/unpark")
+    click.echo(f"{instance_id} {instance['residency']}")
 
 
 @click.command()
@@ -87,6 +118,8 @@ def status(url, state_dir, as_json: bool) -> None:
             + (f" (+{inst['uncharged']} the host's, uncharged)" if inst.get("uncharged") else "")
             + f"  next retry: {retry}"
         )
+        if inst.get("residency") and inst["delete_reason"] is None:
+            click.echo(f"  {_residency(inst, time.time())}")
         if inst.get("waiting_for"):
             click.echo(f"  waiting for: {inst['waiting_for']}")
         if inst["last_failure"]:
@@ -101,6 +134,18 @@ def status(url, state_dir, as_json: bool) -> None:
             failure = f"  ({r['failure']})" if r["failure"] else ""
             node = f"  on {r['node']}" if r.get("node", "local") != "local" else ""
             click.echo(f"  rank {r['rank']}  {r['runner_id']}{node}  incarnation {r['incarnation']}  {where}{failure}")
+
+
+def _residency(inst: dict, now: float) -> str:
+    """``loaded, last used 12 s ago, parked in 288 s`` — what is in memory, and for how long."""
+    said = [inst["residency"]]
+    if inst.get("last_used") is not None:
+        said.append(f"last used {max(0.0, now - inst['last_used']):.0f} s ago")
+    if inst.get("park_at") is not None:
+        said.append(f"parked in {max(0.0, inst['park_at'] - now):.0f} s")
+    elif inst["residency"] == fsm.Residency.LOADED.value and inst.get("keep_alive") is None:
+        said.append("kept loaded")
+    return ", ".join(said)
 
 
 def _offline_status(state_dir: Path) -> dict:

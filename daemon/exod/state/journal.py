@@ -18,7 +18,7 @@ state store is (a pid means something on one host only), through the same degrad
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import trio
@@ -51,6 +51,14 @@ class Journal:
         self._wake = trio.Event()
         self._lock = trio.Lock()  # one write at a time: the writer's, or a `durable` caller's
         self._retired: str | None = None  # why this journal writes nothing more (`retire`)
+
+    @staticmethod
+    async def read(reading: Awaitable[Any]) -> Any:
+        """What the store answers; `StoreUnavailable` (the controller's word for it) if it cannot now."""
+        try:
+            return await reading
+        except StateUnavailable as exc:
+            raise StoreUnavailable(str(exc)) from exc
 
     @property
     def degraded(self) -> str | None:

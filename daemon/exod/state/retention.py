@@ -30,6 +30,9 @@ from pathlib import Path
 import attrs
 from attrs import validators as v
 
+from fsm.cluster import Cluster
+from fsm.log import LogEntry
+
 log = logging.getLogger("exod.retention")
 
 DAY_S = 86_400.0
@@ -95,6 +98,16 @@ def forget_instance(state_dir: Path, instance_id: str) -> None:
             pass
         except OSError as exc:
             log.warning("cannot delete %s (%s); delete it by hand to reclaim the space", directory, exc)
+
+
+def forget_deleted(cluster: Cluster, state_dir: Path, now: float, keep: int) -> None:
+    """Keep the newest ``keep`` deleted instances (for `status`: why did it go?); forget older ones, with their
+    files, and log that they went."""
+    done = [iid for iid, pl in cluster.instances.items() if pl.machine.is_deleted and not cluster.has_live_runners(iid)]
+    for iid in done[: max(0, len(done) - keep)]:
+        cluster.forget(iid)
+        forget_instance(state_dir, iid)
+        cluster.log.append(LogEntry(now, "instance", iid, "forget", "deleted", ""))
 
 
 def _instance_dir(state_dir: Path, kind: str, instance_id: str) -> Path:
