@@ -159,14 +159,24 @@ class Cluster:
         return outcome
 
     def unpark(self, instance_id: str, now: float) -> Outcome:
-        return self.instance_event(inst.Unpark(instance_id, now))
+        """Bring a parked instance back; it keeps its own keep-alive again (not the last request's: a request's
+        ``keep_alive`` 0 parked it, and would park it again at once)."""
+        outcome = self.instance_event(inst.Unpark(instance_id, now))
+        if outcome.accepted:
+            placement = self._placement(instance_id)
+            placement.keep_alive_now = placement.keep_alive
+        return outcome
 
-    def hold(self, instance_id: str, keep_alive: float | None) -> None:
+    def hold(self, instance_id: str, keep_alive: float | None, now: float | None = None) -> None:
         """Keep the instance loaded ``keep_alive`` seconds after its last use (None: forever) until its next
         request, which brings back its own keep-alive unless it says otherwise (Ollama's per-request
-        ``keep_alive``; 0 parks it once it is idle)."""
+        ``keep_alive``; 0 parks it once it is idle). Given ``now``, it counts as used then (Ollama's load)."""
         _check_keep_alive(keep_alive)
-        self._placement(instance_id).keep_alive_now = keep_alive
+        placement = self._placement(instance_id)
+        if now is not None:
+            self._check_time(now)
+            placement.last_used = now
+        placement.keep_alive_now = keep_alive
 
     def forget(self, instance_id: str) -> None:
         """Drop a Deleted instance whose runners are all reaped (its retry budget goes with it)."""

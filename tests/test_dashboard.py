@@ -139,6 +139,16 @@ def test_place_and_delete_from_the_page(page, daemon) -> None:
     placed = until(lambda: card(page, OTHER, state="ready"), what="the placed instance Ready")
     instance_id = placed.get_attribute("data-instance")
     assert page.find_element(By.ID, "detail-title").text == f"Instance {instance_id}"  # placing selects it
+    assert "in memory\nloaded" in placed.text and "kept loaded" in placed.text
+
+    # parked from the page: its runner goes, its card says so; unparked: a new generation, Ready again
+    click(lambda: card(page, OTHER, state="ready").find_element(By.CSS_SELECTOR, "button[data-park]"))
+    parked = until(lambda: card(page, OTHER, state="parked"), what="the instance parked")
+    assert "in memory\nparked" in parked.text
+    assert httpx.get(f"{daemon}/instances/{instance_id}").json()["runners"][0]["phase"] == "stopped"
+    click(lambda: card(page, OTHER, state="parked").find_element(By.CSS_SELECTOR, "button[data-unpark]"))
+    back = until(lambda: card(page, OTHER, state="ready"), what="the instance back")
+    assert "generation\n2" in back.text and "failed generations\n0 of" in back.text  # no retry spent
 
     click(lambda: card(page, OTHER).find_element(By.CSS_SELECTOR, "button.delete"))
     deleted = until(lambda: card(page, OTHER, state="deleted"), what="the instance deleted")

@@ -241,6 +241,11 @@ class Controller:
         self.instance(instance_id)
         await self._change("unparks", lambda: self._placer.unpark(instance_id, self.now()), f"{instance_id} is back")
 
+    def hold(self, instance_id: str, keep_alive: float | None) -> None:
+        """Keep it loaded ``keep_alive`` seconds from now until its next request (`fsm.Cluster.hold`)."""
+        self.cluster.hold(self.instance(instance_id).instance_id, keep_alive, self.now())
+        self._changed()
+
     def residency(self, instance_id: str) -> fsm.Residency:
         return self._view().instances[self.instance(instance_id).instance_id].residency
 

@@ -362,6 +362,8 @@ async def _load(controller: Controller, model_id: str, kept: float | Default | N
             return "unload"
         if residency is fsm.Residency.PARKED:
             await controller.unpark(instance_id)
+        if kept is not DEFAULT:  # as long as this load asked, from now (its last use)
+            controller.hold(instance_id, kept)
     except InstanceBusy as exc:  # a request in flight, or still parking: as Ollama, it is done after it
         log.info("%s: %s", model_id, exc)
     except PlacementRefused as exc:

@@ -231,6 +231,11 @@ function instanceCard(inst) {
     el("span", { class: "muted" }, ` ${inst.model_id} · ${inst.ranks} rank${inst.ranks === 1 ? "" : "s"}`),
     el("span", { class: `state state-${inst.state}` }, inst.state),
   );
+  if (inst.residency === "loaded") {
+    head.append(el("button", { type: "button", class: "park", "data-park": inst.instance_id, title: "Stop its runners and free their memory; a request brings it back" }, "Park"));
+  } else if (inst.residency === "parked") {
+    head.append(el("button", { type: "button", class: "park", "data-unpark": inst.instance_id, title: "Load it again now" }, "Unpark"));
+  }
   if (inst.state !== "deleted") {
     head.append(el("button", { type: "button", class: "delete", "data-delete": inst.instance_id }, "Delete"));
   }
@@ -238,6 +243,7 @@ function instanceCard(inst) {
     ...fact("generation", String(inst.generation), "generation"),
     ...fact("failed generations", `${inst.attempts} of ${inst.max_retries}${inst.uncharged ? ` (+${inst.uncharged} not charged)` : ""}`, "attempts"),
   );
+  if (inst.state !== "deleted" && inst.residency) facts.append(...fact("in memory", residency(inst), "residency"));
   if (inst.next_retry_at !== null) facts.append(...fact("next retry", countdown(inst.next_retry_at), "countdown"));
   if (inst.waiting_for) facts.append(...fact("waiting for", inst.waiting_for, "waiting"));
   if (inst.last_failure) facts.append(...fact("last cause", inst.last_failure, "cause"));
@@ -389,6 +395,17 @@ async function remove(instanceId) {
   }
 }
 
+async function residencyChange(instanceId, change) {
+  try {
+    await api(`/instances/${encodeURIComponent(instanceId)}/${change}`, { method: "POST" });
+    await refresh();
+  } catch (failure) {
+    if (failure instanceof Unauthorized) return askForKey(failure.message);
+    $("banner").hidden = false;
+    $("banner").textContent = `Could not ${change} ${instanceId}: ${failure.message}`;
+  }
+}
+
 function select(instanceId) {
   page.selected = instanceId;
   render();
@@ -513,6 +530,16 @@ function fact(label, value, key) {
   return [el("dt", {}, label), el("dd", { "data-fact": key }, value)];
 }
 
+// "loaded · last used 12 s ago · parked in 288 s": what is in memory, and for how long
+function residency(inst) {
+  const now = Date.now() / 1000;
+  const said = [inst.residency];
+  if (inst.last_used !== null) said.push(`last used ${Math.max(0, now - inst.last_used).toFixed(0)} s ago`);
+  if (inst.park_at !== null) said.push(`parked ${countdown(inst.park_at)}`);
+  else if (inst.residency === "loaded" && inst.keep_alive === null) said.push("kept loaded");
+  return said.join(" · ");
+}
+
 function countdown(at) {
   const left = at - Date.now() / 1000;
   return left > 0 ? `in ${left.toFixed(1)} s` : "due";
@@ -550,6 +577,8 @@ $("chat-clear").addEventListener("click", () => {
 $("instances").addEventListener("click", (event) => {
   const del = event.target.closest("[data-delete]");
   if (del) return remove(del.dataset.delete);
+  const park = event.target.closest("[data-park], [data-unpark]");
+  if (park) return residencyChange(park.dataset.park ?? park.dataset.unpark, park.dataset.park ? "park" : "unpark");
   const card = event.target.closest("[data-instance]");
   if (card) select(card.dataset.instance);
 });
