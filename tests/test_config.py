@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from exod.cluster.devcluster import cluster_token_file
-from exod.config import ConfigError, load
+from exod.config import DEFAULT, ConfigError, keep_alive, load
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -217,3 +218,53 @@ def test_exod_cluster_token_writes_a_secret_readable_by_its_owner_alone_and_neve
     again = CliRunner().invoke(main, ["cluster-token", str(path)])
     assert made.exit_code == 0 and oct(path.stat().st_mode & 0o777) == "0o600" and len(first) >= 32
     assert again.exit_code == 1 and "exists already" in again.output and read_token(path) == first
+
+
+# -- [models]: models that come and go (issue #29) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("given", "seconds"),
+    [
+        *[(-1, None), ("-1", None), ("-5m", None), (0, 0.0), ("0", 0.0), (300, 300.0), ("90s", 90.0)],
+        *[("5m", 300.0), ("1h30m", 5400.0), ("2.5m", 150.0), ("500ms", 0.5), (" 10s ", 10.0), (1.5, 1.5)],
+    ],
+)
+def test_a_keep_alive_is_read_as_ollama_reads_it(given, seconds):
+    assert keep_alive(given) == seconds
+
+
+@pytest.mark.parametrize("given", ["soon", "5x", "", "m5", True, float("inf"), float("nan"), "1h-5m", [5]])
+def test_a_keep_alive_that_is_none_says_what_is_accepted(given):
+    with pytest.raises(ValueError, match="seconds or a duration such as '5m'"):
+        keep_alive(given)
+
+
+def test_models_are_off_by_default_and_come_from_the_file_and_the_command_line(tmp_path):
+    default = load(None, state_dir=tmp_path).daemon.models
+    assert (default.on_demand, default.default_ranks, default.keep_alive) == (False, 1, None)
+    text = '[models]\non_demand = true\ndefault_ranks = 2\nkeep_alive = "5m"\n\n[[place]]\nmodel = "a/b"\n'
+    text += 'keep_alive = "1h"\n\n[[place]]\nmodel = "c/d"\n'
+    cfg = load(write(tmp_path, text))
+    assert (cfg.daemon.models.on_demand, cfg.daemon.models.default_ranks, cfg.daemon.models.keep_alive) == (
+        True,
+        2,
+        300.0,
+    )
+    assert [p.keep_alive for p in cfg.placements] == [3600.0, DEFAULT]  # the second: [models] keep_alive
+    assert load(write(tmp_path, text), on_demand=False).daemon.models.on_demand is False  # --no-on-demand wins
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[models]\nkeep_alive = "soon"\n', "keep_alive must be seconds or a duration"),
+        ("[models]\ndefault_ranks = 0\n", "[models] default_ranks"),
+        ('[models]\non_demand = "yes"\n', "[models] on_demand"),
+        ('[[place]]\nmodel = "a/b"\nkeep_alive = "later"\n', "keep_alive must be seconds or a duration"),
+        ("[models]\nunload = 1\n", "unknown key(s) ['unload'] in [models]"),
+    ],
+)
+def test_models_mistakes_are_named(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load(write(tmp_path, text))
