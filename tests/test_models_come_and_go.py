@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from daemon_harness import exod, runner_pids, start_daemon
+from daemon_harness import assert_log_conforms, exod, runner_pids, start_daemon
 from exod.host.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("no_runner_left_behind")
@@ -212,6 +212,7 @@ def test_on_demand_two_models_take_turns_in_room_for_one_and_never_run_together(
         assert seen.most == 1
     # the order behind it, from the daemon's transition log: no runner was created while another parked
     assert created_while_parking(tmp_path / "state" / "state.db") == []
+    assert_log_conforms(tmp_path / "state" / "state.db")  # parks, evictions and unparks replay on the machines
 
 
 def created_while_parking(db: Path) -> list[str]:
