@@ -294,7 +294,7 @@ def _evicting(
 ) -> tuple[tuple[tuple[str, ...] | NoFit, dict[str, int]], tuple[str, ...]]:
     """``fit`` with the fewest of ``candidates`` parked, taken least recently used first: add them until it
     fits, then give back every one it still fits without (the newest first)."""
-    result = fit(reserving)
+    result = first = fit(reserving)
     chosen: list[InstanceView] = []
     for candidate in candidates:
         if not isinstance(result[0], NoFit):
@@ -302,7 +302,7 @@ def _evicting(
         chosen.append(candidate)
         result = fit([i for i in reserving if i not in chosen])
     if isinstance(result[0], NoFit):
-        return result, ()
+        return first, ()  # refused as without eviction: what each node lacks as it stands
     for candidate in reversed(chosen[:-1]):
         without = [c for c in chosen if c is not candidate]
         again = fit([i for i in reserving if i not in without])

@@ -51,6 +51,7 @@ class Executor:
         self.processes, self.downloads, self.models, self.placer = processes, downloads, models, placer
         self.node_id = node_id
         self._paths: dict[tuple[str, int], Path] = {}  # a load's weights, found before the machines moved
+        self._held: dict[str, str] = {}  # parked instances a request waits for, and why they cannot come back yet
 
     def before(self, action: fsm.Action) -> bool:
         """The I/O that can fail comes before the machines move: a model gone from the cache since it was
@@ -61,8 +62,11 @@ class Executor:
         if isinstance(action, fsm.UnparkInstance):
             answer = self.placer.room_to_unpark(action.instance_id)
             if not answer.admitted:
-                log.info("instance %s stays parked for now: %s", action.instance_id, answer.message)
+                if self._held.get(action.instance_id) != answer.message:  # once per reason, not per plan
+                    log.info("instance %s stays parked for now: %s", action.instance_id, answer.message)
+                self._held[action.instance_id] = answer.message
                 return False
+            self._held.pop(action.instance_id, None)
             self.placer.evict(answer, self._now())
         if isinstance(action, fsm.LoadModel) and self.processes.is_local(cluster.runners[action.runner_id].node_id):
             try:
