@@ -79,6 +79,19 @@ def check_fencing(nodes, ranks, max_faults, generations, horizon, max_states, wi
     show_default=True,
     help="Times the adversary may kill or cut off a node (needs --hosts); a cut node may heal.",
 )
+@click.option(
+    "--parks",
+    type=click.IntRange(0, 3),
+    default=0,
+    show_default=True,
+    help="Times the instance is parked from outside its plan (an operator, an eviction), at any moment.",
+)
+@click.option(
+    "--keep-alive",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="The instance's keep-alive in seconds: its plan parks it once idle that long (default: kept forever).",
+)
 def check(
     ranks: int,
     max_retries: int,
@@ -91,6 +104,8 @@ def check(
     horizon: float | None,
     hosts: int,
     node_failures: int,
+    parks: int,
+    keep_alive: float | None,
 ) -> None:
     """Model-check the composed system; a violated invariant prints its shortest trace and exits 1."""
     import fsm
@@ -116,6 +131,8 @@ def check(
             requests=requests,
             hosts=hosts,
             node_failures=node_failures,
+            parks=parks,
+            keep_alive=keep_alive,
         )
     except ValueError as exc:  # --hosts below --ranks, or node failures without hosts
         raise click.UsageError(str(exc)) from None
