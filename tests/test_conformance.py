@@ -85,6 +85,9 @@ def test_cli_replay_jsonl_and_check(tmp_path):
         main, ["check", "--ranks", "1", "--max-retries", "2", "--faults", "crash,host", "--horizon", "30"]
     )
     assert host.exit_code == 0 and "all invariants hold" in host.output and "exhaustive up to t=30 s" in host.output
+    parking = ["check", "--ranks", "1", "--max-retries", "1", "--requests", "1", "--parks", "1", "--keep-alive", "0"]
+    parked = CliRunner().invoke(main, parking)
+    assert parked.exit_code == 0 and "all invariants hold" in parked.output and "exhaustive" in parked.output
     wrong = CliRunner().invoke(main, ["check", "--faults", "crash,nope"])
     assert wrong.exit_code == 2 and "choose from crash, error, fatal, host" in wrong.output
 
