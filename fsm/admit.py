@@ -185,10 +185,7 @@ def admit(
         rooms, runners = _rooms(reserving, nodes, limits, facts, cached or {})
         return place(model_id, ranks, need, rooms, pin=pin), runners
 
-    (placement, runners), evicted = _evicting(fit, live, _evictable(view) if evict else [])
-    if isinstance(placement, NoFit):
-        return _no_room(ranks, runners, placement, limits)
-    return Admission(nodes=placement, evict=evicted)
+    return _admitted(fit, live, _evictable(view) if evict else [], ranks, limits)
 
 
 def admit_unpark(
@@ -222,10 +219,7 @@ def admit_unpark(
 
     others = [i for i in _reserving(view) if i.instance_id != instance_id]
     candidates = [i for i in _evictable(view) if i.instance_id != instance_id] if evict else []
-    (placement, runners), evicted = _evicting(fit, others, candidates)
-    if isinstance(placement, NoFit):
-        return _no_room(inst.world_size, runners, placement, limits)
-    return Admission(nodes=placement, evict=evicted)
+    return _admitted(fit, others, candidates, inst.world_size, limits)
 
 
 def place_again(
@@ -287,8 +281,21 @@ def _last_use(inst: InstanceView) -> tuple[float, str]:
     return (max(times, default=float("-inf")), inst.instance_id)
 
 
+_Fit = Callable[[list[InstanceView]], tuple[tuple[str, ...] | NoFit, dict[str, int]]]
+
+
+def _admitted(
+    fit: _Fit, reserving: list[InstanceView], candidates: list[InstanceView], ranks: int, limits: Limits
+) -> Admission:
+    """Where ``fit`` puts the ranks, parking the fewest ``candidates`` it takes (`_evicting`); else refused."""
+    (placement, runners), evicted = _evicting(fit, reserving, candidates)
+    if isinstance(placement, NoFit):
+        return _no_room(ranks, runners, placement, limits)
+    return Admission(nodes=placement, evict=evicted)
+
+
 def _evicting(
-    fit: Callable[[list[InstanceView]], tuple[tuple[str, ...] | NoFit, dict[str, int]]],
+    fit: _Fit,
     reserving: list[InstanceView],
     candidates: list[InstanceView],
 ) -> tuple[tuple[tuple[str, ...] | NoFit, dict[str, int]], tuple[str, ...]]:
