@@ -20,14 +20,6 @@ Row = tuple[str, str, str, str]  # machine, source, event, target: a transition 
 # Transitions of the machines that the daemon's real processes cannot take, and why: the coverage goal leaves
 # them out, and the report names them with the reason (the machines' own tests take every one).
 UNREACHABLE: dict[Row, str] = {
-    ("instance", "pending", "give_up", "deleted"): (
-        "a Pending instance has spent nothing (0 failed generations, max_retries ≥ 1): give_up is declared on "
-        "every state the planner starts from, and only a snapshot made by hand reaches this one"
-    ),
-    ("instance", "starting", "give_up", "deleted"): (
-        "a generation starts only while the budget is not spent, and Starting spends none; only a daemon "
-        "restarted with a lower max_retries than its instances have already spent reaches it"
-    ),
     ("instance", "running", "rank_stopped", "recovering"): (
         "a rank reaped without having failed while its instance runs: the planner never stops a running "
         "generation's ranks unasked (a process that ends on its own is Failed first, and reported as such)"
