@@ -350,6 +350,15 @@ class Cluster:
             return Outcome.ignored(
                 f"instance {action.instance_id!r} moved on: {instance.leaf}, gen {instance.generation}"
             )
+        parking = [
+            iid
+            for iid, p in self.instances.items()
+            if iid != action.instance_id
+            and p.machine.instance_state is inst.InstanceState.PARKING
+            and any(s.node_id == action.node_id for s in p.slots)
+        ]
+        if parking:  # the plan's rule, held at the moment of execution: an earlier action of its round parked it
+            return Outcome.ignored(f"{parking[0]!r} is still parking on {action.node_id!r}: its memory is not free")
         previous = self.runners.get(action.runner_id)
         if previous is not None and (previous.machine.alive or previous.machine.incarnation >= action.incarnation):
             raise InvalidEvent(

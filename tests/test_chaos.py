@@ -222,6 +222,9 @@ def test_an_answer_is_ok_an_error_in_its_dialect_or_malformed():
     assert _classify_json(openai_error, "anthropic")[0] is Outcome.MALFORMED  # the other dialect's shape
     assert _classify_json(anthropic_error, "anthropic")[0] is Outcome.REFUSED
     assert _classify_json(httpx.Response(502, text="Bad Gateway"), "openai")[0] is Outcome.MALFORMED
+    # a delete made, its write refused (etcd away): not done, not undone — found by CI's campaign (seed 26)
+    unstored = {"message": "cannot write the state; instance x is deleted but not stored yet", "code": "not_stored_yet"}
+    assert _classify_json(httpx.Response(503, json={"error": unstored}), "openai")[0] is Outcome.INDETERMINATE
     done = ['data: {"choices": []}', "data: [DONE]"]
     failed = ['data: {"choices": []}', 'data: {"error": {"message": "runner failed"}}', "data: [DONE]"]
     assert _classify_stream(iter(done), "openai") == (Outcome.OK, "")

@@ -58,7 +58,8 @@ def test_a_placement_or_a_delete_the_store_refuses_is_not_acknowledged(tmp_path,
     """Found by the fault campaign (#26): a controller cut from etcd answered 201 to a placement whose write
     had just failed, stepped down, and the placement was lost. Now the caller hears it is not stored; once the
     store is degraded, the next one is refused before anything changes."""
-    from exod.controller import StoreUnavailable
+    from exod.api.instances import unstored
+    from exod.controller import NotStoredYet, StoreUnavailable
     from exod.state.store import StateUnavailable
 
     async def refuse(*args, **kwargs) -> None:
@@ -72,16 +73,18 @@ def test_a_placement_or_a_delete_the_store_refuses_is_not_acknowledged(tmp_path,
             if refused == "place"
             else (controller.delete(placed), controller.place("exod/tiny-qwen2", 1))
         )
-        with pytest.raises(StoreUnavailable, match="not stored yet"):
+        with pytest.raises(NotStoredYet, match="not stored yet") as made:  # made, not yet written: not undone
             await first
+        assert unstored(made.value).code == "not_stored_yet"  # a client can tell it from a refusal
 
         def placements() -> dict[str, str | None]:
             return {i["instance_id"]: i["delete_reason"] for i in controller.status()["instances"]}
 
         before = placements()
-        with pytest.raises(StoreUnavailable, match="wait until it can be written again"):
+        with pytest.raises(StoreUnavailable, match="wait until it can be written again") as refusal:
             await then
         assert placements() == before  # refused up front: nothing placed, nothing deleted
+        assert not isinstance(refusal.value, NotStoredYet) and unstored(refusal.value).code is None
 
     with_controller(config(tmp_path, hf_home), body)
 

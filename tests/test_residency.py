@@ -719,3 +719,26 @@ def test_eviction_parks_only_evictable_instances_and_exactly_enough_of_them_olde
         for c in candidates:  # an older idle one it kept would not have done instead
             if c not in evicted and view.instances[c].last_used < view_e.last_used:
                 assert not fits(evicted - {e} | {c}).admitted, (e, c)
+
+
+def test_a_runner_is_not_created_while_another_instance_parks_on_its_node_even_from_a_stale_plan():
+    """The plan's rule, held by the machines at execution: found by the two-instance Hypothesis test, where one
+    plan's round parked an instance (its keep-alive run out) and created the other's runner in the same breath."""
+    cluster = fsm.Cluster()
+    cluster.place("a", "org/a", [fsm.Slot(0, "n0", "a/0")], local=True)
+    cluster.place("b", "org/b", [fsm.Slot(0, "n0", "b/0")], local=True)
+    world = World(cluster, ["n0"])
+    quiet(world)
+    assert cluster.instance("a").instance_state is fsm.InstanceState.READY
+    cluster.delete("b", world.now)  # b again, from scratch, while a parks
+    cluster.place("c", "org/c", [fsm.Slot(0, "n0", "c/0")], local=True)
+    cluster.execute(fsm.StartGeneration("c", 1), world.now)
+    cluster.park("a", world.now)
+    create = fsm.CreateRunner("c", "c/0", "n0", 0, 1, 1, "org/c")
+    refused = cluster.execute(create, world.now)
+    assert not refused.accepted and "'a' is still parking on 'n0'" in refused.note
+    assert "c/0" not in cluster.runners
+    cluster.runner_event(fsm.runner.Stop("a/0", 1), world.now)  # a's runner is stopped and reaped: a is parked
+    cluster.runner_event(fsm.runner.Exited("a/0", 1, exit_code=0), world.now)
+    assert cluster.instance("a").instance_state is fsm.InstanceState.PARKED
+    assert cluster.execute(create, world.now).accepted

@@ -45,7 +45,8 @@ from exod.reports import Reports
 from exod.requests import InstanceNotFound, RequestBook
 from exod.state import retention
 from exod.state.journal import WRITE_RETRY, Journal
-from exod.state.journal import StoreUnavailable as StoreUnavailable  # the front ends hear of the store from here
+from exod.state.journal import NotStoredYet as NotStoredYet  # the front ends hear of the store from here
+from exod.state.journal import StoreUnavailable as StoreUnavailable
 from exod.state.sqlite import ProcessRecord, Store
 from exod.state.store import SqliteState, StateStore
 from exod.status import NODE, status_of

@@ -23,8 +23,8 @@ import fsm
 from exod import generated as g
 from exod.api.drain import unavailable
 from exod.api.errors import ApiError
-from exod.api.instances import refused
-from exod.controller import RETRY_AFTER, Controller, StoreUnavailable
+from exod.api.instances import refused, unstored
+from exod.controller import Controller, StoreUnavailable
 from exod.placer import PlacementRefused
 from exod.requests import (
     ConstraintRejected,
@@ -115,8 +115,8 @@ class Generation:
             raise self.rejected(ApiError(404, str(exc), param="model", code="model_not_found")) from exc
         except PlacementRefused as exc:  # placed on demand, and refused
             raise self.rejected(refused(exc)) from exc
-        except StoreUnavailable as exc:
-            raise self.rejected(ApiError(503, str(exc), headers={"Retry-After": str(int(RETRY_AFTER))})) from exc
+        except StoreUnavailable as exc:  # placed on demand, not stored yet
+            raise self.rejected(unstored(exc)) from exc
         except ModelNotReady as exc:
             raise self.rejected(ApiError(503, str(exc), headers={"Retry-After": str(exc.retry_after)})) from exc
         except InvalidRequest as exc:

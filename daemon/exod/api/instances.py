@@ -15,7 +15,7 @@ from exod.cluster.etcd import EtcdUnavailable
 from exod.cluster.etcd_state import MalformedState, stored_cluster
 from exod.cluster.membership import Membership
 from exod.config import DEFAULT, keep_alive
-from exod.controller import RETRY_AFTER, Controller, StoreUnavailable
+from exod.controller import RETRY_AFTER, Controller, NotStoredYet, StoreUnavailable
 from exod.host.models import InvalidModelId
 from exod.placer import InstanceBusy, PlacementRefused
 from exod.requests import InstanceNotFound
@@ -90,7 +90,14 @@ async def _residency(change: Callable[[str], Awaitable[None]], instance_id: str)
     except PlacementRefused as exc:
         raise ApiError(409, str(exc), code=exc.refusal.value) from exc
     except StoreUnavailable as exc:
-        raise ApiError(503, str(exc), headers={"Retry-After": str(int(RETRY_AFTER))}) from exc
+        raise unstored(exc) from exc
+
+
+def unstored(exc: StoreUnavailable) -> ApiError:
+    """503: the state could not be written. ``code: not_stored_yet`` when the change was made all the same and will
+    be written once the store takes it: neither done nor undone, so a client asks again what became of it."""
+    code = "not_stored_yet" if isinstance(exc, NotStoredYet) else None
+    return ApiError(503, str(exc), headers={"Retry-After": str(int(RETRY_AFTER))}, code=code)
 
 
 CONTROLLER_CHECK_S = 2.0  # how long a node waits for the controller's /health before it vouches for nothing
@@ -155,7 +162,7 @@ def router(controller: Controller, membership: Membership | None) -> APIRouter:
         except PlacementRefused as exc:
             raise refused(exc) from exc
         except StoreUnavailable as exc:
-            raise ApiError(503, str(exc), headers={"Retry-After": str(int(RETRY_AFTER))}) from exc
+            raise unstored(exc) from exc
         return await find(instance_id)
 
     @api.get("/instances")
@@ -198,7 +205,7 @@ def router(controller: Controller, membership: Membership | None) -> APIRouter:
         except InstanceNotFound as exc:
             raise ApiError(404, str(exc)) from exc
         except StoreUnavailable as exc:
-            raise ApiError(503, str(exc), headers={"Retry-After": str(int(RETRY_AFTER))}) from exc
+            raise unstored(exc) from exc
         return await find(instance_id)
 
     return api

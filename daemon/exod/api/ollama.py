@@ -26,9 +26,9 @@ from exod.api.chat import LENIENT, MAX_MESSAGE_CHARS, MAX_MESSAGES, Text, stop_l
 from exod.api.embeddings import embed
 from exod.api.errors import ApiError, responses
 from exod.api.generation import Generation, Output, ToolCall
-from exod.api.instances import refused
+from exod.api.instances import refused, unstored
 from exod.config import DEFAULT, Default, keep_alive
-from exod.controller import RETRY_AFTER, Controller, StoreUnavailable
+from exod.controller import Controller, StoreUnavailable
 from exod.host.models import ModelCard
 from exod.placer import InstanceBusy, PlacementRefused
 from exod.requests import InstanceNotFound, ModelNotReady, RequestFailed, RequestStream
@@ -351,7 +351,7 @@ async def _load(controller: Controller, model_id: str, kept: float | Default | N
     except PlacementRefused as exc:
         raise refused(exc) from exc
     except StoreUnavailable as exc:
-        raise ApiError(503, str(exc), headers={"Retry-After": str(int(RETRY_AFTER))}) from exc
+        raise unstored(exc) from exc
     except ModelNotReady:  # loading already
         return "load"
     residency = controller.residency(instance_id)

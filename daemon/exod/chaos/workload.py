@@ -198,6 +198,8 @@ def _classify_json(answer: httpx.Response, dialect: str) -> tuple[Outcome, str]:
     shaped = isinstance(error, dict) and "message" in error
     if dialect == "anthropic":
         shaped = shaped and doc.get("type") == "error"
+    if shaped and error.get("code") == "not_stored_yet":  # made, not yet written: it may yet happen, or not
+        return Outcome.INDETERMINATE, f"HTTP {answer.status_code}: {error['message'][:200]}"
     if shaped:
         return Outcome.REFUSED, f"HTTP {answer.status_code}: {error['message'][:200]}"
     return Outcome.MALFORMED, f"HTTP {answer.status_code}, not an error in the {dialect} dialect: {doc!r:.200}"

@@ -37,6 +37,11 @@ class StoreUnavailable(Exception):
     """The state cannot be written now (degraded: new placements wait until it can), or read (etcd is away)."""
 
 
+class NotStoredYet(StoreUnavailable):
+    """The change was made, but its write was refused: it is written once the store takes it, unless another node
+    becomes the controller first. Neither done nor undone, for its caller: ask again what became of it."""
+
+
 class Journal:
     def __init__(self, state: StateStore, local: Store) -> None:
         self.state, self.local = state, local
@@ -77,7 +82,7 @@ class Journal:
         201 to a placement whose write had failed, stepped down, and the placement was lost. What was refused
         stays queued and is written once the store takes it, unless another node is the controller by then."""
         if not await self.durable():
-            raise StoreUnavailable(
+            raise NotStoredYet(
                 f"{self.degraded}; {what} but not stored yet: it is written once the store takes it, unless "
                 "another node becomes the controller first (ask again in a few seconds what became of it)"
             )
