@@ -7,12 +7,13 @@ import json
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 from test_runner_process import collect, model_dir, phases, spawn  # noqa: F401 - fixtures shared with that file
 
 from exod.host.ring import free_ports
 from exod.runner import protocol as p
-from exod.runner.batch import keyed_sampler
+from exod.runner.batch import MOST_SEQUENCES, BatchLimits, keyed_sampler
 
 PROMPT_LEN = 12  # every prompt of a batch the same length: no padding, so batched math is the lone math
 MAX_TOKENS = 20
@@ -44,19 +45,28 @@ def alone(model_dir: Path) -> dict[str, list[int]]:  # noqa: F811
 
 
 def ready(ranks: list) -> None:
+    """Each rank to Ready; ``rank.batching``: what it said it decodes at once (`exod.runner.protocol.Batching`)."""
+    said: dict[int, list[p.Message]] = {id(r): [] for r in ranks}
+
+    def two(r) -> list[p.Message]:
+        got = r.recv_until(p.Status) + r.recv_until(p.Status)
+        said[id(r)] += got
+        return got
+
     if len(ranks) > 1:
         for r in ranks:
             r.send(p.Connect())
         for r in ranks:
-            assert phases(r.recv_until(p.Status) + r.recv_until(p.Status)) == [p.Phase.JOINING, p.Phase.JOINED]
+            assert phases(two(r)) == [p.Phase.JOINING, p.Phase.JOINED]
     for r in ranks:
         r.send(p.Load(str(ranks[0].model_dir)))
     for r in ranks:
-        assert phases(r.recv_until(p.Status) + r.recv_until(p.Status)) == [p.Phase.WEIGHTS, p.Phase.LOADED]
+        assert phases(two(r)) == [p.Phase.WEIGHTS, p.Phase.LOADED]
     for r in reversed(ranks):  # the planner's order: ranks > 0 first, rank 0 last
         r.send(p.WarmUp())
     for r in ranks:
-        assert phases(r.recv_until(p.Status) + r.recv_until(p.Status)) == [p.Phase.WARMING_UP, p.Phase.READY]
+        assert phases(two(r)) == [p.Phase.WARMING_UP, p.Phase.READY]
+        r.batching = [m for m in said[id(r)] if isinstance(m, p.Batching)]
 
 
 def until_done(runner, request_ids: set[str]) -> list[p.Message]:
@@ -91,6 +101,10 @@ def test_concurrent_requests_in_lockstep_each_match_their_lone_reference(
     """Rank 0 gets every request at once, the others later and one by one: rank 0's count decides what joins
     at each step, so every rank runs the same batch, and each request's tokens are those it has alone."""
     ranks = start(spawn, model_dir, world_size, tmp_path)
+    # sized from the KV budget and the model, the same on every rank: the tiny model's conversations are small
+    [said] = ranks[0].batching
+    assert said.max_sequences == MOST_SEQUENCES and "kv_cache_mib 2048 holds" in said.why, said
+    assert all(r.batching == [attrs.evolve(said, runner_id=r.batching[0].runner_id)] for r in ranks)
     commands = [generate(i, *spec) for i, spec in enumerate(REQUESTS)]
     for c in commands:
         ranks[0].send(c)
@@ -160,6 +174,7 @@ def test_limits_hold_and_a_prompt_over_the_context_is_refused_as_invalid(
     """At most --max-sequences decode at once (the rest wait and then match their references); a prompt
     the model's context cannot hold is the request's own error, and the runner serves on."""
     (runner,) = start(spawn, model_dir, 1, tmp_path, extra=("--max-sequences", "2"))
+    assert [(b.max_sequences, b.why) for b in runner.batching] == [(2, "[limits] max_sequences")]
     commands = [generate(i, *spec) for i, spec in enumerate(REQUESTS)]
     for c in commands:
         runner.send(c)
@@ -175,3 +190,21 @@ def test_limits_hold_and_a_prompt_over_the_context_is_refused_as_invalid(
     assert collect(runner.recv_until(p.Done), "after")[0] == alone["g1"]
     runner.send(p.Shutdown())
     assert runner.wait() == 0
+
+
+@pytest.mark.parametrize(
+    ("limits", "token_bytes", "chosen", "why"),
+    [
+        (BatchLimits(max_sequences=5), 131072, 5, "[limits] max_sequences"),
+        # a 7B-class model (32 layers, 8 KV heads of 128, fp16: 128 KiB a token): 8 conversations of 2048 tokens
+        (BatchLimits(), 131072, 8, "kv_cache_mib 2048 holds 8 conversations of 2048 tokens (256.0 MiB each"),
+        (BatchLimits(kv_bytes=64 << 20), 131072, 1, "holds 0 conversations of 2048 tokens (256.0 MiB each: "),
+        (BatchLimits(), 8192, MOST_SEQUENCES, "holds 128 conversations of 2048 tokens (16.0 MiB each: 8192 bytes"),
+        (BatchLimits(), 0, 8, "the model's KV cache per token is unknown: 8"),
+    ],
+)
+def test_max_sequences_is_sized_from_the_kv_budget_and_the_model(limits, token_bytes, chosen, why) -> None:
+    got, said = limits.sized(token_bytes)
+    assert got == chosen and why in said, said
+    if 0 < token_bytes * 2048 * MOST_SEQUENCES < limits.kv_bytes and limits.max_sequences is None:
+        assert said.endswith(f"at most {MOST_SEQUENCES}")

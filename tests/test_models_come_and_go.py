@@ -152,6 +152,7 @@ def test_a_parked_instance_stays_parked_across_a_restart(tmp_path):
         assert said.stdout.strip() == f"{iid} unparking", said
         back = until(lambda: of(url, MODEL), lambda i: i["state"] == "ready")
         assert (back["residency"], back["attempts"]) == ("loaded", 0)
+        assert "decodes 64 at once: kv_cache_mib 2048 holds" in exod("status", "--url", url, env=env).stdout
         missing = exod("park", "nope-000000", "--url", url, env=env, check=False)
         assert missing.returncode != 0 and "no instance 'nope-000000'" in missing.stderr
 

@@ -220,6 +220,7 @@ EXAMPLES: list[p.Message] = [
     p.Shutdown(),
     p.Status("r0", 2, p.Phase.WARMING_UP),
     p.Progress("r0", 2, 1, 4),
+    p.Batching("r0", 2, 32, "kv_cache_mib 2048 holds 40 conversations of 2048 tokens"),
     p.Token("r0", 2, "q1", "héllo", 17),
     p.Token("r0", 2, "q1", "tail", None),
     p.Done("r0", 2, "q1", p.FinishReason.LENGTH, 12, 24),

@@ -273,7 +273,7 @@ class _Limits(BaseModel):
     ranks_per_instance: Whole | None = None
     instances_per_model: Whole = 8
     runner_memory_mib: Whole = 512
-    max_sequences: Whole = BatchLimits().max_sequences
+    max_sequences: Whole | None = None  # None: sized from kv_cache_mib and the model (BatchLimits.sized)
     kv_cache_mib: Whole = BatchLimits().kv_bytes // MIB
     prompt_cache_mib: Annotated[int, Field(ge=0)] = BatchLimits().prompt_cache_bytes // MIB
     prefill_step: Whole = BatchLimits().prefill_step

@@ -270,7 +270,7 @@ class Controller:
         await self.journal.stored(f"instance {done}")
 
     def status(self) -> dict[str, Any]:
-        return {**status_of(self.cluster), "degraded": self.journal.degraded}
+        return {**status_of(self.cluster, self._reports.batching), "degraded": self.journal.degraded}
 
     def model_card(self, model_id: str) -> ModelCard:
         """What the API tells of a model (its context, architecture, size), from this node's files."""

@@ -35,6 +35,7 @@ class Reports:
 
     def __init__(self, sink: Sink) -> None:
         self.sink = sink
+        self.batching: dict[str, tuple[int, str]] = {}  # by runner id: what it decodes at once, and why
 
     def on_spawned(self, spec: RunnerSpec, pid: int) -> None:
         self.sink.process_started(spec, pid)
@@ -63,6 +64,8 @@ class Reports:
     def _on_report(self, spec: RunnerSpec, report: p.Report) -> None:
         rid, inc, event = spec.runner_id, spec.incarnation, self.sink.runner_event
         match report:
+            case p.Batching(max_sequences=sequences, why=why):
+                self.batching[rid] = (sequences, why)
             case p.Status(phase=p.Phase.JOINED):
                 event(rn.Connected(rid, inc))
             case p.Status(phase=p.Phase.LOADED):

@@ -6,6 +6,7 @@ saved snapshot when no daemon runs) and the metrics all read this one shape.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from fsm.cluster import Cluster
@@ -16,8 +17,10 @@ NODE = "local"  # every rank of an instance runs on this machine, over loopback
 UNKNOWN = "unknown"  # a state no live controller vouches for (`unvouched`)
 
 
-def status_of(cluster: Cluster) -> dict[str, Any]:
-    """Everything an operator asks first: states, attempts, next retry, last cause, per runner."""
+def status_of(cluster: Cluster, batching: Mapping[str, tuple[int, str]] | None = None) -> dict[str, Any]:
+    """Everything an operator asks first: states, attempts, next retry, last cause, per runner; ``batching``:
+    what each runner said it decodes at once, and why (`exod.runner.protocol.Batching`)."""
+    batching = batching or {}
     view = cluster.view()
     instances = []
     for iid, placement in cluster.instances.items():
@@ -70,6 +73,10 @@ def status_of(cluster: Cluster) -> dict[str, Any]:
                     "bytes": [download.bytes_done, download.bytes_total],
                 },
                 "runners": runners,
+                # what rank 0 decodes at once, and why (sized from the KV budget and the model, unless set)
+                "batch": None
+                if (said := batching.get(placement.slots[0].runner_id)) is None
+                else {"max_sequences": said[0], "why": said[1]},
             }
         )
     return {"instances": instances}

@@ -143,6 +143,16 @@ class _StateCollector(Collector):
             parks.add_metric([reason.value], tally.get(("park", reason.value), 0))
         yield parks
         yield CounterMetricFamily("exod_unparks", "Parked instances brought back since start", tally[("unpark", "")])
+        sequences = GaugeMetricFamily(
+            "exod_max_sequences",
+            "Sequences each instance's runners decode at once (sized from kv_cache_mib and the model, unless set; "
+            "`exod status` says why)",
+            labels=["instance"],
+        )
+        for i in status:
+            if i.get("batch") is not None:
+                sequences.add_metric([i["instance_id"]], i["batch"]["max_sequences"])
+        yield sequences
         residency = GaugeMetricFamily("exod_instance_residency", "Instances by residency", labels=["residency"])
         by_residency = Tally(i.get("residency") for i in status)
         for where in fsm.Residency:

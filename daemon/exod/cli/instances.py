@@ -120,6 +120,8 @@ def status(url, state_dir, as_json: bool) -> None:
         )
         if inst.get("residency") and inst["delete_reason"] is None:
             click.echo(f"  {_residency(inst, time.time())}")
+        if inst.get("batch"):
+            click.echo(f"  decodes {inst['batch']['max_sequences']} at once: {inst['batch']['why']}")
         if inst.get("waiting_for"):
             click.echo(f"  waiting for: {inst['waiting_for']}")
         if inst["last_failure"]:

@@ -38,23 +38,51 @@ HEARTBEAT_TOKENS = 16  # ranks > 0 report that generation goes on every this man
 _CACHE_KEY = "model"  # one model per runner: the prompt cache's model key is constant
 
 
+TYPICAL_TOKENS = 2048  # a conversation as the batch reserves it (prompt + max_tokens), for sizing `max_sequences`
+MOST_SEQUENCES = 64  # decoded at once at most, however much KV budget a small model leaves
+FALLBACK_SEQUENCES = 8  # when the model's KV cache per token cannot be read
+
+
 @attrs.frozen
 class BatchLimits:
     """How much one runner decodes at once. The same on every rank of an instance (the daemon's config)."""
 
-    max_sequences: int = 8  # decoded together; more wait in the runner's queue
+    max_sequences: int | None = None  # decoded together (more wait in the runner's queue); None: `sized`
     kv_bytes: int = 2048 * MIB  # KV cache the sequences in flight may reserve (prompt + max_tokens), whole model
     prompt_cache_bytes: int = 512 * MIB  # KV cache of finished conversations kept for their next turn
     prefill_step: int = 512  # prompt tokens per prefill chunk: a newcomer's prefill never stalls decoding long
 
     def __attrs_post_init__(self) -> None:
-        if self.max_sequences < 1 or self.kv_bytes < 1 or self.prompt_cache_bytes < 0 or self.prefill_step < 1:
+        sequences = 1 if self.max_sequences is None else self.max_sequences
+        if sequences < 1 or self.kv_bytes < 1 or self.prompt_cache_bytes < 0 or self.prefill_step < 1:
             raise ValueError(f"batch limits must be positive: {self}")
+
+    def sized(self, token_bytes: int) -> tuple[int, str]:
+        """How many sequences to decode at once, and why: as set, or as many conversations of a typical length
+        (`TYPICAL_TOKENS`) as the KV budget holds for this model (``token_bytes`` a token; 0: unknown), within
+        [1, `MOST_SEQUENCES`]. Decided once per runner, from the model it loaded: every rank loads the same
+        model and so decides the same."""
+        if self.max_sequences is not None:
+            return self.max_sequences, "[limits] max_sequences"
+        if token_bytes <= 0:
+            return FALLBACK_SEQUENCES, f"the model's KV cache per token is unknown: {FALLBACK_SEQUENCES}"
+        per = token_bytes * TYPICAL_TOKENS
+        fit = self.kv_bytes // per
+        chosen = max(1, min(MOST_SEQUENCES, fit))
+        why = (
+            f"kv_cache_mib {self.kv_bytes // MIB} holds {fit} conversations of {TYPICAL_TOKENS} tokens "
+            f"({per / MIB:.1f} MiB each: {token_bytes} bytes a token)"
+        )
+        if fit > MOST_SEQUENCES:
+            why += f"; at most {MOST_SEQUENCES}"
+        elif fit < 1:
+            why += "; at least 1"
+        return chosen, why
 
     def argv(self) -> list[str]:
         return [
             "--max-sequences",
-            str(self.max_sequences),
+            "auto" if self.max_sequences is None else str(self.max_sequences),
             "--kv-bytes",
             str(self.kv_bytes),
             "--prompt-cache-bytes",
@@ -199,19 +227,21 @@ class Batch:
         from mlx_lm.generate import BatchGenerator
         from mlx_lm.models.cache import LRUPromptCache
 
+        self.token_bytes = kv_bytes_per_token(model)
+        sequences, self.sizing = limits.sized(self.token_bytes)  # why that many: the runner reports it
+        limits = attrs.evolve(limits, max_sequences=sequences)
         self.model, self.tokenizer, self.limits, self.send, self.rank = model, tokenizer, limits, send, rank
         self.lockstep = lockstep
         self.script = script
         self.on_token = on_token  # fault injection's hook: a runner busy with a generation
         self.generator = BatchGenerator(
             model,
-            completion_batch_size=limits.max_sequences,
-            prefill_batch_size=limits.max_sequences,
+            completion_batch_size=sequences,
+            prefill_batch_size=sequences,
             prefill_step_size=limits.prefill_step,
             stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
         )
         self.cache = LRUPromptCache(max_size=1 << 30, max_bytes=limits.prompt_cache_bytes)
-        self.token_bytes = kv_bytes_per_token(model)
         self.context: int | None = getattr(getattr(model, "args", None), "max_position_embeddings", None)
         width = getattr(getattr(model, "args", None), "vocab_size", None) or len(tokenizer._tokenizer)
         self.grammars = Grammars(tokenizer, width)  # constrained decoding, compiled per request

@@ -342,6 +342,7 @@ class Runner:
         batch.send, batch.script = self.channel.send, self.script  # from now on, for the callers
         batch.on_token = lambda: self.faults.at(FaultPhase.BUSY)
         self.batch = batch
+        self.channel.send(p.Batching, max_sequences=batch.limits.max_sequences, why=batch.sizing)
         self.channel.send(p.Status, phase=p.Phase.READY)
         self.faults.at_ready_soon()
 
@@ -470,7 +471,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="inherited read end of the deadline pipe (a cluster's fence; exod.runner.watchdog)",
     )
     defaults = BatchLimits()
-    parser.add_argument("--max-sequences", type=int, default=defaults.max_sequences, help="decoded at once")
+    parser.add_argument(
+        "--max-sequences",
+        type=_sequences,
+        default=defaults.max_sequences,
+        help="decoded at once; auto: sized from --kv-bytes and the model (exod.runner.batch.BatchLimits.sized)",
+    )
     parser.add_argument("--kv-bytes", type=int, default=defaults.kv_bytes, help="KV cache reserved by them")
     parser.add_argument("--prompt-cache-bytes", type=int, default=defaults.prompt_cache_bytes)
     parser.add_argument("--prefill-step", type=int, default=defaults.prefill_step, help="prompt tokens per chunk")
@@ -478,6 +484,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 0 <= args.rank < args.world_size:
         parser.error(f"rank {args.rank} out of range for world size {args.world_size}")
     return args
+
+
+def _sequences(text: str) -> int | None:
+    if text == "auto":
+        return None
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--max-sequences must be auto or >= 1, got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> NoReturn:

@@ -183,6 +183,15 @@ class Status(Report):
 
 
 @attrs.frozen
+class Batching(Report):
+    """What the runner decodes at once, decided when it made its batch (before Ready), and why."""
+
+    type = "batching"
+    max_sequences: int
+    why: str
+
+
+@attrs.frozen
 class Progress(Report):
     type = "progress"
     layers_loaded: int
@@ -298,6 +307,7 @@ class Failed(Report):
 COMMANDS: tuple[type[Command], ...] = (Connect, Load, WarmUp, Generate, Cancel, Shutdown)
 REPORTS: tuple[type[Report], ...] = (
     Status,
+    Batching,
     Progress,
     Token,
     ToolCall,
