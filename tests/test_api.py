@@ -455,10 +455,11 @@ def test_metrics_parse_and_count(daemon, client):
     assert any(s.value >= 4 for s in families["exod_tokens_generated"].samples if s.name.endswith("_total"))
     assert "exod_request_seconds" in families and "exod_runner_failures" in families
     # what each instance decodes at once, sized from kv_cache_mib and the model, and why (issue #30)
-    [instance] = httpx.get(f"{daemon['url']}/instances").json()["instances"]
-    assert instance["batch"]["max_sequences"] == 64 and "kv_cache_mib 2048 holds" in instance["batch"]["why"]
-    [sized] = families["exod_max_sequences"].samples
-    assert (sized.labels, sized.value) == ({"instance": instance["instance_id"]}, 64)
+    ready = [i for i in httpx.get(f"{daemon['url']}/instances").json()["instances"] if i["state"] == "ready"]
+    assert ready and all(i["batch"]["max_sequences"] == 64 for i in ready)
+    assert all("kv_cache_mib 2048 holds" in i["batch"]["why"] for i in ready)
+    sized = {s.labels["instance"]: s.value for s in families["exod_max_sequences"].samples}
+    assert all(sized[i["instance_id"]] == 64 for i in ready)
 
 
 def test_health_ready_openapi_and_diagrams(daemon):
