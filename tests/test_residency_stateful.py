@@ -9,8 +9,6 @@ from any state a benign world serves every request, each instance ending Ready, 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -31,6 +29,8 @@ class Residency(RuleBasedStateMachine):
         self.world: World
         self.spent: dict[str, tuple[int, int]] = {}
         self.seen_log = 0
+        self.seen_create = 0
+        self.leaf: dict[str, str] = {}  # each instance's leaf, as the log has it so far
         self.keep: float | None = None
 
     @initialize(ranks=st.integers(1, 2), keep=st.sampled_from([None, 0.0, 3.0]))
@@ -39,7 +39,6 @@ class Residency(RuleBasedStateMachine):
         self.keep = keep
         self.world = World(Cluster(), ["n0", "n1"])
         self._place("a", ranks)
-        self.world.before = no_creation_while_another_parks(self.world)
         while self.world.cluster.instance("a").instance_state is not fsm.InstanceState.READY:  # a serves first
             self.world.step("n0")
             self.world.step("n1")
@@ -125,8 +124,8 @@ class Residency(RuleBasedStateMachine):
         and each instance rests Ready, Parked or Deleted."""
         probe = World(Cluster.from_dict(self.world.cluster.to_dict()), self.world.nodes, self.world.now)
         probe.pending, probe.requests = list(self.world.pending), dict(self.world.requests)
-        probe.before = no_creation_while_another_parks(probe)
         probe.settle()  # time goes on to each deadline: backoffs end, keep-alives run out
+        assert created_while_parking(probe.cluster, probe.cluster.log, dict(self.leaf)) == []
         assert not probe.requests, f"requests left waiting: {sorted(probe.requests)}"
         for iid in probe.cluster.instances:
             assert probe.cluster.instance(iid).instance_state in RESTING, probe.cluster.instance(iid).leaf
@@ -139,6 +138,12 @@ class Residency(RuleBasedStateMachine):
             if placement.machine.instance_state is fsm.InstanceState.PARKED:
                 alive = [s.runner_id for s in placement.slots if self.world.cluster.runners.get(s.runner_id)]
                 assert not any(self.world.cluster.runner(r).alive for r in alive), f"{iid} parked with {alive}"
+
+    @invariant()
+    def no_runner_created_where_another_parks(self):
+        """Read from the log the machines wrote (what they took, not what a stale plan asked)."""
+        assert created_while_parking(self.world.cluster, self.world.cluster.log[self.seen_create :], self.leaf) == []
+        self.seen_create = len(self.world.cluster.log)
 
     @invariant()
     def parking_spends_no_retry(self):  # 12
@@ -155,18 +160,21 @@ class Residency(RuleBasedStateMachine):
         check_runners(self.world.cluster)
 
 
-def no_creation_while_another_parks(world: World) -> Callable[[fsm.Action], None]:
-    """The world's last look before an action: no runner is created on a node where another instance parks."""
-
-    def check(action: fsm.Action) -> None:
-        if not isinstance(action, fsm.CreateRunner):
-            return
-        for iid, placement in world.cluster.instances.items():
-            parking = placement.machine.instance_state is fsm.InstanceState.PARKING
-            here = any(slot.node_id == action.node_id for slot in placement.slots)
-            assert not (iid != action.instance_id and parking and here), f"{action} while {iid} parks there"
-
-    return check
+def created_while_parking(cluster: Cluster, entries: list, leaf: dict[str, str]) -> list[str]:
+    """Runners the log says were created on a node while another instance there was Parking (``leaf``: each
+    instance's leaf before ``entries``, brought up to date)."""
+    found = []
+    for e in entries:
+        if e.machine == "instance":
+            leaf[e.key] = e.target
+        elif e.machine == "runner" and e.event == "create":
+            owner = e.key.split("/")[0]
+            node = next(s.node_id for s in cluster.instances[owner].slots if s.runner_id == e.key)
+            for iid, placement in cluster.instances.items():
+                here = any(slot.node_id == node for slot in placement.slots)
+                if iid != owner and here and leaf.get(iid) == fsm.InstanceState.PARKING.value:
+                    found.append(f"{e.key} created on {node} while {iid} parks there")
+    return found
 
 
 def _failed_since(log: list, park: object) -> bool:
