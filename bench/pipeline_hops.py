@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 from _common import machine_info, parse_args, table, verdict, write_result  # type: ignore[import-not-found]
-from chat_throughput import chat_stream, prompts  # type: ignore[import-not-found]
+from chat_throughput import body, chat_stream, prompts  # type: ignore[import-not-found]
 
 from exod.cluster.devcluster import local_cluster, place
 from exod.host.tiny_model import make_tiny_model
@@ -50,11 +50,11 @@ def main() -> None:
             totals = {model: [0, 0.0] for model in RANKS}
             with httpx.Client(timeout=120) as client:
                 for model in RANKS:  # warm-up, untimed
-                    chat_stream(client, urls[0], model, prompts(1)[0], args.max_tokens)
+                    chat_stream(client, urls[0], body(model, prompts(1)[0], args.max_tokens, "greedy", 0))
                 for messages in prompts(args.requests):
                     for model in RANKS:
                         t0 = time.monotonic()
-                        result = chat_stream(client, urls[0], model, messages, args.max_tokens)
+                        result = chat_stream(client, urls[0], body(model, messages, args.max_tokens, "greedy", 0))
                         totals[model][0] += result["completion_tokens"]
                         totals[model][1] += time.monotonic() - t0
     rate = {model: tokens / seconds for model, (tokens, seconds) in totals.items()}
