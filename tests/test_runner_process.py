@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -289,6 +290,41 @@ def test_line_reader_splits_and_bounds() -> None:
     assert reader.feed(b'pe":"warm_up"}\n\n') == [b'{"type":"warm_up"}']
     with pytest.raises(p.ProtocolError):
         reader.feed(b"x" * (p.MAX_LINE_BYTES + 1))
+
+
+def test_tokens_are_queued_and_every_other_report_is_written_by_the_time_send_returns() -> None:
+    """The model's loop never waits on the socket for a token, yet the order holds: a Status (before a long,
+    GIL-holding phase) or a Failed (before the exit) is on the wire, behind every token, once `send` returns."""
+    from exod.runner.process import OUTBOX, Channel
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        channel = Channel(os.dup(ours.fileno()), "m/0", 1, closed=lambda: None)  # never this process's exit
+        piece = "x" * 4096
+        count = OUTBOX // 2  # 2 MiB: far past the socket's buffer, which nobody reads meanwhile
+        queued = threading.Event()
+
+        def tokens() -> None:
+            for i in range(count):
+                channel.send(p.Token, request_id="r", text=piece, token_id=i)
+            queued.set()
+
+        threading.Thread(target=tokens, daemon=True).start()
+        assert queued.wait(timeout=60), "a token's send waited for the reader"
+        status = threading.Thread(target=channel.send, args=(p.Status,), kwargs={"phase": p.Phase.READY}, daemon=True)
+        status.start()
+        status.join(timeout=0.5)
+        assert status.is_alive(), "the status's send returned before it was written (nobody reads yet)"
+        reader, got = p.LineReader(), []
+        while len(got) < count + 1:
+            got += [p.from_json(line) for line in reader.feed(theirs.recv(1 << 20))]
+        status.join(timeout=60)
+        assert not status.is_alive(), "the status's send did not return once it was written"
+        assert [m.token_id for m in got[:count]] == list(range(count))  # type: ignore[attr-defined]
+        assert got[count] == p.Status("m/0", 1, phase=p.Phase.READY)
+        theirs.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            theirs.recv(1)  # nothing after it
 
 
 # -- real processes ---------------------------------------------------------------

@@ -37,6 +37,7 @@ import socket
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -49,6 +50,8 @@ from exod.runner.protocol import HOST_ERRNOS
 log = logging.getLogger("exod.runner")
 
 EXIT_FAILED = 1
+OUTBOX = 1024  # tokens queued for the writer thread at most
+STREAMED = (p.Token, p.Heartbeat)  # the reports of every token: queued, not waited for (`Channel`)
 WARM_UP_TOKENS = 4
 
 
@@ -64,24 +67,54 @@ class UnsupportedModel(Exception):
 
 
 class Channel:
-    """The runner's end of the control socket: thread-safe sends, a reader thread for commands."""
+    """The runner's end of the control socket: reports written in order by a writer thread, commands read by a
+    reader thread.
 
-    def __init__(self, fd: int, runner_id: str, incarnation: int, injector: Injector | None = None) -> None:
+    The model's loop only queues a token (`STREAMED`): writing it wakes the daemon, a system call that would
+    otherwise hold up the next decoding step at every token. Every other report is written, after those
+    queued before it, by the time `send` returns: what follows may hold the GIL for long (joining a ring,
+    loading) or end the process (`Failed`). The queue is bounded, so a daemon that stops reading stalls the
+    runner (as a full socket did) instead of filling its memory."""
+
+    def __init__(
+        self,
+        fd: int,
+        runner_id: str,
+        incarnation: int,
+        injector: Injector | None = None,
+        *,
+        closed: Callable[[], object] | None = None,
+    ) -> None:
+        """``closed``: what a write to a closed socket does (by default: the process ends, its supervisor gone)."""
         self.injector = injector or Injector(None, fail=lambda exc: None, exit_now=exit_now)
+        self._closed = closed or (lambda: exit_now(0))
         self._sock = socket.socket(fileno=fd)
-        self._lock = threading.Lock()
         self.runner_id = runner_id
         self.incarnation = incarnation
         self.commands: queue.Queue[p.Command] = queue.Queue()
+        self._outbox: queue.Queue[tuple[str, bytes]] = queue.Queue(maxsize=OUTBOX)
+        threading.Thread(target=self._write_forever, name="control-writer", daemon=True).start()
 
     def send(self, cls: type[p.Report], **fields: Any) -> None:
         line = cls(runner_id=self.runner_id, incarnation=self.incarnation, **fields).to_line()
-        try:
-            with self._lock:
+        self._outbox.put((cls.type, line))
+        if cls not in STREAMED:
+            self.flush()
+
+    def flush(self) -> None:
+        """Until every report sent so far is written (or the socket is gone, and the writer ends the process)."""
+        self._outbox.join()
+
+    def _write_forever(self) -> None:
+        while True:
+            kind, line = self._outbox.get()
+            try:
                 self._sock.sendall(line)
-        except OSError:
-            log.warning("control channel closed while sending %s: exiting", cls.type)
-            exit_now(0)
+            except OSError:
+                log.warning("control channel closed while sending %s: exiting", kind)
+                self._closed()
+                return
+            self._outbox.task_done()
 
     def _refuse_request(self, line: bytes, exc: p.ProtocolError) -> bool:
         """Answer an undecodable ``generate`` that names its request with a `RequestError`."""
@@ -115,6 +148,7 @@ class Channel:
                         if self.injector.hung.is_set():
                             continue  # a hung runner does not answer: the supervisor escalates
                         log.info("shutdown requested: exiting")
+                        self.flush()  # what the batch said before it
                         exit_now(0)
                     self.commands.put(command)
         except p.ProtocolError as exc:
