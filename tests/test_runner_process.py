@@ -293,13 +293,18 @@ def test_line_reader_splits_and_bounds() -> None:
 
 
 def test_tokens_are_queued_and_every_other_report_is_written_by_the_time_send_returns() -> None:
-    """The model's loop never waits on the socket for a token, yet the order holds: a Status (before a long,
-    GIL-holding phase) or a Failed (before the exit) is on the wire, behind every token, once `send` returns."""
+    """The model's loop never waits on the socket for a token but a request's first, yet the order holds: a
+    Status (before a long, GIL-holding phase) or a Failed (before the exit) is on the wire, behind every token,
+    once `send` returns."""
     from exod.runner.process import OUTBOX, Channel
 
     ours, theirs = socket.socketpair()
     with ours, theirs:
         channel = Channel(os.dup(ours.fileno()), "m/0", 1, closed=lambda: None)  # never this process's exit
+        channel.send(p.Token, request_id="r", text="first", token_id=-1)
+        theirs.settimeout(0)  # written at once: the time to first token waits for no thread
+        assert p.from_json(theirs.recv(1 << 16)) == p.Token("m/0", 1, request_id="r", text="first", token_id=-1)
+        theirs.settimeout(None)
         piece = "x" * 4096
         count = OUTBOX // 2  # 2 MiB: far past the socket's buffer, which nobody reads meanwhile
         queued = threading.Event()

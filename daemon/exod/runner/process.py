@@ -71,10 +71,12 @@ class Channel:
     reader thread.
 
     The model's loop only queues a token (`STREAMED`): writing it wakes the daemon, a system call that would
-    otherwise hold up the next decoding step at every token. Every other report is written, after those
-    queued before it, by the time `send` returns: what follows may hold the GIL for long (joining a ring,
-    loading) or end the process (`Failed`). The queue is bounded, so a daemon that stops reading stalls the
-    runner (as a full socket did) instead of filling its memory."""
+    otherwise hold up the next decoding step at every token. A request's first token is written at once (the
+    writer thread, waiting for a core while the model computes, would add a millisecond to the time to first
+    token), and so is every other report, after those queued before it, by the time `send` returns: what
+    follows may hold the GIL for long (joining a ring, loading) or end the process (`Failed`). The queue is
+    bounded, so a daemon that stops reading stalls the runner (as a full socket did) instead of filling its
+    memory."""
 
     def __init__(
         self,
@@ -93,27 +95,47 @@ class Channel:
         self.incarnation = incarnation
         self.commands: queue.Queue[p.Command] = queue.Queue()
         self._outbox: queue.Queue[tuple[str, bytes]] = queue.Queue(maxsize=OUTBOX)
+        self._writing = threading.Lock()  # one writer of the socket at a time: this thread's or a sender's
+        self._speaking: set[Any] = set()  # requests whose first token is written: the next ones are queued
         threading.Thread(target=self._write_forever, name="control-writer", daemon=True).start()
 
     def send(self, cls: type[p.Report], **fields: Any) -> None:
         line = cls(runner_id=self.runner_id, incarnation=self.incarnation, **fields).to_line()
+        request_id = fields.get("request_id")
+        first = cls is p.Token and request_id not in self._speaking
+        if first:
+            self._speaking.add(request_id)
+        elif cls in (p.Done, p.RequestError):
+            self._speaking.discard(request_id)
+        if not first and cls in STREAMED:
+            self._outbox.put((cls.type, line))
+            return
+        with self._writing:
+            if not self._outbox.unfinished_tasks:  # nothing queued before it: written here and now
+                self._write(cls.type, line)
+                return
         self._outbox.put((cls.type, line))
-        if cls not in STREAMED:
-            self.flush()
+        self.flush()
 
     def flush(self) -> None:
-        """Until every report sent so far is written (or the socket is gone, and the writer ends the process)."""
+        """Until every report sent so far is written (or the socket is gone, and the process ends)."""
         self._outbox.join()
+
+    def _write(self, kind: str, line: bytes) -> bool:
+        try:
+            self._sock.sendall(line)
+        except OSError:
+            log.warning("control channel closed while sending %s: exiting", kind)
+            self._closed()
+            return False
+        return True
 
     def _write_forever(self) -> None:
         while True:
             kind, line = self._outbox.get()
-            try:
-                self._sock.sendall(line)
-            except OSError:
-                log.warning("control channel closed while sending %s: exiting", kind)
-                self._closed()
-                return
+            with self._writing:
+                if not self._write(kind, line):
+                    return
             self._outbox.task_done()
 
     def _refuse_request(self, line: bytes, exc: p.ProtocolError) -> bool:
