@@ -143,6 +143,49 @@ def test_concurrent_requests_in_lockstep_each_match_their_lone_reference(
     assert [r.wait() for r in ranks] == [0] * world_size
 
 
+@pytest.mark.parametrize("joins_after", [1, 3, 40])
+def test_a_request_decoded_alone_joins_the_batch_when_another_comes_and_keeps_its_tokens(
+    spawn,  # noqa: F811
+    model_dir,  # noqa: F811
+    alone,
+    tmp_path,
+    joins_after,
+) -> None:
+    """A lone request is decoded outside the generator (solo); a newcomer after its n-th token moves it into
+    the generator's batch, mid-generation: each still gives exactly its lone tokens (greedy and seeded), and the
+    first is seen decoded together with the second."""
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    long = 120  # the first goes on well past the newcomer's arrival, however slow the machine
+    sampler = keyed_sampler(1.0, 1.0, 0, 11)
+    lone = [r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt_of(1), max_tokens=long, sampler=sampler)]
+    (runner,) = start(spawn, model_dir, 1, tmp_path)
+    first = generate(1, "s1", 1.0, 11, max_tokens=long)  # seeded: its key chain carries over into the batch
+    second = generate(2, *REQUESTS[2])
+    runner.send(first)
+    got: list[p.Message] = []
+    while len([m for m in got if isinstance(m, p.Token)]) < joins_after:
+        got.append(runner.recv())
+    runner.send(second)
+    got += until_done(runner, {first.request_id, second.request_id})
+    dones = {m.request_id: m for m in got if isinstance(m, p.Done)}
+    assert collect(got, first.request_id)[0] == [t for t in lone if t not in tokenizer.eos_token_ids][:long]
+    assert collect(got, second.request_id)[0] == alone[second.request_id]
+    assert dones[first.request_id].batch_size == 2, dones  # it did move into the batch
+    # alone again, and cancelled while solo: its end says so, and the runner goes on
+    runner.send(generate(0, "late", 0.0, None, max_tokens=200))
+    while not isinstance(runner.recv(), p.Token):
+        pass
+    runner.send(p.Cancel("late"))
+    end = runner.recv_until(p.Done)[-1]
+    assert end.request_id == "late" and end.finish_reason is p.FinishReason.CANCELLED and end.completion_tokens < 200
+    runner.send(generate(0, "again", 0.0, None))
+    assert collect(runner.recv_until(p.Done), "again")[0] == alone["g1"]
+    runner.send(p.Shutdown())
+    assert runner.wait() == 0
+
+
 def test_the_second_turn_prefills_only_what_is_new_and_says_so(spawn, model_dir, alone, tmp_path) -> None:  # noqa: F811
     """A finished request's KV cache is kept; a request that extends it reuses it (greedy: the same tokens)."""
     import mlx_lm

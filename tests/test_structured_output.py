@@ -88,6 +88,8 @@ def tiny(tmp_path_factory):
 class _Alone:
     """One rank: the lockstep agrees with itself."""
 
+    single = True
+
     def agree(self, values: list[int]) -> list[list[int]]:
         return [values]
 

@@ -9,7 +9,11 @@ sequences leave. This module keeps what is exod's around it:
 * the limits: sequences at once, KV bytes reserved, the model's context;
 * the prompt cache (mlx-lm's `LRUPromptCache`): a finished conversation's KV cache, reused by the next
   request that extends it;
-* the lockstep of ranks (`Lockstep`): a pipeline needs every rank to run the same batch at every step.
+* the lockstep of ranks (`Lockstep`): a pipeline needs every rank to run the same batch at every step;
+* a request alone on a single rank is decoded *solo* (`_Solo`), with mlx-lm's plain per-layer caches, as
+  `mlx_lm.stream_generate` decodes it: the generator's bookkeeping for a batch of one costs about 5% of each
+  token on a CPU (bench/README.md). A newcomer moves it into the generator's batch, where it goes on from the
+  token it was computing, so its tokens are the same either way.
 
 Every decision here depends only on the commands taken, in order, and on the tokens sampled (the same on
 every rank), never on this rank's memory or timing, so every rank decides the same. The one exception, a
@@ -99,6 +103,11 @@ class Lockstep:
 
     def __init__(self, commands: queue.Queue[p.Command], group: Any, rank: int) -> None:
         self.commands, self.group, self.rank = commands, group, rank
+
+    @property
+    def single(self) -> bool:
+        """One rank: nothing to step together with."""
+        return self.group is None
 
     def take(self, *, idle: bool) -> list[p.Command]:
         """The commands that join now; blocks for the first one when nothing is in flight."""
@@ -190,6 +199,17 @@ def kv_bytes_per_token(model: Any) -> int:
     return 2 * layers * kv_heads * head_dim * itemsize
 
 
+@attrs.frozen
+class _Step:
+    """One token of a sequence, in the shape the generator's responses have (`Batch._advance` reads either)."""
+
+    token: int
+    logprobs: Any
+    finish_reason: str | None
+    all_tokens: list[int] | None = None  # when it finished: the tokens whose keys and values ``prompt_cache`` holds
+    prompt_cache: list[Any] | None = None
+
+
 @attrs.define(eq=False)
 class _Sequence:
     request: p.Generate
@@ -207,6 +227,21 @@ class _Sequence:
     @property
     def reserved(self) -> int:
         return len(self.prompt) + self.max_tokens
+
+
+@attrs.define(eq=False)
+class _Solo:
+    """The one sequence decoded outside the generator (`Batch`'s module docstring): its prompt a chunk per step,
+    then a token per step, the next one computed while this one is handed out (as `mlx_lm.generate_step` does),
+    but for the first, handed out before the next forward pass is even built: 12-14% off the time to first
+    token on a CPU, where building that pass and the daemon's share of the cores held it up."""
+
+    seq: _Sequence
+    cache: list[Any]  # mlx-lm's per-layer caches, the prompt cache's entry when one matched
+    rest: list[int]  # prompt tokens not in the cache yet; the last one's forward pass gives the first token
+    in_cache: list[int]  # the tokens whose keys and values ``cache`` holds
+    next: Any = None  # the token being computed (an mx.array), once the prompt is in
+    next_logprobs: Any = None
 
 
 class Batch:
@@ -247,10 +282,13 @@ class Batch:
         self.grammars = Grammars(tokenizer, width)  # constrained decoding, compiled per request
         self.waiting: deque[_Sequence] = deque()
         self.running: dict[int, _Sequence] = {}
+        self.solo: _Solo | None = None
+        self.stops = set(tokenizer.eos_token_ids)
+        self._warming = False  # `run_alone`: the warm-up runs the generator, which a solo sequence would skip
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and self.solo is None
 
     # -- commands ------------------------------------------------------------------
 
@@ -283,21 +321,38 @@ class Batch:
                 self.waiting.remove(seq)
                 self._done(seq, p.FinishReason.CANCELLED)
                 return
-        for seq in self.running.values():
+        for seq in [*self.running.values(), *([self.solo.seq] if self.solo else [])]:
             if seq.request.request_id == request_id:
                 self._leave(seq, p.FinishReason.CANCELLED)
                 return
 
     def run_alone(self, request: p.Generate, prompt: list[int]) -> None:
-        """Generate ``request`` to its end with nothing else in the batch (the warm-up)."""
-        self.join(request, prompt)
-        while not self.idle:
-            self.step()
+        """Generate ``request`` to its end with nothing else in the batch (the warm-up, in the generator)."""
+        self._warming = True
+        try:
+            self.join(request, prompt)
+            while not self.idle:
+                self.step()
+        finally:
+            self._warming = False
 
     # -- one step ------------------------------------------------------------------
 
     def step(self) -> None:
-        """Start what fits, then one step of the generator: a prefill chunk and/or one token for each."""
+        """Start what fits, then one step of the generator: a prefill chunk and/or one token for each (or one
+        step of the solo sequence, while it is alone)."""
+        if self.solo is not None and self.waiting:
+            self._batch_solo()  # a newcomer: the solo sequence joins the generator's batch, and so does it
+        if self.solo is None and self._may_go_solo():
+            from mlx_lm.models.cache import make_prompt_cache
+
+            seq = self.waiting.popleft()
+            cache, seq.cached = self._cached(seq.prompt)
+            cache = cache if cache is not None else make_prompt_cache(self.model)
+            self.solo = _Solo(seq, cache, seq.prompt[seq.cached :], seq.prompt[: seq.cached])
+        if self.solo is not None:
+            self._solo_step()
+            return
         self._start_waiting()
         if not self.running:
             return
@@ -352,12 +407,20 @@ class Batch:
 
     def _finished(self, seq: _Sequence, reason: p.FinishReason, response: Any) -> None:
         """The generator ended it (end of sequence, max_tokens): keep its KV for the next turn."""
-        del self.running[seq.uid]
+        if self.solo is not None and self.solo.seq is seq:
+            self.solo = None
+        else:
+            del self.running[seq.uid]
         self._keep(response.all_tokens, response.prompt_cache)
         self._done(seq, reason)
 
     def _leave(self, seq: _Sequence, reason: p.FinishReason) -> None:
         """We end it (a stop string, a cancel): out of the generator, its KV kept for the next turn."""
+        if self.solo is not None and self.solo.seq is seq:
+            solo, self.solo = self.solo, None
+            self._keep(solo.in_cache, solo.cache)
+            self._done(seq, reason)
+            return
         del self.running[seq.uid]
         kept = self.generator.remove([seq.uid], return_prompt_caches=True).get(seq.uid)
         if kept is not None:
@@ -378,6 +441,91 @@ class Batch:
             batch_size=max(seq.widest, 1),
             prompt_cache_bytes=self.cache.nbytes,
         )
+
+    # -- the solo sequence -----------------------------------------------------------
+
+    def _may_go_solo(self) -> bool:
+        """A request alone, on a single rank (a pipeline's ranks step together in the generator), whose logits
+        nothing processes (penalties and grammars keep their context in the generator)."""
+        alone = len(self.waiting) == 1 and not self.running
+        return alone and self.lockstep.single and not self.waiting[0].processors and not self._warming
+
+    def _solo_step(self) -> None:
+        import mlx.core as mx
+        from mlx_lm.generate import generation_stream
+
+        solo = self.solo
+        assert solo is not None
+        with mx.stream(generation_stream):
+            if len(solo.rest) > 1:  # the prompt, a chunk per step: commands are read between chunks
+                chunk = solo.rest[: min(self.limits.prefill_step, len(solo.rest) - 1)]
+                self.model(mx.array(chunk)[None], cache=solo.cache)
+                mx.eval([c.state for c in solo.cache])
+                solo.in_cache += chunk
+                solo.rest = solo.rest[len(chunk) :]
+                return
+            if solo.next is None:  # the prompt's last token: its forward pass gives the first token
+                solo.next, solo.next_logprobs = self._forward(solo, mx.array(solo.rest))
+                solo.in_cache += solo.rest
+                solo.rest = []
+            self._solo_token(solo, pipeline=True)
+
+    def _solo_token(self, solo: _Solo, *, pipeline: bool) -> int:
+        """Hand out the token being computed; with ``pipeline``, the next one's forward pass starts first."""
+        import mlx.core as mx
+
+        seq, current, logprobs = solo.seq, solo.next, solo.next_logprobs
+        more = pipeline and seq.steps + 1 < seq.max_tokens
+        first = seq.steps == 0  # handed out before the next forward pass is even built: time to first token
+        solo.next = solo.next_logprobs = None
+        if more and not first:
+            self._launch(solo, current)
+        mx.eval(current, logprobs)
+        token = int(current.item())
+        if solo.next is not None:  # its forward pass is on its way: its keys and values are in the cache
+            solo.in_cache.append(token)
+        finish = "stop" if token in self.stops else "length" if seq.steps + 1 >= seq.max_tokens else None
+        ended = {"all_tokens": solo.in_cache, "prompt_cache": solo.cache} if finish else {}
+        self._advance(seq, _Step(token, logprobs[0], finish, **ended))
+        if more and first and self.solo is solo and not finish:
+            self._launch(solo, current)
+            solo.in_cache.append(token)
+        return token
+
+    def _launch(self, solo: _Solo, token: Any) -> None:
+        solo.next, solo.next_logprobs = self._forward(solo, token)
+
+    def _forward(self, solo: _Solo, tokens: Any) -> tuple[Any, Any]:
+        """The next token after ``tokens`` (an mx.array, their keys and values added to the cache), computing."""
+        import mlx.core as mx
+
+        logits = self.model(tokens[None], cache=solo.cache)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        token = solo.seq.sampler(logprobs)
+        mx.async_eval(token, logprobs)
+        return token, logprobs
+
+    def _batch_solo(self) -> None:
+        """Move the solo sequence into the generator: the token it was computing handed out, the generator goes on
+        from it (its forward pass, then the next token, with the same sampler: the tokens are those it had alone)."""
+        solo = self.solo
+        assert solo is not None
+        rest = solo.rest
+        if solo.next is not None:
+            rest = [self._solo_token(solo, pipeline=False)]
+            if self.solo is None:  # that token ended it
+                return
+        self.solo = None
+        seq = solo.seq
+        (seq.uid,) = self.generator.insert(
+            [rest],
+            max_tokens=[seq.max_tokens - seq.steps],
+            caches=[solo.cache],
+            all_tokens=[solo.in_cache],
+            samplers=[seq.sampler],
+            logits_processors=[seq.processors],
+        )
+        self.running[seq.uid] = seq
 
     # -- the prompt cache -----------------------------------------------------------
 
