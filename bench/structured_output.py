@@ -39,6 +39,10 @@ SHAPES = {
 
 
 class _Alone:
+    """One rank: the lockstep agrees with itself (`exod.runner.batch.Lockstep`'s surface)."""
+
+    single = True
+
     def agree(self, values: list[int]) -> list[list[int]]:
         return [values]
 
