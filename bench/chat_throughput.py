@@ -381,14 +381,19 @@ def level_stats(walls: list[float], results: list[dict]) -> dict[str, Any]:
     }
 
 
-def reference(model_dir: Path, msgs: list[list[dict[str, str]]], max_tokens: int) -> dict[str, Any]:
-    argv = [sys.executable, "-c", REFERENCE, str(model_dir), json.dumps(msgs), str(max_tokens)]
+def script_result(code: str, *args: str) -> Any:
+    """Run ``code`` in a Python process of its own (reaped however this ends); the JSON of its ``done`` line."""
+    argv = [sys.executable, "-c", code, *args]
     with reaped(subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)) as proc:
         assert proc.stdout is not None
         line = proc.stdout.readline().decode()
-        if not line.startswith("done "):
-            raise RuntimeError(f"reference did not finish: {line!r}")
-    runs = json.loads(line[5:])
+    if not line.startswith("done "):
+        raise RuntimeError(f"a measuring process did not finish: {line!r}")
+    return json.loads(line[5:])
+
+
+def reference(model_dir: Path, msgs: list[list[dict[str, str]]], max_tokens: int) -> dict[str, Any]:
+    runs = script_result(REFERENCE, str(model_dir), json.dumps(msgs), str(max_tokens))
     tokens = sum(n for n, _, _ in runs)
     wall = sum(w for _, w, _ in runs)
     return {

@@ -23,13 +23,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import httpx
-from _common import machine_info, parse_args, reaped, table, verdict, write_result  # type: ignore[import-not-found]
+from _common import machine_info, parse_args, table, verdict, write_result  # type: ignore[import-not-found]
 from chat_throughput import (  # type: ignore[import-not-found]
     SHAPES,
     body,
@@ -38,6 +37,7 @@ from chat_throughput import (  # type: ignore[import-not-found]
     free_port,
     make_model,
     mlx_ready,
+    script_result,
     started,
     wait_until,
 )
@@ -94,13 +94,7 @@ print("done " + json.dumps(times), flush=True)
 
 
 def model_only(model_dir: Path, requests: int) -> dict[str, list[float]]:
-    argv = [sys.executable, "-c", MODEL_ONLY, str(model_dir), json.dumps(MESSAGES), str(requests)]
-    with reaped(subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)) as proc:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().decode()
-    if not line.startswith("done "):
-        raise RuntimeError(f"the in-process model run did not finish: {line!r}")
-    return json.loads(line[5:])
+    return script_result(MODEL_ONLY, str(model_dir), json.dumps(MESSAGES), str(requests))
 
 
 def main() -> None:
