@@ -342,7 +342,7 @@ class Batch:
         """Start what fits, then one step of the generator: a prefill chunk and/or one token for each (or one
         step of the solo sequence, while it is alone)."""
         if self.solo is not None and self.waiting:
-            self._batch_solo()  # a newcomer: the solo sequence joins the generator's batch, and so does it
+            self._batch_solo()  # a newcomer: the solo sequence moves into the generator's batch, to be joined
         if self.solo is None and self._may_go_solo():
             from mlx_lm.models.cache import make_prompt_cache
 
@@ -471,7 +471,8 @@ class Batch:
             self._solo_token(solo, pipeline=True)
 
     def _solo_token(self, solo: _Solo, *, pipeline: bool) -> int:
-        """Hand out the token being computed; with ``pipeline``, the next one's forward pass starts first."""
+        """Hand out the token being computed. With ``pipeline``, the next one's forward pass starts before it is
+        handed out (after it, for the first token: the time to first token); without, none starts."""
         import mlx.core as mx
 
         seq, current, logprobs = solo.seq, solo.next, solo.next_logprobs
