@@ -480,7 +480,7 @@ class Batch:
         first = seq.steps == 0  # handed out before the next forward pass is even built: time to first token
         solo.next = solo.next_logprobs = None
         if more and not first:
-            self._launch(solo, current)
+            solo.next, solo.next_logprobs = self._forward(solo, current)
         mx.eval(current, logprobs)
         token = int(current.item())
         if solo.next is not None:  # its forward pass is on its way: its keys and values are in the cache
@@ -489,12 +489,9 @@ class Batch:
         ended = {"all_tokens": solo.in_cache, "prompt_cache": solo.cache} if finish else {}
         self._advance(seq, _Step(token, logprobs[0], finish, **ended))
         if more and first and self.solo is solo and not finish:
-            self._launch(solo, current)
+            solo.next, solo.next_logprobs = self._forward(solo, current)
             solo.in_cache.append(token)
         return token
-
-    def _launch(self, solo: _Solo, token: Any) -> None:
-        solo.next, solo.next_logprobs = self._forward(solo, token)
 
     def _forward(self, solo: _Solo, tokens: Any) -> tuple[Any, Any]:
         """The next token after ``tokens`` (an mx.array, their keys and values added to the cache), computing."""
