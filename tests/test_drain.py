@@ -14,6 +14,7 @@ import os
 import signal
 import sqlite3
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -479,3 +480,40 @@ def test_a_second_sigint_ends_the_drain_at_once(daemon):
     assert_ended_by_the_drain(plain, stream)
     assert plain.ended_at - signalled_at < 60  # not the 600 s of the drain timeout
     assert_stopped_and_logged(d, signalled_at)
+
+
+def test_a_sigterm_the_moment_the_daemon_says_where_it_is_still_stops_it_cleanly(tmp_path):
+    """CI caught it (`stop(second) == -15` in test_state_dir): `daemon.json` was written before the signal
+    receiver was open, so a script that stops the daemon as soon as it can find it killed it with SIGTERM's
+    default, runners and all. A stop sent the instant the file names the daemon is drained like any other."""
+    hf = tmp_path / "hf"
+    make_tiny_model(MODEL, layers=2, hf_home=hf)
+    (tmp_path / "exod.toml").write_text(CONFIG.format(drain_timeout=5))
+    env = {**os.environ, "HF_HOME": str(hf), "HF_HUB_OFFLINE": "1"}
+    state = tmp_path / "state"
+    for _ in range(3):  # the window was a few lines of Python: before the fix every try was -15
+        with contextlib.suppress(FileNotFoundError):
+            (state / "daemon.json").unlink()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "exod", "serve", "--config", str(tmp_path / "exod.toml"), "--state-dir", str(state)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while not named(state / "daemon.json", process.pid):  # no sleep: the signal must land at once
+                assert process.poll() is None and time.monotonic() < deadline, "the daemon never said where it is"
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=60) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        assert runner_pids() == []
+
+
+def named(path: Path, pid: int) -> bool:
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads(path.read_text())["pid"] == pid
+    return False

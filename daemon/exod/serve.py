@@ -92,42 +92,43 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                 await _restore(controller, state)
                 await _place_configured(controller, wanted, kept)
             logging.getLogger("hypercorn.error").propagate = False  # it has its own handler
-            async with trio.open_nursery() as nursery:
-                if membership is None:
-                    await nursery.start(controller.run)
-                app = create_app(
-                    controller,
-                    api_key=config.api_key,
-                    max_body_bytes=config.max_body_bytes,
-                    max_tokens_ceiling=config.max_tokens,
-                    membership=membership,
-                    agent=agent,
-                    cors_origins=config.cors_origins,
-                )
-                drain = Drain()
-                app = Gate(app, drain)
-                urls = await nursery.start(partial(serve_http, app, config, sockets))
-                url = urls[0]
-                try:  # how the CLI finds the daemon; on a full disk it serves all the same
-                    write_private(state_dir / "daemon.json", json.dumps({"pid": os.getpid(), "url": url}))
-                except OSError as exc:
-                    log.error("cannot write %s (%s): pass --url %s to the CLI", state_dir / "daemon.json", exc, url)
-                if membership is not None:  # the record gets the API's address once it is bound
-                    await membership.presence.update(attrs.evolve(membership.presence.record, api_url=url))
-                    await nursery.start(membership.run)
-                    assert agent is not None
-                    await nursery.start(agent.run, membership.presence)
-                    nursery.start_soon(_lead, controller, membership, config, wanted, kept)
-                    announce(f"exod: node {membership.node_id} of the cluster at {membership.config.url}")
-                announce(f"exod serving on {url} (state in {state_dir})")
-                exod = _command()
-                announce(
-                    f"  try:  {exod} status --state-dir {state_dir}\n"
-                    f"        {exod} place exod/tiny-qwen2 --ranks 1 --url {url}\n"
-                    f"        curl {url}/instances\n"
-                    "  stop: Ctrl-C (requests in progress finish, then every runner is stopped and reaped)"
-                )
-                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:  # from the first: a SIGTERM
+                # right after daemon.json appears (a script's quick stop) drains like any other, not the default death
+                async with trio.open_nursery() as nursery:
+                    if membership is None:
+                        await nursery.start(controller.run)
+                    app = create_app(
+                        controller,
+                        api_key=config.api_key,
+                        max_body_bytes=config.max_body_bytes,
+                        max_tokens_ceiling=config.max_tokens,
+                        membership=membership,
+                        agent=agent,
+                        cors_origins=config.cors_origins,
+                    )
+                    drain = Drain()
+                    app = Gate(app, drain)
+                    urls = await nursery.start(partial(serve_http, app, config, sockets))
+                    url = urls[0]
+                    try:  # how the CLI finds the daemon; on a full disk it serves all the same
+                        write_private(state_dir / "daemon.json", json.dumps({"pid": os.getpid(), "url": url}))
+                    except OSError as exc:
+                        log.error("cannot write %s (%s): pass --url %s to the CLI", state_dir / "daemon.json", exc, url)
+                    if membership is not None:  # the record gets the API's address once it is bound
+                        await membership.presence.update(attrs.evolve(membership.presence.record, api_url=url))
+                        await nursery.start(membership.run)
+                        assert agent is not None
+                        await nursery.start(agent.run, membership.presence)
+                        nursery.start_soon(_lead, controller, membership, config, wanted, kept)
+                        announce(f"exod: node {membership.node_id} of the cluster at {membership.config.url}")
+                    announce(f"exod serving on {url} (state in {state_dir})")
+                    exod = _command()
+                    announce(
+                        f"  try:  {exod} status --state-dir {state_dir}\n"
+                        f"        {exod} place exod/tiny-qwen2 --ranks 1 --url {url}\n"
+                        f"        curl {url}/instances\n"
+                        "  stop: Ctrl-C (requests in progress finish, then every runner is stopped and reaped)"
+                    )
                     why = await _until_asked_to_stop(signals, held)
                     announce(
                         f"exod: {why}: taking no new requests, letting those in progress finish "
@@ -143,7 +144,7 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                         if membership is not None:  # at once, rather than when the lease runs out
                             await membership.leave()
                         stopping.cancel_scope.cancel()
-                nursery.cancel_scope.cancel()
+                    nursery.cancel_scope.cancel()
             if (gone := held.replaced()) is not None:
                 raise StateDirError(f"{gone}; this daemon stopped its runners: start exod again to use the new one")
         finally:
