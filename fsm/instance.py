@@ -587,6 +587,10 @@ class InstanceRetry(Lifecycle):
                 )
         clock, attempts, uncharged = self.clock, self.attempts, self.uncharged
         self._observe(event.now)
+        if isinstance(event, Tick) and self.leaf not in _SETTLING:
+            # a tick is declared targetless with no action: where no eventless transition waits on a condition,
+            # observing its time is all the engine would do; drivers tick every instance every round
+            return Outcome(accepted=True, steps=())
         try:
             return self._fire(event.name, **event.payload())
         except Exception:
@@ -744,6 +748,11 @@ class InstanceRetry(Lifecycle):
         return None
 
 
+# Leaves with an eventless transition of their own (Starting → Ready, Recovering → Backing off, Parking →
+# Parked): a tick goes through the engine there, which looks at the transition's condition again.
+_SETTLING = frozenset(
+    s.id for s in InstanceRetry.states_map.values() if not s.states and any(t.is_eventless for t in s.transitions)
+)
 # Leaves only a failed generation leads to: the retry it cost is counted, and arms the backoff timer.
 _AFTER_A_FAILURE = frozenset({InstanceState.RECOVERING.value, InstanceState.BACKING_OFF.value})
 # Leaves where ready_since may be set: Ready, and Starting after a Resume (Ready then sets a new one).
