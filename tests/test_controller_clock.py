@@ -33,6 +33,7 @@ from exod.host.supervisor import Timeouts
 from exod.requests import QueueTimeout, RequestFailed
 from exod.runner import protocol as p
 from exod.runner.faults import Fault, FaultKind, FaultPhase, FaultSpec
+from exod.state.journal import LAZY_WRITE_S
 from fsm.cluster import LogEntry
 
 WALL = 1_000_000.0  # the wall time the controller's clock starts at; trio's MockClock starts at 0
@@ -152,6 +153,35 @@ def test_a_two_rank_instance_reaches_ready_and_serves(tmp_path):
     # and 0.5 s of warm-up.
     assert moves(log, "starting", "ready") == [3.0]
     assert [e.time for e in log if e.machine == "runner" and e.event == "create"] == [1.0, 1.0]
+
+
+def test_a_requests_transitions_are_written_within_the_lazy_window_a_runners_death_at_once(tmp_path):
+    """Writing the whole state twice per request cost the hot path (bench/request_cost.py): what only requests
+    changed waits `LAZY_WRITE_S` for company; a change a restart needs is written the moment it is made."""
+
+    async def body(sim: Sim):
+        iid = await sim.controller.place(MODEL, 1)
+        await until(sim.controller, ready_at(iid, 1))
+        await settled()
+        served = trio.current_time()
+        await chat(sim.controller, iid, max_tokens=2)
+        await chat(sim.controller, iid, max_tokens=2)
+        await settled()
+        written_then = await sim.log("runner")
+        await trio.sleep(LAZY_WRITE_S)
+        written_later = await sim.log("runner")
+        died = trio.current_time()
+        sim.fleet.runner(0, 1).kill()
+        while not [e for e in await sim.log("runner") if e.time >= died and e.target == "failed"]:
+            await sim.controller.log_written.wait()
+        return served, written_then, written_later, trio.current_time() - died
+
+    served, then, later, death_written_after = simulate(tmp_path, body, timing=Timing(token=0.01))  # 2 chats: 0.04 s
+    requests = [(e.source, e.target) for e in later if e.event in ("request_started", "request_finished")]
+    assert requests == [("available", "busy"), ("busy", "available")] * 2  # every one written, in order …
+    assert [e for e in then if e.event in ("request_started", "request_finished")] == []  # … in one write, later
+    assert all(e.time >= served for e in later if e.event == "request_started")
+    assert death_written_after == 0.0  # the same (virtual) instant
 
 
 # -- the backoff and the budget ---------------------------------------------------------------------------

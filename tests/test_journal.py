@@ -5,7 +5,7 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from exod.state.journal import Journal
+from exod.state.journal import LAZY_WRITE_S, Journal
 from exod.state.sqlite import Store
 from fsm.cluster import LogEntry
 
@@ -57,5 +57,56 @@ def test_a_retired_journal_lets_its_write_in_flight_end_first_and_writes_nothing
 
     try:
         trio.run(main)
+    finally:
+        local.close()
+
+
+class Recording:
+    """A `StateStore` that takes every write at once and notes when (trio's clock) and what."""
+
+    where = "memory"
+
+    def __init__(self) -> None:
+        self.saves: list[tuple[float, list[LogEntry]]] = []
+
+    async def save(self, snapshot, entries, now) -> int:
+        self.saves.append((trio.current_time(), list(entries)))
+        return len(self.saves)
+
+
+def busy(n: int) -> LogEntry:
+    return LogEntry(float(n), "runner", "i/0", "request_started", "available", "busy")
+
+
+def test_what_only_requests_changed_is_written_in_one_go_what_a_restart_needs_at_once(tmp_path):
+    """bench/request_cost.py: the whole state written twice per request cost the hot path. A save that only a
+    request made waits `LAZY_WRITE_S` for company; any other save, or a caller of `durable`, writes it all at once."""
+    state, local = Recording(), Store.open(tmp_path / "local.db")
+    clock = trio.testing.MockClock(autojump_threshold=0)  # time jumps whenever every task waits
+
+    async def main() -> None:
+        journal = Journal(state, local)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(journal.run)
+            for n in range(3):  # three requests' transitions, 10 ms apart
+                journal.save(dict, [busy(n)], float(n), lazy=True)
+                await trio.sleep(0.01)
+            await trio.sleep(LAZY_WRITE_S)
+            assert state.saves == [(LAZY_WRITE_S, [busy(0), busy(1), busy(2)])]  # one write, when the window ended
+
+            start = trio.current_time()
+            journal.save(dict, [busy(3)], 3.0, lazy=True)
+            await trio.sleep(0.01)
+            journal.save(dict, [entry(4)], 4.0)  # a lifecycle transition: it does not wait, nor does what came first
+            await trio.testing.wait_all_tasks_blocked()
+            assert state.saves[1:] == [(start + 0.01, [busy(3), entry(4)])]
+
+            journal.save(dict, [busy(5)], 5.0, lazy=True)
+            assert await journal.durable() and state.saves[2][1] == [busy(5)]  # a caller who waits is not kept waiting
+            assert state.saves[2][0] == start + 0.01
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main, clock=clock)
     finally:
         local.close()

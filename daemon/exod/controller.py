@@ -60,6 +60,7 @@ SHUTDOWN_WRITE_S = 5.0  # how long a stopping daemon tries to write its last sta
 MAX_PLAN_ROUNDS = 64  # one change rarely needs more than a handful of plan → execute rounds
 KEEP_DELETED = 32  # deleted instances kept for `status` before they are forgotten
 RETRY_AFTER = WRITE_RETRY  # seconds: a degraded daemon tries to write its state again this often
+_A_REQUEST = frozenset({rn.RequestStarted.name, rn.RequestFinished.name})  # what no restart needs written at once
 
 
 class Controller:
@@ -321,7 +322,8 @@ class Controller:
                 narrate(entry)
                 if entry.machine == "instance" and entry.event in ("park", "unpark"):
                     self.residency_counts[(entry.event, entry.cause)] += 1
-            self.journal.save(self.cluster.to_dict, self.cluster.log, self.now())
+            lazy = all(entry.event in _A_REQUEST for entry in self.cluster.log)
+            self.journal.save(self.cluster.to_dict, self.cluster.log, self.now(), lazy=lazy)
             self.cluster.log.clear()
 
     def _driver(self) -> fsm.Driver:

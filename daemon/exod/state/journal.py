@@ -31,6 +31,10 @@ from fsm.cluster import LogEntry
 log = logging.getLogger("exod.journal")
 
 WRITE_RETRY = 2.0  # seconds between attempts to write the state again while the store refuses it
+# How long a save that only a request made (a runner busy, then available again) may wait for company. No restart
+# needs it (requests die with the daemon), and writing the whole state twice per request cost the hot path a
+# share of the CPU (bench/request_cost.py); within this window the saves of every request coalesce into one.
+LAZY_WRITE_S = 0.25
 
 
 class StoreUnavailable(Exception):
@@ -54,6 +58,7 @@ class Journal:
         self._asked = 0  # saves asked for …
         self._done = 0  # … and how many of them a write covered
         self._wake = trio.Event()
+        self._urgent = trio.Event()  # set while a queued save is one a restart would need
         self._lock = trio.Lock()  # one write at a time: the writer's, or a `durable` caller's
         self._retired: str | None = None  # why this journal writes nothing more (`retire`)
 
@@ -98,11 +103,17 @@ class Journal:
 
     # -- the controller's side ------------------------------------------------------------------
 
-    def save(self, snapshot: Callable[[], dict[str, Any]], entries: Iterable[LogEntry], now: float) -> None:
-        """Queue a write of the state as ``snapshot`` will read it, with ``entries``; the journal owns them now."""
+    def save(
+        self, snapshot: Callable[[], dict[str, Any]], entries: Iterable[LogEntry], now: float, *, lazy: bool = False
+    ) -> None:
+        """Queue a write of the state as ``snapshot`` will read it, with ``entries``; the journal owns them now.
+        ``lazy``: nothing a restart needs changed (a request came or went): the writer may wait `LAZY_WRITE_S` for
+        more before it writes; whoever awaits `durable` has it written at once all the same."""
         self._snapshot, self._now = snapshot, now
         self._entries.extend(entries)
         self._asked += 1
+        if not lazy:
+            self._urgent.set()
         self._wake.set()
 
     async def durable(self) -> bool:
@@ -136,6 +147,9 @@ class Journal:
             if self._done == self._asked and self._book.error is None:
                 await self._wake.wait()
             self._wake = trio.Event()
+            if not self._urgent.is_set():  # only requests came and went: let the next ones join this write
+                with trio.move_on_after(LAZY_WRITE_S):
+                    await self._urgent.wait()
             if not await self.flush():  # again in WRITE_RETRY s, or at the next change if it comes sooner
                 with trio.move_on_after(WRITE_RETRY):
                     await self._wake.wait()
@@ -148,11 +162,14 @@ class Journal:
             self._book.retry()
             if self._done == self._asked:
                 return self._book.error is None
-            asked, entries = self._asked, list(self._entries)
+            asked, entries, urgent = self._asked, list(self._entries), self._urgent
+            self._urgent = trio.Event()  # what comes during the write is written after it
             assert self._snapshot is not None
             try:
                 await self.state.save(self._snapshot(), entries, self._now)
             except StateUnavailable as exc:
+                if urgent.is_set():  # still queued, and still needed by a restart
+                    self._urgent.set()
                 if self._state_error is None:
                     log.error("%s: degraded until it can be written", exc)
                 self._state_error = str(exc)
