@@ -159,6 +159,7 @@ class Outcome:
 
     @classmethod
     def ignored(cls, why: str) -> Outcome:
+        """A stale or absorbed event: not an error (nothing to catch), it changes nothing and ``why`` says so."""
         return cls(accepted=False, note=why)
 
 
@@ -194,6 +195,8 @@ class Lifecycle(StateMachine):
     # -- the one door to send --------------------------------------------------
 
     def on_enter_state(self, event: Any, state: State) -> None:
+        """python-statemachine's hook on every entry: it keeps the leaf and the step log, so that `Outcome.steps`
+        shows a chain of moves (``ready → failed → stopped``) in order instead of leaving it to be guessed."""
         if state.states:  # a compound's entry is followed by its initial child's
             return
         if self._leaf:  # eventless transitions (joint conditions) are logged as "auto"
@@ -219,6 +222,7 @@ class Lifecycle(StateMachine):
     # -- persistence ----------------------------------------------------------------
 
     def snapshot(self) -> Any:  # pragma: no cover - each machine defines it
+        """The machine's whole state as a frozen value: what `to_dict` writes and `from_snapshot` reads back."""
         raise NotImplementedError
 
     def to_dict(self) -> dict[str, Any]:
@@ -256,6 +260,7 @@ class Lifecycle(StateMachine):
 
     @classmethod
     def from_snapshot(cls, snapshot: Any, **kwargs: Any) -> Self:  # pragma: no cover
+        """A new machine in the state ``snapshot`` describes; `SnapshotError` for one no machine could be in."""
         raise NotImplementedError
 
     @classmethod

@@ -17,20 +17,20 @@ from fsm.instance import DeleteReason
 class StopReason(enum.Enum):
     """Why a runner is stopped: for logs and metrics; every reason is stopped the same way."""
 
-    INSTANCE_GONE = "instance_gone"  # deleted, or no longer in the desired state
-    RUNNER_FAILED = "runner_failed"  # Failed is terminal: stop it, never revive it
-    SIBLING_FAILED = "sibling_failed"  # one_for_all: a rank of the same generation failed
-    RECOVERING = "recovering"  # the instance is tearing the generation down
-    STALE_GENERATION = "stale_generation"  # a newer generation has been started
-    PARKED = "parked"  # the instance is parked on purpose (`ParkInstance`)
+    INSTANCE_GONE = "instance_gone"  #: deleted, or no longer in the desired state
+    RUNNER_FAILED = "runner_failed"  #: Failed is terminal: stop it, never revive it
+    SIBLING_FAILED = "sibling_failed"  #: one_for_all: a rank of the same generation failed
+    RECOVERING = "recovering"  #: the instance is tearing the generation down
+    STALE_GENERATION = "stale_generation"  #: a newer generation has been started
+    PARKED = "parked"  #: the instance is parked on purpose (`ParkInstance`)
 
 
 class ParkReason(enum.Enum):
     """Why an instance is parked: for logs and metrics; every reason parks it the same way."""
 
-    IDLE = "idle"  # unused for its keep-alive
-    EVICTED = "evicted"  # another instance needed its memory (`fsm.admit`'s ``evict``)
-    REQUESTED = "requested"  # an operator asked (`Cluster.park`)
+    IDLE = "idle"  #: unused for its keep-alive
+    EVICTED = "evicted"  #: another instance needed its memory (`fsm.admit`'s ``evict``)
+    REQUESTED = "requested"  #: an operator asked (`Cluster.park`)
 
 
 @attrs.frozen

@@ -45,10 +45,10 @@ _PARKED = (InstanceState.PARKING, InstanceState.PARKED)
 class Refusal(enum.Enum):
     """Why `admit` refused a placement (an API maps them to 404, 422 and 409)."""
 
-    UNKNOWN_MODEL = "unknown_model"
-    TOO_MANY_RANKS = "too_many_ranks"
-    LIMIT_REACHED = "limit_reached"
-    NO_MEMORY = "no_memory"
+    UNKNOWN_MODEL = "unknown_model"  #: the model is not to be had (`UnknownModel` says where the caller looked)
+    TOO_MANY_RANKS = "too_many_ranks"  #: more ranks than the limits allow or the model splits into
+    LIMIT_REACHED = "limit_reached"  #: a count limit is reached (instances of the model, runners per node)
+    NO_MEMORY = "no_memory"  #: no set of nodes has the memory for a rank's share of the weights
 
 
 @attrs.frozen
@@ -68,6 +68,8 @@ class ModelFacts:
         return max(n for n in range(1, self.attention_heads + 1) if self.splits_into(n))
 
     def splits_into(self, ranks: int) -> bool:
+        """Whether the model divides evenly over ``ranks`` (layers for a pipeline, attention and KV heads for
+        tensor parallelism): an uneven split cannot load, so `admit` refuses it up front."""
         if self.pipeline:
             return ranks <= self.layers
         return self.attention_heads % ranks == 0 and self.kv_heads % ranks == 0
@@ -115,6 +117,8 @@ class Admission:
 
     @property
     def admitted(self) -> bool:
+        """Whether ``nodes`` may be placed on (after parking ``evict``); if not, ``refusal`` and ``message`` say
+        why and what the user can do."""
         return self.refusal is None
 
 

@@ -114,6 +114,7 @@ class KeyedBackoff(Generic[K]):
     _not_before: Mapping[K, float] = attrs.field(factory=_FrozenMap, converter=_FrozenMap, alias="not_before_by_key")
 
     def attempts(self, key: K) -> int:
+        """How many attempts for ``key`` were recorded since it was last reset (what the next delay grows with)."""
         return self._attempts.get(key, 0)
 
     def deadline(self, key: K) -> float | None:
@@ -121,6 +122,7 @@ class KeyedBackoff(Generic[K]):
         return self._not_before.get(key)
 
     def should_proceed(self, key: K, now: float) -> bool:
+        """Whether an attempt for ``key`` may start at ``now``: check it before acting, then `record_attempt`."""
         deadline = self._not_before.get(key)
         return deadline is None or now >= deadline
 

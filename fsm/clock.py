@@ -23,8 +23,8 @@ from fsm.errors import InvalidConfig, SnapshotError
 class ClockKind(enum.Enum):
     """What the numbers count from."""
 
-    WALL = "wall"  # seconds since the Unix epoch: comparable across restarts and hosts (within their skew)
-    MONOTONIC = "monotonic"  # seconds since an arbitrary origin, fixed only within its epoch (a boot)
+    WALL = "wall"  #: seconds since the Unix epoch: comparable across restarts and hosts (within their skew)
+    MONOTONIC = "monotonic"  #: seconds since an arbitrary origin, fixed only within its epoch (a boot)
 
 
 @attrs.frozen
@@ -43,20 +43,25 @@ class Clock:
 
     @classmethod
     def wall(cls) -> Clock:
+        """Unix time (``time.time()``): the default, and the one whose deadlines survive a reboot."""
         return cls(ClockKind.WALL)
 
     @classmethod
     def monotonic(cls, epoch: str) -> Clock:
+        """A monotonic clock (``time.monotonic()``) whose origin ``epoch`` names (the boot id), so that a snapshot
+        restored after a reboot is refused rather than waiting out meaningless deadlines."""
         return cls(ClockKind.MONOTONIC, epoch)
 
     def __str__(self) -> str:
         return "wall time" if self.kind is ClockKind.WALL else f"the monotonic clock of epoch {self.epoch!r}"
 
     def to_dict(self) -> dict[str, str]:
+        """What a snapshot keeps of the clock (`Cluster.to_dict`), so its times are read on the right one."""
         return {"kind": self.kind.value} | ({"epoch": self.epoch} if self.epoch else {})
 
     @classmethod
     def from_dict(cls, value: Any, where: str = "clock") -> Clock:
+        """Read what `to_dict` wrote; `SnapshotError` naming ``where`` on anything else."""
         if not isinstance(value, dict) or set(value) - {"kind", "epoch"} or "kind" not in value:
             raise SnapshotError(f"{where}: expected {{'kind': 'wall' | 'monotonic', 'epoch': str}}, got {value!r}")
         try:

@@ -145,6 +145,8 @@ class Cluster:
                 self.runners[slot.runner_id] = attrs.evolve(entry, node_id=slot.node_id)
 
     def delete(self, instance_id: str, now: float) -> Outcome:
+        """The user deletes the instance: it goes to Deleted (final), and the plan stops its runners and cancels
+        its requests; `forget` it once they are reaped."""
         return self.instance_event(inst.Delete(instance_id, now))
 
     def park(self, instance_id: str, now: float, reason: act.ParkReason = act.ParkReason.REQUESTED) -> Outcome:
@@ -192,6 +194,8 @@ class Cluster:
     # -- events -------------------------------------------------------------------------
 
     def instance_event(self, event: inst.InstanceEvent) -> Outcome:
+        """Apply an instance event (`fsm.instance`) and log it. Runner events reach the instance on their own
+        (`runner_event`); a caller sends ``Tick`` so a budget reset is seen without another event."""
         self._check_time(event.now)
         placement = self._placement(event.instance_id)
         outcome = placement.machine.apply(event)
@@ -236,6 +240,8 @@ class Cluster:
         return outcome
 
     def download_event(self, node_id: str, event: dl.DownloadEvent) -> Outcome:
+        """A download's report on ``node_id`` (``download.Complete``, ``DownloadFailed``, ``BytesProgress``,
+        ``Invalidate``: the files went missing), applied and logged; the machine is made on first use."""
         self._check_time(event.now)
         machine = self._download(node_id, event.model_id)
         outcome = machine.apply(event)
@@ -417,6 +423,7 @@ class Cluster:
         )
 
     def instance(self, instance_id: str) -> inst.InstanceRetry:
+        """The instance's machine, to read (feed it events through `instance_event`, which logs them)."""
         return self._placement(instance_id).machine
 
     def publish(self, runner_id: str, incarnation: int, endpoint: str) -> bool:
@@ -443,6 +450,8 @@ class Cluster:
         return True
 
     def runner(self, runner_id: str) -> rn.RunnerLifecycle:
+        """The machine of the runner's latest incarnation, to read (feed it events through `runner_event`, which
+        forwards them to its instance)."""
         return self.runners[runner_id].machine
 
     def has_live_runners(self, instance_id: str) -> bool:
@@ -453,6 +462,8 @@ class Cluster:
     # -- persistence ----------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
+        """Every machine and what ties them together, as JSON-ready data: persist it to survive a restart
+        (`from_dict`, then `recover`)."""
         return {
             "instances": {
                 iid: {

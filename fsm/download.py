@@ -30,10 +30,10 @@ from fsm.errors import InvalidConfig, InvalidEvent
 class DownloadState(enum.Enum):
     """Where one model's download on one node is (the states of `DownloadLifecycle`)."""
 
-    PENDING = "pending"
-    ONGOING = "ongoing"
-    COMPLETED = "completed"
-    FAILED = "failed"
+    PENDING = "pending"  #: not on the node (or invalidated): the plan starts the download when a runner needs it
+    ONGOING = "ongoing"  #: being fetched; ``download.Complete`` or ``download.DownloadFailed`` is owed
+    COMPLETED = "completed"  #: the files are on the node: runners may load them
+    FAILED = "failed"  #: the last fetch failed; it is retried once its backoff ends
 
 
 DEFAULT_DOWNLOAD_BACKOFF = Backoff(initial=0.5, factor=2.0, cap=10.0)
@@ -41,21 +41,28 @@ DEFAULT_DOWNLOAD_BACKOFF = Backoff(initial=0.5, factor=2.0, cap=10.0)
 
 @attrs.frozen
 class DownloadEvent:
+    """Base of the download's events: every one names the model and carries the caller's ``now``."""
+
     name: ClassVar[str]
     model_id: str = attrs.field(validator=attrs.validators.instance_of(str))
     now: float = attrs.field(validator=finite(InvalidEvent))
 
     def payload(self) -> dict[str, Any]:
+        """The event's fields the machine's callbacks take (as keyword arguments of ``send``)."""
         return {}
 
 
 @attrs.frozen
 class Begin(DownloadEvent):
+    """The fetch starts (`Cluster.execute` of a StartDownload sends it)."""
+
     name = "begin"
 
 
 @attrs.frozen
 class BytesProgress(DownloadEvent):
+    """How far the fetch is, for progress views (optional, any number)."""
+
     name = "progress"
     bytes_done: int = attrs.field(validator=integer(InvalidEvent))
     bytes_total: int | None = attrs.field(default=None, validator=integer(InvalidEvent, optional=True))
@@ -65,40 +72,54 @@ class BytesProgress(DownloadEvent):
             raise InvalidEvent(f"bytes_done {self.bytes_done} exceeds bytes_total {self.bytes_total}")
 
     def payload(self) -> dict[str, Any]:
+        """The byte counts, recorded by the machine for progress views."""
         return {"bytes_done": self.bytes_done, "bytes_total": self.bytes_total}
 
 
 @attrs.frozen
 class Complete(DownloadEvent):
+    """The caller's report: the files are on the node, runners may load them."""
+
     name = "complete"
 
 
 @attrs.frozen
 class DownloadFailed(DownloadEvent):
+    """The caller's report: the fetch failed for ``reason``; it is retried after the model's backoff."""
+
     name = "fail"
     reason: str = attrs.field(validator=attrs.validators.instance_of(str))
 
     def payload(self) -> dict[str, Any]:
+        """The reason, kept as ``last_error`` for the operator."""
         return {"reason": self.reason}
 
 
 @attrs.frozen
 class Retry(DownloadEvent):
+    """A failed download may be fetched again (refused before its backoff ends; the cluster sends it)."""
+
     name = "retry"
 
 
 @attrs.frozen
 class LoadStarted(DownloadEvent):
+    """A runner started loading the files (the cluster sends it): they proved good, so the backoff resets."""
+
     name = "load_started"
 
 
 @attrs.frozen
 class Invalidate(DownloadEvent):
+    """The caller found a completed download's files missing or corrupt: it is fetched again."""
+
     name = "invalidate"
 
 
 @attrs.frozen
 class DownloadSnapshot:
+    """A download's whole state as a value (`DownloadLifecycle.snapshot`), its backoff included."""
+
     model_id: str
     policy: Backoff
     leaf: str
@@ -158,6 +179,7 @@ class DownloadLifecycle(Lifecycle):
 
     @property
     def backoff_elapsed(self) -> bool:
+        """Guard of ``retry``: a failed download is not fetched again before its backoff ends."""
         return self.retry_at is None or (self.clock is not None and self.clock >= self.retry_at)
 
     def _begin(self) -> None:
@@ -181,6 +203,8 @@ class DownloadLifecycle(Lifecycle):
         return ""
 
     def apply(self, event: DownloadEvent) -> Outcome:
+        """Handle an event about this model's download; its ``now`` moves the machine's clock, which the backoff
+        is measured on (a refused event moves nothing, not even time)."""
         if not isinstance(event, DownloadEvent):
             raise InvalidEvent(f"expected a DownloadEvent, got {type(event).__name__}")
         if event.model_id != self.model_id:
@@ -195,9 +219,11 @@ class DownloadLifecycle(Lifecycle):
 
     @property
     def download_state(self) -> DownloadState:
+        """The state as an enum, to compare with rather than the leaf's string."""
         return DownloadState(self.leaf)
 
     def snapshot(self) -> DownloadSnapshot:
+        """The whole state, attempts and retry deadline included, so a restart keeps the backoff it was in."""
         return DownloadSnapshot(
             model_id=self.model_id,
             policy=self.policy,
@@ -212,6 +238,7 @@ class DownloadLifecycle(Lifecycle):
 
     @classmethod
     def from_snapshot(cls, snapshot: DownloadSnapshot) -> DownloadLifecycle:
+        """Restore what `snapshot` returned; `SnapshotError` for a state no download could be in."""
         cls.check_snapshot(snapshot)
         return cls(snapshot.model_id, policy=snapshot.policy, _snapshot=snapshot)
 

@@ -49,19 +49,29 @@ class Adapter(Protocol):
         """Start the process; return its ring endpoint if it is known at once (else report it by
         `Driver.published`)."""
 
-    def stop_runner(self, action: act.StopRunner) -> Awaitable[Any] | None: ...
+    def stop_runner(self, action: act.StopRunner) -> Awaitable[Any] | None:
+        """Ask the process to end (escalate if it lingers); `Driver.report` ``runner.Exited`` once it is reaped."""
 
-    def start_download(self, action: act.StartDownload) -> Awaitable[Any] | None: ...
+    def start_download(self, action: act.StartDownload) -> Awaitable[Any] | None:
+        """Fetch the model onto the node; `Driver.downloaded` when it ends, with ``error`` if it failed."""
 
-    def connect_runner(self, action: act.ConnectRunner) -> Awaitable[Any] | None: ...
+    def connect_runner(self, action: act.ConnectRunner) -> Awaitable[Any] | None:
+        """Tell the rank to join its ring (every endpoint is published); report ``runner.Connected`` once it has."""
 
-    def load_model(self, action: act.LoadModel) -> Awaitable[Any] | None: ...
+    def load_model(self, action: act.LoadModel) -> Awaitable[Any] | None:
+        """Tell the runner to read the weights; report ``runner.Progress`` as layers load (it feeds the
+        watchdog) and ``runner.WeightsLoaded`` at the end."""
 
-    def warm_up(self, action: act.WarmUp) -> Awaitable[Any] | None: ...
+    def warm_up(self, action: act.WarmUp) -> Awaitable[Any] | None:
+        """Tell the runner to run its warm-up; report ``runner.Warmed``, which makes it Ready."""
 
-    def forward_request(self, action: act.ForwardRequest) -> Awaitable[Any] | None: ...
+    def forward_request(self, action: act.ForwardRequest) -> Awaitable[Any] | None:
+        """Send the request to this rank; report ``runner.RequestFinished`` when it ends, however it ends (the
+        runner stays busy until then)."""
 
-    def cancel_request(self, action: act.CancelRequest) -> Awaitable[Any] | None: ...
+    def cancel_request(self, action: act.CancelRequest) -> Awaitable[Any] | None:
+        """End the waiting request with an error carrying ``reason`` (its instance is gone); nothing is owed
+        back, but your request book must drop it or it is planned again."""
 
     def kill_runner(self, action: act.KillRunner) -> Awaitable[Any] | None:
         """Only with a ``stop_grace`` limit (`fsm.watchdog`): SIGKILL the process a stop did not end."""
@@ -128,6 +138,7 @@ class Driver:
 
     @property
     def nodes(self) -> list[str]:
+        """The nodes this driver plans for, as they are now (``nodes`` given, else every node a slot names)."""
         if callable(self._nodes):
             return list(self._nodes())
         if self._nodes is not None:
@@ -135,6 +146,7 @@ class Driver:
         return sorted({slot.node_id for p in self.cluster.instances.values() for slot in p.slots})
 
     def view(self) -> ClusterView:
+        """What the planner sees now, with the caller's waiting ``requests``: for a status page or a test."""
         return self.cluster.view(self._requests())
 
     # -- the loop ------------------------------------------------------------------------

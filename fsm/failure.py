@@ -16,13 +16,13 @@ import attrs
 class FailureKind(enum.Enum):
     """What ended a runner: its own doing (charged), a peer's, or the host's (uncharged)."""
 
-    EXIT = "exit"  # the process ended on its own, any exit code, while not asked to stop
-    SIGNAL = "signal"  # the process was killed by a signal it was not sent by us
-    EXCEPTION = "exception"  # the runner reported an exception before dying
-    STALL = "stall"  # a watchdog saw no progress within the phase's timeout
-    PEER = "peer_failed"  # another rank of the same generation failed
-    SPAWN = "spawn"  # the process could not be started at all
-    HOST = "host"  # the host, not the model: no fds or disk to spawn, a ring port taken, a lost node (uncharged)
+    EXIT = "exit"  #: the process ended on its own, any exit code, while not asked to stop
+    SIGNAL = "signal"  #: the process was killed by a signal it was not sent by us
+    EXCEPTION = "exception"  #: the runner reported an exception before dying
+    STALL = "stall"  #: a watchdog saw no progress within the phase's timeout
+    PEER = "peer_failed"  #: another rank of the same generation failed
+    SPAWN = "spawn"  #: the process could not be started at all
+    HOST = "host"  #: the host, not the model: no fds or disk to spawn, a ring port taken, a lost node (uncharged)
 
 
 @attrs.frozen
@@ -51,6 +51,7 @@ class Failure:
 
     @classmethod
     def signalled(cls, signum: int, detail: str = "") -> Failure:
+        """A process killed by a signal we did not send (an OOM killer, an operator): charged, retryable."""
         try:
             name = _signal.Signals(signum).name
         except ValueError:
@@ -59,6 +60,8 @@ class Failure:
 
     @classmethod
     def exception(cls, exception_type: str, message: str, *, retryable: bool = True, detail: str = "") -> Failure:
+        """The runner reported an exception; ``retryable=False`` for one no retry mends (a defect of the
+        model), which deletes the instance at once instead of spending its budget."""
         return cls(
             FailureKind.EXCEPTION,
             f"{exception_type}: {message}",
@@ -69,6 +72,7 @@ class Failure:
 
     @classmethod
     def stalled(cls, phase: str, seconds: float) -> Failure:
+        """No progress in ``phase`` for ``seconds`` (`fsm.watchdog`): a hang counts as the runner's failure."""
         return cls(FailureKind.STALL, f"no progress in phase {phase} for {seconds:g} s")
 
     @property
@@ -82,10 +86,14 @@ class Failure:
 
     @classmethod
     def host(cls, message: str, detail: str = "", exception_type: str | None = None) -> Failure:
+        """The host failed, not the model (no fds or disk to spawn, a ring port taken, a lost node): retried
+        after the backoff but never charged to the retry budget."""
         return cls(FailureKind.HOST, message, detail=detail, exception_type=exception_type)
 
     @classmethod
     def peer_failed(cls, rank: int) -> Failure:
+        """This rank ends because rank ``rank`` of its generation failed (one_for_all): a consequence, so the
+        cause's report takes its place in ``last_failure``."""
         return cls(FailureKind.PEER, f"rank {rank} of the same generation failed")
 
     @classmethod

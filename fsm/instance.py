@@ -102,22 +102,22 @@ from fsm.failure import Failure, FailureKind
 class InstanceState(enum.Enum):
     """Where an instance is in its retry lifecycle (the states of `InstanceRetry`)."""
 
-    PENDING = "pending"
-    STARTING = "starting"
-    READY = "ready"
-    RECOVERING = "recovering"
-    BACKING_OFF = "backing_off"
-    PARKING = "parking"
-    PARKED = "parked"
-    DELETED = "deleted"
+    PENDING = "pending"  #: placed (or unparked), its next generation not started yet: the plan downloads, then starts
+    STARTING = "starting"  #: a generation's ranks are being created and brought up
+    READY = "ready"  #: every rank of the generation is Ready: it serves requests
+    RECOVERING = "recovering"  #: a rank failed: every rank of the generation is being stopped (one_for_all)
+    BACKING_OFF = "backing_off"  #: the failed generation is reaped; the next starts once the backoff ends
+    PARKING = "parking"  #: parked on purpose, its runners being stopped (a failure now costs nothing)
+    PARKED = "parked"  #: no process, placement and budget kept; a request unparks it
+    DELETED = "deleted"  #: final: deleted by its user or given up on (``delete_reason`` says which)
 
 
 class DeleteReason(enum.Enum):
     """Why an instance reached Deleted: asked by its user, out of retries, or a failure no retry can mend."""
 
-    REQUESTED = "requested"
-    RETRIES_EXHAUSTED = "retries_exhausted"
-    NON_RETRYABLE = "non_retryable"
+    REQUESTED = "requested"  #: its user deleted it (`Cluster.delete`)
+    RETRIES_EXHAUSTED = "retries_exhausted"  #: ``max_retries`` generations failed (charged failures only)
+    NON_RETRYABLE = "non_retryable"  #: a failure with ``retryable=False``: retrying cannot mend it
 
 
 @attrs.frozen
@@ -150,11 +150,14 @@ def budget_exhausted(failed_generations: int, max_retries: int | None) -> bool:
 
 @attrs.frozen
 class InstanceEvent:
+    """Base of the instance's events: every one names its instance and carries the caller's ``now``."""
+
     name: ClassVar[str]
     instance_id: str = attrs.field(validator=attrs.validators.instance_of(str))
     now: float = attrs.field(validator=finite(InvalidEvent))
 
     def payload(self) -> dict[str, Any]:
+        """The event's fields the machine's guards and callbacks take (as keyword arguments of ``send``)."""
         return {}
 
 
@@ -168,29 +171,39 @@ class Start(InstanceEvent):
 
 @attrs.frozen
 class RankEvent(InstanceEvent):
+    """Base of what one rank of one generation did; an event of an older generation is ignored."""
+
     generation: int = attrs.field(validator=integer(InvalidEvent))
     rank: int = attrs.field(validator=integer(InvalidEvent))
 
     def payload(self) -> dict[str, Any]:
+        """The rank, which the machine counts among the live or ready ones."""
         return {"rank": self.rank}
 
 
 @attrs.frozen
 class RankCreated(RankEvent):
+    """A rank's process was created (`Cluster.execute` of a CreateRunner sends it): it is alive until stopped."""
+
     name = "rank_created"
 
 
 @attrs.frozen
 class RankReady(RankEvent):
+    """A rank's runner reached Ready (the cluster forwards it); the instance is Ready once every rank is."""
+
     name = "rank_ready"
 
 
 @attrs.frozen
 class RankFailed(RankEvent):
+    """A rank's runner failed (the cluster forwards it, with the cause): the generation ends, one retry spent."""
+
     name = "rank_failed"
     failure: Failure = attrs.field(kw_only=True, validator=attrs.validators.instance_of(Failure))
 
     def payload(self) -> dict[str, Any]:
+        """The rank and the cause, which decides whether the failure is charged, retried or final."""
         return {"rank": self.rank, "failure": self.failure}
 
 
@@ -245,6 +258,7 @@ class Park(InstanceEvent):
     busy: int = attrs.field(default=0, kw_only=True, validator=integer(InvalidEvent))
 
     def payload(self) -> dict[str, Any]:
+        """The requests in flight, which the ``idle`` guard refuses to cut short."""
         return {"busy": self.busy}
 
 
@@ -267,6 +281,8 @@ class GiveUp(InstanceEvent):
 
 @attrs.frozen
 class InstanceSnapshot:
+    """An instance's whole state as a value (`InstanceRetry.snapshot`): what survives a restart, budget included."""
+
     instance_id: str
     world_size: int
     policy: RetryPolicy
@@ -411,14 +427,17 @@ class InstanceRetry(Lifecycle):
 
     @property
     def deadline_passed(self) -> bool:
+        """Guard of ``start`` from Backing off: no generation starts before its backoff ends."""
         return self.deadline is None or (self.clock is not None and self.clock >= self.deadline)
 
     @property
     def all_ranks_ready(self) -> bool:
+        """The joint condition that makes Starting Ready: one rank ready is not an instance that can serve."""
         return len(self.ready_ranks) == self.world_size
 
     @property
     def nothing_alive(self) -> bool:
+        """The joint condition that ends Recovering and Parking: two generations never run at once."""
         return not self.live_ranks
 
     @property
@@ -435,6 +454,7 @@ class InstanceRetry(Lifecycle):
 
     @property
     def last_allowed_failure(self) -> bool:
+        """One more charged failure would spend the budget: the instance gives up on it instead of retrying."""
         return budget_exhausted(self.attempts + 1, self.policy.max_retries)
 
     def last_charged_failure(self, failure: Failure) -> bool:
@@ -444,6 +464,7 @@ class InstanceRetry(Lifecycle):
 
     @staticmethod
     def non_retryable(failure: Failure) -> bool:
+        """A cause no retry can mend: Deleted at once, whatever the budget says."""
         return not failure.retryable
 
     # -- actions -------------------------------------------------------------
@@ -519,6 +540,7 @@ class InstanceRetry(Lifecycle):
         self.delete_reason = DeleteReason.REQUESTED
 
     def on_enter_deleted(self) -> None:
+        """Deleted is final: no timer may fire after it, and no ready streak or unparking goes on."""
         self.deadline = None  # cancels the pending timer
         self.ready_since = None
         self.waking = False
@@ -601,13 +623,16 @@ class InstanceRetry(Lifecycle):
 
     @property
     def instance_state(self) -> InstanceState:
+        """The state as an enum, to compare with rather than the leaf's string."""
         return InstanceState(self.leaf)
 
     @property
     def is_deleted(self) -> bool:
+        """Whether the instance is final: every later event is absorbed, and `Cluster.forget` may drop it."""
         return self.leaf == "deleted"
 
     def snapshot(self) -> InstanceSnapshot:
+        """The whole state, budget and deadline included, so a restart neither refills nor skips a backoff."""
         return InstanceSnapshot(
             instance_id=self.instance_id,
             world_size=self.world_size,

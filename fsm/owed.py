@@ -43,13 +43,13 @@ from fsm.view import ClusterView
 class Report(enum.Enum):
     """A report the caller owes: the event (or call) that ends the work an action started."""
 
-    PUBLISHED = "published"  # Cluster.publish(runner, incarnation, "HOST:PORT"): the rank's ring endpoint
-    CONNECTED = "connected"  # runner.Connected
-    LOADED = "loaded"  # runner.WeightsLoaded (runner.Progress on the way)
-    WARMED = "warmed"  # runner.Warmed
-    EXITED = "exited"  # runner.Exited, once the process is reaped
-    FINISHED = "finished"  # runner.RequestFinished
-    DOWNLOAD = "download"  # download.Complete or download.DownloadFailed
+    PUBLISHED = "published"  #: Cluster.publish(runner, incarnation, "HOST:PORT"): the rank's ring endpoint
+    CONNECTED = "connected"  #: runner.Connected
+    LOADED = "loaded"  #: runner.WeightsLoaded (runner.Progress on the way)
+    WARMED = "warmed"  #: runner.Warmed
+    EXITED = "exited"  #: runner.Exited, once the process is reaped
+    FINISHED = "finished"  #: runner.RequestFinished
+    DOWNLOAD = "download"  #: download.Complete or download.DownloadFailed
 
 
 _SAYS = {

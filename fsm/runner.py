@@ -50,26 +50,26 @@ from fsm.failure import Failure
 class RunnerState(enum.Enum):
     """The six states of the design card (the machine groups the first four under `running`)."""
 
-    IDLE = "idle"
-    CONNECTING = "connecting"
-    LOADING = "loading"
-    READY = "ready"
-    FAILED = "failed"
-    SHUTDOWN = "shutdown"
+    IDLE = "idle"  #: the process exists and has been told nothing yet
+    CONNECTING = "connecting"  #: joining its ring with the other ranks (world_size > 1 only)
+    LOADING = "loading"  #: reading the weights, then warming up
+    READY = "ready"  #: serving, or waiting for requests
+    FAILED = "failed"  #: terminal for the process: it is stopped and reaped, never revived
+    SHUTDOWN = "shutdown"  #: being stopped, or reaped
 
 
 class RunnerPhase(enum.Enum):
     """Sub-phases of the compound states (Idle and Failed have none)."""
 
-    JOINING = "joining"
-    JOINED = "joined"  # this rank joined; waiting for the others
-    WEIGHTS = "weights"  # reading weights, with layer progress
-    LOADED = "loaded"  # waiting for all ranks to be loaded
-    WARMING_UP = "warming_up"
-    AVAILABLE = "available"  # ready, serving no request
-    BUSY = "busy"  # ready, serving >= 1 request
-    STOPPING = "stopping"
-    STOPPED = "stopped"
+    JOINING = "joining"  #: told to connect; joining its ring
+    JOINED = "joined"  #: this rank joined; waiting for the others
+    WEIGHTS = "weights"  #: reading weights, with layer progress
+    LOADED = "loaded"  #: waiting for all ranks to be loaded
+    WARMING_UP = "warming_up"  #: every rank loaded; running its warm-up
+    AVAILABLE = "available"  #: ready, serving no request
+    BUSY = "busy"  #: ready, serving >= 1 request
+    STOPPING = "stopping"  #: asked to stop; its exit is owed
+    STOPPED = "stopped"  #: reaped: the process is gone (final)
 
 
 _PARENT = {
@@ -97,11 +97,14 @@ class RunnerEvent:
     incarnation: int = attrs.field(validator=integer(InvalidEvent))
 
     def payload(self) -> dict[str, Any]:
+        """The event's fields the machine's guards and callbacks take (as keyword arguments of ``send``)."""
         return {}
 
 
 @attrs.frozen
 class Connect(RunnerEvent):
+    """Told to join its ring (`Cluster.execute` of a ConnectRunner sends it)."""
+
     name = "connect"
 
 
@@ -114,11 +117,15 @@ class Connected(RunnerEvent):
 
 @attrs.frozen
 class Load(RunnerEvent):
+    """Told to read the weights (`Cluster.execute` of a LoadModel sends it)."""
+
     name = "load"
 
 
 @attrs.frozen
 class Progress(RunnerEvent):
+    """The caller's report of layers read so far (optional): it shows progress and resets the load watchdog."""
+
     name = "progress"
     layers_loaded: int = attrs.field(validator=integer(InvalidEvent))
     layers_total: int = attrs.field(validator=integer(InvalidEvent))
@@ -131,45 +138,61 @@ class Progress(RunnerEvent):
             )
 
     def payload(self) -> dict[str, Any]:
+        """The layer counts, which the machine records for progress views."""
         return {"layers_loaded": self.layers_loaded, "layers_total": self.layers_total}
 
 
 @attrs.frozen
 class WeightsLoaded(RunnerEvent):
+    """The caller's report: every layer is read."""
+
     name = "weights_loaded"
 
 
 @attrs.frozen
 class WarmUp(RunnerEvent):
+    """Told to warm up (`Cluster.execute` of a WarmUp action sends it)."""
+
     name = "warm_up"
 
 
 @attrs.frozen
 class Warmed(RunnerEvent):
+    """The caller's report: the warm-up ran; the runner is Ready."""
+
     name = "warmed"
 
 
 @attrs.frozen
 class RequestStarted(RunnerEvent):
+    """A request was forwarded to the runner (`Cluster.execute` of a ForwardRequest sends it): it is busy."""
+
     name = "request_started"
 
 
 @attrs.frozen
 class RequestFinished(RunnerEvent):
+    """The caller's report: a request ended, however it ended; the last one makes the runner available."""
+
     name = "request_finished"
 
 
 @attrs.frozen
 class Fail(RunnerEvent):
+    """The runner failed, with its cause (the caller's report, or a watchdog's through FailStalled)."""
+
     name = "fail"
     failure: Failure = attrs.field(validator=attrs.validators.instance_of(Failure))
 
     def payload(self) -> dict[str, Any]:
+        """The cause, which Failed always keeps."""
         return {"failure": self.failure}
 
 
 @attrs.frozen
 class Stop(RunnerEvent):
+    """The runner is being stopped (`Cluster.execute` of a StopRunner sends it); its exit is owed."""
+
     name = "stop"
 
 
@@ -185,6 +208,7 @@ class Exited(RunnerEvent):
     stop_delivered: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
 
     def payload(self) -> dict[str, Any]:
+        """What the guards need to tell a clean stop from a failure."""
         return {"exit_code": self.exit_code, "detail": self.detail, "stop_delivered": self.stop_delivered}
 
 
@@ -193,6 +217,8 @@ class Exited(RunnerEvent):
 
 @attrs.frozen
 class RunnerSnapshot:
+    """A runner's whole state as a value (`RunnerLifecycle.snapshot`), its failure included."""
+
     runner_id: str
     incarnation: int
     rank: int
@@ -299,14 +325,17 @@ class RunnerLifecycle(Lifecycle):
 
     @property
     def multi_rank(self) -> bool:
+        """Guard of ``connect``: only a rank of two or more joins a ring."""
         return self.world_size > 1
 
     @property
     def single_rank(self) -> bool:
+        """Guard of ``load`` from Idle: a single rank has no ring to join first."""
         return self.world_size == 1
 
     @property
     def last_request(self) -> bool:
+        """The request finishing is the only one in flight: Busy goes back to Available."""
         return self.in_flight == 1
 
     @staticmethod
@@ -334,6 +363,7 @@ class RunnerLifecycle(Lifecycle):
         self.in_flight -= 1
 
     def on_enter_failed(self, failure: Failure | None = None) -> None:
+        """Failed keeps its cause, and serves nothing: its requests ended with it."""
         if failure is not None:
             self.failure = failure
         self.in_flight = 0
@@ -342,6 +372,7 @@ class RunnerLifecycle(Lifecycle):
         self.stop_requested = True
 
     def on_enter_shutdown(self) -> None:
+        """A stopping runner takes no requests: the stop is recorded, and what was in flight ends with it."""
         self.stop_requested = True
         self.in_flight = 0
 
@@ -388,6 +419,7 @@ class RunnerLifecycle(Lifecycle):
 
     @property
     def phase(self) -> RunnerPhase | None:
+        """The sub-phase as an enum (None in Idle and Failed, which have none): what watchdogs time."""
         return _PHASES.get(self.leaf)
 
     @property
@@ -396,6 +428,7 @@ class RunnerLifecycle(Lifecycle):
         return self.leaf != RunnerPhase.STOPPED.value
 
     def snapshot(self) -> RunnerSnapshot:
+        """The whole state, failure included, so "this runner failed" survives a restart."""
         return RunnerSnapshot(
             runner_id=self.runner_id,
             incarnation=self.incarnation,
@@ -411,6 +444,7 @@ class RunnerLifecycle(Lifecycle):
 
     @classmethod
     def from_snapshot(cls, snapshot: RunnerSnapshot) -> RunnerLifecycle:
+        """Restore what `snapshot` returned; `SnapshotError` for a state no runner could be in."""
         cls.check_snapshot(snapshot)
         return cls(
             snapshot.runner_id,

@@ -63,6 +63,7 @@ class RunnerStatus:
         since: float | None = None,
         killed: bool = False,
     ) -> RunnerStatus:
+        """Read a runner's machine, with what the cluster keeps beside it (its instance, node, endpoint)."""
         return cls(
             endpoint=endpoint,
             since=since,
@@ -94,12 +95,12 @@ class Slot:
 class Residency(enum.Enum):
     """Whether an instance's model is in memory, as users see it (read from its state: `InstanceView.residency`)."""
 
-    LOADING = "loading"  # placed, its generation on its way to Ready (or retried after a failure)
-    LOADED = "loaded"  # Ready: its runners hold the model
-    PARKING = "parking"  # parked on purpose, its runners being stopped
-    PARKED = "parked"  # no process; a request brings it back
-    UNPARKING = "unparking"  # a request brought it back: on its way to Ready
-    DELETED = "deleted"
+    LOADING = "loading"  #: placed, its generation on its way to Ready (or retried after a failure)
+    LOADED = "loaded"  #: Ready: its runners hold the model
+    PARKING = "parking"  #: parked on purpose, its runners being stopped
+    PARKED = "parked"  #: no process; a request brings it back
+    UNPARKING = "unparking"  #: a request brought it back: on its way to Ready
+    DELETED = "deleted"  #: gone for good; its runners are being (or were) stopped
 
 
 @attrs.frozen
@@ -127,6 +128,7 @@ class RetryStatus:
 
     @classmethod
     def of(cls, machine: InstanceRetry) -> RetryStatus:
+        """Read an instance's machine and its policy: the planner never touches the machine itself."""
         return cls(
             state=machine.instance_state,
             generation=machine.generation,
@@ -172,6 +174,7 @@ class InstanceView:
 
     @property
     def residency(self) -> Residency:
+        """Whether the model is in memory, in the words users see (the retry states are the machine's)."""
         state = self.retry.state
         if state in _RESIDENCY:
             return _RESIDENCY[state]
@@ -179,10 +182,12 @@ class InstanceView:
 
     @property
     def world_size(self) -> int:
+        """How many ranks the instance runs on: one slot each."""
         return len(self.slots)
 
     @property
     def nodes(self) -> frozenset[str]:
+        """The nodes its ranks are on, each once: where its model must be downloaded."""
         return frozenset(s.node_id for s in self.slots)
 
     @property
@@ -211,6 +216,7 @@ class DownloadStatus:
 
     @classmethod
     def of(cls, machine: DownloadLifecycle, *, node_id: str) -> DownloadStatus:
+        """Read a download's machine (which does not know its node: the cluster keys it by one)."""
         return cls(node_id, machine.model_id, machine.download_state, machine.attempts, machine.retry_at)
 
 
@@ -256,4 +262,5 @@ class ClusterView:
             yield slot, self.runners.get(slot.runner_id)
 
     def download(self, node_id: str, model_id: str) -> DownloadStatus | None:
+        """The model's download on the node, or None if none was ever started there."""
         return self.downloads.get((node_id, model_id))

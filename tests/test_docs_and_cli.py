@@ -32,6 +32,14 @@ def test_readme_example_runs_and_prints_what_it_claims():
     assert lines[5].startswith("[StartGeneration(instance_id='demo', generation=1), StartDownload(")
 
 
+def test_readme_lists_every_handler_of_the_drivers_adapter():
+    """#27: a handler the README leaves out is one a reader of the table never writes (`kill_runner` was)."""
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `Driver("))
+    listed = re.search(r"`Adapter` handler for each action \(([^)]*)\)", row).group(1)
+    handlers = {name for name in vars(fsm.Adapter) if not name.startswith("_")}
+    assert set(re.findall(r"`(\w+)`", listed)) == handlers
+
+
 def test_drive_machines_example_recovers_after_a_kill():
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "drive_machines.py")], capture_output=True, text=True, timeout=60

@@ -36,5 +36,14 @@ def test_the_docs_build_without_warnings_and_cover_every_public_name(tmp_path):
         assert "Transitions" in page
     tutorial = (out / "tutorial.html").read_text()
     assert "supervise" in tutorial and "create_runner" in tutorial  # the example's code, included from its file
-    rules = (out / "rules.html").read_text()
-    assert "Prevent failed instance retries" in rules
+    # a page per design rule, each linked from the rules' index
+    rules = sorted(p.stem for p in (ROOT / "docs" / "rules").glob("*.rst") if p.stem != "index")
+    assert len(rules) >= 6, rules
+    index = (out / "rules" / "index.html").read_text()
+    for rule in rules:
+        assert f'href="{rule}.html"' in index, f"rules/index does not link {rule}"
+        assert "<h1>" in (out / "rules" / f"{rule}.html").read_text()
+    assert "Prevent failed instance retries" in (out / "rules" / "retries-end.html").read_text()
+    # the methods' docstrings and the enum members' #: comments reach the reference
+    assert 'id="fsm.Adapter.stop_runner"' in api and "escalate if it lingers" in api
+    assert 'id="fsm.ClockKind.WALL"' in api and "seconds since the Unix epoch" in api
