@@ -121,6 +121,24 @@ def test_an_instance_not_ready_within_the_bound_after_the_last_heal_is_a_violati
     assert inv.ready_after_the_last_heal(forgotten, healed=50.0, bounds=BOUNDS) == []
 
 
+def test_an_instance_a_client_left_parked_need_not_be_ready_one_it_unparked_must():
+    """The workload parks and unparks its own placements: parked by request is not a recovery that failed."""
+
+    def asked(client: str, at: float, outcome: Outcome = Outcome.OK) -> Operation:
+        return Operation(client, "node-1", at, at + 0.1, outcome, "", "i1")
+
+    parked = [sample(50.0, "parked"), sample(99.0, "parked")]
+    left = inv.left_parked([asked("place", 1.0), asked("park", 40.0)])
+    assert left == {"i1"} and inv.ready_after_the_last_heal(parked, healed=50.0, bounds=BOUNDS, parked=left) == []
+    for history in (
+        [asked("park", 40.0), asked("unpark", 45.0)],  # unparked after: it must come back
+        [asked("park", 40.0, Outcome.REFUSED)],  # the park was refused: it never was parked by request
+    ):
+        left = inv.left_parked(history)
+        assert left == set()
+        assert "last seen parked" in inv.ready_after_the_last_heal(parked, 50.0, BOUNDS, left)[0].text
+
+
 # -- 6. the log and the readers ------------------------------------------------------------------
 
 

@@ -239,7 +239,7 @@ def _check(
         *inv.retries_charged(
             history.samples, lives, injector.runner_hits, injector.runner_kills, host, deletes, settle=settle
         ),
-        *inv.ready_after_the_last_heal(history.samples, healed, bounds),
+        *inv.ready_after_the_last_heal(history.samples, healed, bounds, inv.left_parked(history.operations)),
         *inv.the_log_replays(cluster.divergence, history.events, cluster.log, cluster.start),
         *inv.nothing_left_behind(leftovers),
     ]

@@ -197,8 +197,21 @@ def _charges(samples: Sequence[InstanceSample]) -> dict[str, list[float]]:
     return dict(charged)
 
 
-def ready_after_the_last_heal(samples: Sequence[InstanceSample], healed: float, bounds: Bounds) -> list[Violation]:
-    """5. After the last heal, every instance whose budget is not spent is Ready within the bound, and stays."""
+def left_parked(operations: Sequence[Operation]) -> set[str]:
+    """The instances a client's last word on parked (a park not refused, no unpark after it): not Ready by
+    request, not for want of recovery."""
+    last: dict[str, Operation] = {}
+    for op in sorted(operations, key=lambda op: op.start):
+        if op.client in ("park", "unpark") and op.outcome is not Outcome.REFUSED:
+            last[op.instance] = op
+    return {iid for iid, op in last.items() if op.client == "park"}
+
+
+def ready_after_the_last_heal(
+    samples: Sequence[InstanceSample], healed: float, bounds: Bounds, parked: set[str] = frozenset()
+) -> list[Violation]:
+    """5. After the last heal, every instance whose budget is not spent is Ready within the bound, and stays;
+    but one that a client left ``parked``."""
     latest: dict[str, InstanceSample] = {}
     first_ready: dict[str, float] = {}
     for s in sorted(samples, key=lambda s: s.time):
@@ -208,7 +221,7 @@ def ready_after_the_last_heal(samples: Sequence[InstanceSample], healed: float, 
     last = max((s.time for s in samples), default=0.0)
     found = []
     for iid, s in sorted(latest.items()):
-        if s.deleted or s.spent:
+        if s.deleted or s.spent or iid in parked:
             continue
         if s.time < last:  # gone from etcd: deleted and forgotten between two samples (invariant 2 judges how)
             continue

@@ -1,5 +1,6 @@
-"""The campaign's clients: chats in both dialects (streamed and not), placements and deletes, and `/events`
-readers that resume with ``Last-Event-ID`` — each answer classified as the client sees it and recorded.
+"""The campaign's clients: chats in both dialects (streamed and not), placements, parks, unparks and deletes,
+and `/events` readers that resume with ``Last-Event-ID`` — each answer classified as the client sees it and
+recorded.
 
 A request is sent to a node drawn at random, whatever state the node is in: clients do not know what the
 campaign did to it. Each thread has its own seeded random source, so a seed gives the same requests.
@@ -101,7 +102,8 @@ class Workload:
     # -- placements -------------------------------------------------------------------
 
     def _placements(self, rng: random.Random) -> None:
-        """Place an instance of 1–3 ranks (pinned to nodes, or spread by the placer), keep it a while, delete it."""
+        """Place an instance of 1–3 ranks (pinned to nodes, or spread by the placer), keep it a while, delete it;
+        on the way, often park it (at once, while it may still be Pending, or once it runs) and unpark it."""
         with httpx.Client(timeout=self.timeout, headers=self.headers, limits=FRESH) as client:
             while not self._stop.is_set() and self.clock() < self.placements_until:
                 ranks = rng.randint(1, 3)
@@ -109,7 +111,12 @@ class Workload:
                 if rng.random() < 0.5:
                     body["nodes"] = rng.sample(sorted(self.urls()), ranks)
                 iid = self._ask(client, rng, "place", "POST", "/instances", body)
-                self._stop.wait(rng.uniform(2.0, 10.0))
+                self._stop.wait(0.0 if rng.random() < 0.3 else rng.uniform(2.0, 10.0))
+                if iid and rng.random() < 0.6:
+                    self._ask(client, rng, "park", "POST", f"/instances/{iid}/park", None, iid)
+                    self._stop.wait(rng.uniform(1.0, 5.0))
+                    self._ask(client, rng, "unpark", "POST", f"/instances/{iid}/unpark", None, iid)
+                    self._stop.wait(rng.uniform(2.0, 8.0))
                 if iid:
                     self._ask(client, rng, "delete", "DELETE", f"/instances/{iid}", None, iid)
                 self._stop.wait(rng.uniform(1.0, 4.0))
@@ -117,7 +124,7 @@ class Workload:
     def _ask(
         self, client: httpx.Client, rng: random.Random, name: str, method: str, path: str, body: Any, iid: str = ""
     ) -> str:
-        """One placement or delete, recorded; the instance id, if the answer acknowledged it."""
+        """One placement, park, unpark or delete, recorded; the instance id, if the answer acknowledged it."""
         node, url = self._node(rng)
         started = self.clock()
         try:
@@ -126,7 +133,7 @@ class Workload:
             outcome, detail = _broken(exc)
         else:
             outcome, detail = _classify_json(answer, "openai")
-            if outcome is Outcome.OK and method == "POST":
+            if outcome is Outcome.OK and name == "place":
                 iid = answer.json().get("instance_id", "")
         self.history.operation(Operation(name, node, started, self.clock(), outcome, detail, iid))
         return iid if outcome is Outcome.OK else ""
