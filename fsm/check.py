@@ -337,6 +337,10 @@ class CheckResult:
     violation: Violation | None = None
     horizon: float | None = None  # states past this time were not explored
     reached: frozenset[str] = frozenset()  # instance outcomes seen: "ready", "deleted:retries_exhausted", …
+    # The interleavings explored, as (where, what) pairs of the transitions that changed the state: where is
+    # the instance's leaf ("unparking" while an unparked instance is on its way back to Ready), what is the
+    # event's kind ("submit", "crash", "park", "plan", …). Outcomes alone would not miss one that is lost.
+    explored: frozenset[tuple[str, str]] = frozenset()
 
     @property
     def ok(self) -> bool:
@@ -906,6 +910,7 @@ def check(config: CheckConfig | None = None, *, timer: Callable[[], float] | Non
     progress_from: dict[_State, list[_State]] = {}  # reverse progress edges, for the liveness check
     open_states: set[_State] = set()  # settled, or with a future past the horizon or the bounds
     samples: list[tuple[_State, Event, _State]] = []
+    explored: set[tuple[str, str]] = set()
     rng = random.Random(0)
 
     def trace(state: _State, last: str | None = None) -> tuple[str, ...]:
@@ -937,9 +942,11 @@ def check(config: CheckConfig | None = None, *, timer: Callable[[], float] | Non
             except _Fail as exc:
                 return failed(state, exc, getattr(exc, "event", None))
             transitions += 1
-            if successor != state and system.progress(event):
-                moved = True
-                progress_from.setdefault(successor, []).append(state)
+            if successor != state:
+                explored.add((_where(state), _kind(event)))
+                if system.progress(event):
+                    moved = True
+                    progress_from.setdefault(successor, []).append(state)
             if len(samples) < config.determinism_samples and rng.random() < 0.05:
                 samples.append((state, event, successor))
             if successor in parents:
@@ -979,11 +986,22 @@ def check(config: CheckConfig | None = None, *, timer: Callable[[], float] | Non
     horizon = config.time_horizon if truncated_by_time else None
     reached = frozenset(_outcome(s) for s in parents)
     seconds = timer() - start
-    return CheckResult(len(parents), transitions, deepest, not truncated, seconds, None, horizon, reached)
+    return CheckResult(
+        len(parents), transitions, deepest, not truncated, seconds, None, horizon, reached, frozenset(explored)
+    )
 
 
 def _leaves(state: _State) -> str:
     return ", ".join(f"{rid}#{s.incarnation}:{s.leaf}" for rid, s in state.runners) or "none"
+
+
+def _where(state: _State) -> str:
+    """The instance's leaf as users see it: an unparked instance on its way back to Ready is "unparking"."""
+    return "unparking" if state.instance.waking else state.instance.leaf
+
+
+def _kind(event: Event) -> str:
+    return event.fault.value if isinstance(event, Inject) else str(event).split(" ", 1)[0]
 
 
 def _outcome(state: _State) -> str:

@@ -279,11 +279,21 @@ def test_policy_variants_are_explored_as_themselves():
 PARKING = CheckConfig(ranks=1, requests=2, parks=1, keep_alive=0.0, policy=fsm.RetryPolicy(max_retries=2))
 
 
+FAULT_KINDS = ("crash", "error", "fatal")
+
+
 def test_parking_and_unparking_are_exhaustively_correct():
+    """Exhaustive over the interleavings that matter, not only its endings: a request arriving while the
+    instance parks, is parked and comes back; each fault while it parks and while it comes back (unparking);
+    a download failing and an eviction while it comes back."""
     result = check(PARKING)
     assert result.ok, result.report()
     assert result.exhaustive
     assert {"parking", "parked", "ready", "deleted:retries_exhausted"} <= result.reached
+    wanted = {(where, "submit") for where in ("parking", "parked", "unparking")}
+    wanted |= {(where, fault) for where in ("parking", "unparking") for fault in FAULT_KINDS}
+    wanted |= {("unparking", "fail"), ("unparking", "park")}
+    assert wanted <= result.explored, sorted(wanted - result.explored)
 
 
 def test_a_keep_alive_parks_a_two_rank_instance_by_its_plan_and_a_request_brings_it_back():

@@ -9,6 +9,7 @@ import pytest
 
 from exod.cluster.devcluster import cluster_token_file
 from exod.config import DEFAULT, ConfigError, keep_alive, load
+from fsm.placement import MIB
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -268,3 +269,15 @@ def test_models_are_off_by_default_and_come_from_the_file_and_the_command_line(t
 def test_models_mistakes_are_named(tmp_path, text, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load(write(tmp_path, text))
+
+
+def test_a_memory_budget_lowers_what_admission_may_reserve_and_sizes_the_runner_count_from_it(tmp_path, monkeypatch):
+    """[limits] memory_mib: the node's room as admission counts it, never above the host's own."""
+    monkeypatch.setattr("exod.config.model_room", lambda: 64 * 1024 * MIB)
+    assert load(None, state_dir=tmp_path).daemon.memory_bytes == 64 * 1024 * MIB  # default: the host's
+    budget = load(write(tmp_path, "[limits]\nmemory_mib = 1536\nrunner_memory_mib = 256\n")).daemon
+    assert budget.memory_bytes == 1536 * MIB
+    assert budget.limits.runners_per_node == 6  # 1536 / 256: sized from the budget, not the host
+    assert load(write(tmp_path, "[limits]\nmemory_mib = 1000000\n")).daemon.memory_bytes == 64 * 1024 * MIB
+    with pytest.raises(ConfigError, match=re.escape("[limits] memory_mib: input should be greater than or equal to 1")):
+        load(write(tmp_path, "[limits]\nmemory_mib = 0\n"))

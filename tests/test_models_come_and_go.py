@@ -4,7 +4,9 @@ processes in the process table, its HTTP answers in the OpenAI and Ollama dialec
 An idle instance is parked (its processes gone) after its keep-alive, and a request brings it back; Ollama's
 ``keep_alive`` 0 unloads; a model not placed is placed on demand; with room for one runner, using two models
 in turn evicts the least recently used one, and at no moment do two runners run; what cannot be made room
-for is refused as before (409), and a request for it waits, then gets 503 with Retry-After.
+for is refused as before (409), and a request for it waits, then gets 503 with Retry-After. What users see
+(last use, when it will be parked, "unparking"), the refusals of park and unpark, on demand on two ranks, and
+a memory budget ([limits] memory_mib) as what binds eviction and refusals, not the runner count.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -234,3 +237,198 @@ def created_while_parking(db: Path) -> list[str]:
             found.append(f"{e.key} created while {[k for k, v in leaf.items() if v == 'parking']} parked")
     assert any(e.event == "park" for e in entries), "nothing was parked: the check proves nothing"
     return found
+
+
+# -- what users see, the refusals of park and unpark, on demand on two ranks, memory as the bound ------------
+
+
+def ps(url: str) -> list[dict[str, Any]]:
+    return httpx.get(f"{url}/api/ps", timeout=10).json()["models"]
+
+
+def expires(listed: dict[str, Any]) -> float:
+    """/api/ps's ``expires_at`` as a Unix time."""
+    return datetime.fromisoformat(listed["expires_at"].replace("Z", "+00:00")).timestamp()
+
+
+def said_of(url: str, env: dict[str, str], instance_id: str) -> tuple[str, float, float]:
+    """`exod status`'s residency line for the instance (the line under its own), and the wall times around it."""
+    before = time.time()
+    lines = exod("status", "--url", url, env=env).stdout.splitlines()
+    after = time.time()
+    mine = next(n for n, line in enumerate(lines) if line.startswith(instance_id))
+    return lines[mine + 1].strip(), before, after
+
+
+def test_what_users_see_last_used_when_it_will_be_parked_and_unparking_while_it_comes_back(tmp_path):
+    """`exod place --keep-alive 5m`; after a request, its ``last_used`` in /instances and `exod status`, and its
+    keep-alive later ``park_at``: /api/ps's ``expires_at`` and "parked in N s". Parked, then unparked: while
+    its new generation comes up (held there by a hang while connecting), "unparking" in /instances, /api/ps
+    and `exod status`."""
+    config = '[timeouts]\nstop_grace = 1.0\nterm_grace = 1.0\n\n[[fault]]\ngeneration = 2\nphase = "connecting"\n'
+    config += 'kind = "hang"\n'
+    with daemon(tmp_path, config) as (url, env):
+        bad = exod("place", MODEL, "--keep-alive", "soon", "--url", url, env=env, check=False)
+        assert bad.returncode != 0 and "keep_alive must be seconds or a duration" in bad.stderr, bad
+        assert instances(url) == []  # refused: nothing placed
+        iid = exod("place", MODEL, "--keep-alive", "5m", "--url", url, env=env).stdout.strip()
+        ready = until(lambda: of(url, MODEL), lambda i: i["state"] == "ready")
+        assert (ready["instance_id"], ready["keep_alive"], ready["residency"]) == (iid, 300.0, "loaded")
+
+        before = time.time()
+        assert chat(url, MODEL).status_code == 200
+        after = time.time()
+        used = of(url, MODEL)
+        assert before <= used["last_used"] <= after
+        assert used["park_at"] == pytest.approx(used["last_used"] + 300.0, abs=1e-3)
+        [listed] = ps(url)
+        assert (listed["model"], listed["residency"]) == (MODEL, "loaded")
+        assert expires(listed) == pytest.approx(used["park_at"], abs=1e-3)
+        line, asked, answered = said_of(url, env, iid)
+        found = re.fullmatch(r"loaded, last used (\d+) s ago, parked in (\d+) s", line)
+        assert found is not None, line
+        ago, left = (int(n) for n in found.groups())
+        assert asked - used["last_used"] - 1 <= ago <= answered - used["last_used"] + 1, line
+        assert used["park_at"] - answered - 1 <= left <= used["park_at"] - asked + 1, line
+
+        exod("park", iid, "--url", url, env=env)
+        until(runner_pids, lambda pids: pids == [])
+        line, _, _ = said_of(url, env, iid)
+        assert re.fullmatch(r"parked, last used \d+ s ago", line), line  # no "parked in": it is
+        assert ps(url) == []
+
+        unparked = httpx.post(f"{url}/instances/{iid}/unpark", timeout=30)
+        assert unparked.status_code == 200 and unparked.json()["residency"] == "unparking", unparked.text
+        until(runner_pids, lambda pids: len(pids) == 1)  # generation 2's runner, hung while connecting
+        coming = of(url, MODEL)
+        assert (coming["residency"], coming["state"], coming["generation"], coming["park_at"]) == (
+            "unparking",
+            "starting",
+            2,
+            None,
+        )
+        [listed] = ps(url)  # on its way into memory: listed, with no expiry yet
+        assert (listed["model"], listed["residency"], listed["expires_at"]) == (
+            MODEL,
+            "unparking",
+            "0001-01-01T00:00:00Z",
+        )
+        line, _, _ = said_of(url, env, iid)
+        assert line.startswith("unparking, last used "), line
+        httpx.delete(f"{url}/instances/{iid}", timeout=10)
+        until(runner_pids, lambda pids: pids == [])
+
+
+def test_park_is_refused_while_a_request_is_in_flight_saying_to_wait_for_it(tmp_path):
+    """POST /instances/ID/park with a request in flight (held there by a hang after its first token): 409 with
+    Retry-After and what to do, and the instance stays loaded; `exod park` says the same and fails."""
+    config = f'[timeouts]\nstop_grace = 1.0\nterm_grace = 1.0\n\n[[place]]\nmodel = "{MODEL}"\nranks = 1\n'
+    config += '\n[[fault]]\nphase = "busy"\nkind = "hang"\n'
+    with daemon(tmp_path, config) as (url, env):
+        iid = until(lambda: of(url, MODEL), lambda i: i["state"] == "ready")["instance_id"]
+        answers: list[httpx.Response] = []
+        request = threading.Thread(target=lambda: answers.append(chat(url, MODEL)))
+        request.start()
+        until(lambda: of(url, MODEL), lambda i: [r["phase"] for r in i["runners"]] == ["busy"])
+        refused = httpx.post(f"{url}/instances/{iid}/park", timeout=10)
+        assert refused.status_code == 409 and refused.headers["retry-after"] == "1", refused.text
+        message = refused.json()["error"]["message"]
+        assert f"instance {iid} cannot be parked now" in message and "park it once they end" in message, message
+        said = exod("park", iid, "--url", url, env=env, check=False)
+        assert said.returncode != 0 and "park it once they end" in said.stderr, said
+        still = of(url, MODEL)
+        assert (still["state"], still["residency"], [r["phase"] for r in still["runners"]]) == (
+            "ready",
+            "loaded",
+            ["busy"],
+        )
+        httpx.delete(f"{url}/instances/{iid}", timeout=10)  # ends the request with an error
+        request.join(timeout=60)
+        assert not request.is_alive() and answers[0].status_code != 200
+        until(runner_pids, lambda pids: pids == [])
+
+
+ROOM_BACK = r"(\S+) has (\d+) MiB free and (\d+) runner\(s\) to give"  # an unpark's refusal, node by node
+SHORT = r"1 ranks of (\d+) MiB each do not fit \(0 do\): local has (\d+) MiB free, (\d+) MiB short of a rank"
+
+
+def test_unpark_is_refused_while_still_parking_and_where_it_no_longer_fits_saying_what_each_node_lacks(tmp_path):
+    """Room for one rank ([limits] memory_mib; runners_per_node is not what binds). Parking held up by a runner
+    that hangs when asked to stop: an unpark meanwhile is a 409 (try again). Parked, its room then taken by a
+    model kept forever: an unpark is a 409 naming, node by node, the MiB free against a rank's need."""
+    config = "[timeouts]\nstop_grace = 4.0\nterm_grace = 1.0\n\n[limits]\nmemory_mib = 768\nrunners_per_node = 8\n"
+    config += f'\n[[place]]\nmodel = "{MODEL}"\nranks = 1\n\n[[fault]]\nphase = "stopping"\nkind = "hang"\n'
+    with daemon(tmp_path, config) as (url, _env):
+        iid = until(lambda: of(url, MODEL), lambda i: i["state"] == "ready")["instance_id"]
+        parking = httpx.post(f"{url}/instances/{iid}/park", timeout=10)
+        assert parking.status_code == 200 and parking.json()["residency"] == "parking", parking.text
+        early = httpx.post(f"{url}/instances/{iid}/unpark", timeout=10)
+        assert early.status_code == 409 and early.headers["retry-after"] == "1", early.text
+        assert f"instance {iid} is still parking" in early.json()["error"]["message"]
+        assert of(url, MODEL)["residency"] == "parking"
+        until(lambda: of(url, MODEL), lambda i: i["residency"] == "parked")
+        assert runner_pids() == []
+
+        kept = httpx.post(f"{url}/instances", json={"model": OTHER, "keep_alive": -1}, timeout=30)
+        assert kept.status_code == 201, kept.text  # the parked one holds no memory
+        refused = httpx.post(f"{url}/instances/{iid}/unpark", timeout=10)
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "no_memory", refused.text
+        message = refused.json()["error"]["message"]
+        need = re.search(r"1 ranks of (\d+) MiB each do not fit back on their nodes", message)
+        [(node, free, runners)] = re.findall(ROOM_BACK, message)
+        assert need is not None and node == "local" and int(free) < int(need.group(1)) <= 768, message
+        assert int(runners) >= 1, message  # room for runners, not memory: memory binds
+        assert of(url, MODEL)["residency"] == "parked"
+
+
+def test_on_demand_places_default_ranks_two_and_a_refused_placement_reaches_the_caller_storing_nothing(tmp_path):
+    """[models] default_ranks = 2: a request for a cached model not placed places it on two ranks (two runner
+    processes). With room for those two ranks only, a request for another model is refused as its placement
+    is (409, admission's message, ``no_memory``), and nothing is stored for it."""
+    config = "[models]\non_demand = true\ndefault_ranks = 2\n\n[limits]\nmemory_mib = 1200\nrunners_per_node = 8\n"
+    with daemon(tmp_path, config) as (url, _env):
+        assert instances(url) == []
+        served = chat(url, MODEL)
+        assert served.status_code == 200, served.text
+        [placed] = instances(url)
+        assert (placed["model_id"], placed["ranks"], placed["state"]) == (MODEL, 2, "ready")
+        assert [(r["rank"], r["state"]) for r in placed["runners"]] == [(0, "ready"), (1, "ready")]
+        assert len(runner_pids()) == 2
+
+        refused = chat(url, OTHER)
+        assert refused.status_code == 409, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "no_memory", error
+        assert re.search(r"2 ranks of \d+ MiB each do not fit \(0 do\): local has \d+ MiB free", error["message"])
+        assert [i["instance_id"] for i in instances(url)] == [placed["instance_id"]]  # nothing stored
+        assert len(runner_pids()) == 2
+
+
+def test_memory_not_the_runner_count_makes_a_second_model_evict_the_idle_first_and_refuses_what_cannot_fit(
+    tmp_path,
+):
+    """A memory budget with room for one rank, and runners for eight: a request for a second model parks the
+    idle first one for its memory, and at no moment do two runners run. Once the second is kept loaded forever
+    (Ollama's ``keep_alive`` -1), nothing can be parked: a placement is a 409 saying how many MiB the node
+    lacks, and nothing is stored."""
+    config = '[models]\non_demand = true\nkeep_alive = "10m"\n\n[limits]\nmemory_mib = 768\nrunners_per_node = 8\n'
+    with daemon(tmp_path, config) as (url, _env), MostRunners() as seen:
+        for model in (MODEL, OTHER):  # placed; placed, evicting the first
+            served = chat(url, model)
+            assert served.status_code == 200, served.text
+        first, second = of(url, MODEL), of(url, OTHER)
+        assert (first["residency"], second["residency"]) == ("parked", "loaded")
+        assert metric(url, 'exod_parks_total{reason="evicted"}') == 1
+        assert seen.most == 1, "two runners ran at once with memory for one"
+
+        pinned = httpx.post(f"{url}/api/generate", json={"model": OTHER, "keep_alive": -1}, timeout=30)
+        assert pinned.status_code == 200 and of(url, OTHER)["keep_alive"] is None, pinned.text
+        count = len(instances(url))
+        refused = httpx.post(f"{url}/instances", json={"model": MODEL}, timeout=30)
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "no_memory", refused.text
+        message = refused.json()["error"]["message"]
+        found = re.search(SHORT, message)
+        assert found is not None and "runners_per_node" not in message, message
+        need, free, short = (int(n) for n in found.groups())
+        assert free < need and 0 < short <= need, message
+        assert len(instances(url)) == count and of(url, OTHER)["residency"] == "loaded"

@@ -273,6 +273,7 @@ class _Limits(BaseModel):
     ranks_per_instance: Whole | None = None
     instances_per_model: Whole = 8
     runner_memory_mib: Whole = 512
+    memory_mib: Whole | None = None  # None: this host's model room (exod.host.memory); capped at it
     max_sequences: Whole | None = None  # None: sized from kv_cache_mib and the model (BatchLimits.sized)
     kv_cache_mib: Whole = BatchLimits().kv_bytes // MIB
     prompt_cache_mib: Annotated[int, Field(ge=0)] = BatchLimits().prompt_cache_bytes // MIB
@@ -355,7 +356,8 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
         )
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{where}: {exc}") from exc
-    memory = model_room()
+    memory = model_room()  # a budget lowers what admission may reserve here, never raises it past the host's
+    memory = memory if limits.memory_mib is None else min(memory, limits.memory_mib * MIB)
     sized = fsm.Limits.for_memory(memory, runner_floor_bytes=limits.runner_memory_mib * MIB)
     admission = fsm.Limits(
         runners_per_node=limits.runners_per_node or sized.runners_per_node,
