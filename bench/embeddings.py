@@ -3,8 +3,8 @@ shared forward passes, against one forward pass per input (what each input had b
 
     python bench/embeddings.py [--inputs N] [--repeats R] [--smoke]
 
-In this process, no daemon and no HTTP: a generated qwen2 (exod's own shape, random weights), N inputs of 4 to
-60 tokens queued at once in the runner's `Batch`, stepped until every one is embedded; once with the runner's
+In this process, no daemon and no HTTP: a generated qwen2 (structured_output.py's, random weights), N inputs of
+4 to 40 tokens queued at once in the runner's `Batch`, stepped until every one is embedded; once with the runner's
 limits (default: at most `max_sequences` inputs and `prefill_step` padded tokens a pass), once with one input
 a pass (``max_sequences`` 1). R alternating repetitions after an untimed one of each; the medians reported,
 and the ratio batched / one a pass. No goal is judged: the figure says what batching buys on this machine.
@@ -26,12 +26,12 @@ from exod.host.tiny_model import make_tiny_model
 from exod.runner import protocol as p
 from exod.runner.batch import Batch, BatchLimits, Lockstep
 
-SHAPE = {"arch": "qwen2", "layers": 9, "hidden": 512, "heads": 8, "kv_heads": 4, "intermediate": 1024}
+SHAPE = {"arch": "qwen2", "layers": 8, "hidden": 256, "heads": 4, "kv_heads": 2, "intermediate": 512}
 
 
 def inputs(n: int) -> list[list[int]]:
-    """N token lists of 4 to 60 tokens, the same every run."""
-    return [[(13 * i + 7 * k) % 500 + 10 for k in range(4 + (i * 17) % 57)] for i in range(n)]
+    """N token lists of 4 to 40 tokens, the same every run."""
+    return [[(13 * i + 7 * k) % 500 + 10 for k in range(4 + (i * 17) % 37)] for i in range(n)]
 
 
 def embed_all(model: Any, tokenizer: Any, limits: BatchLimits, prompts: list[list[int]]) -> tuple[float, int]:

@@ -301,16 +301,21 @@ def test_inputs_of_different_lengths_embedded_in_one_pass_are_each_as_embedded_a
 
 
 def test_a_batch_embeds_the_inputs_queued_in_passes_within_its_bound_beside_a_chat_in_flight(
-    loaded, lone_embeddings, alone
+    loaded, lone_embeddings
 ) -> None:
     """In-process `Batch`: a chat decoding alone, then five inputs queued at once: shortest first, they go in
     as few passes as `prefill_step` allows (padded tokens), each `Done` saying how many shared its pass, and
     the chat's tokens are those it has alone."""
     import queue
 
+    import mlx_lm
+
     from exod.runner.batch import Batch, Lockstep
 
     model, tokenizer = loaded
+    long = 80  # sampled, and long: any change to its logits shows in its tokens
+    sampler = keyed_sampler(1.0, 1.0, 0, 11)
+    lone = [r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt_of(1), max_tokens=long, sampler=sampler)]
     said: list[tuple[type[p.Report], dict]] = []
     limits = BatchLimits(max_sequences=4, prefill_step=64)
     batch = Batch(
@@ -321,7 +326,7 @@ def test_a_batch_embeds_the_inputs_queued_in_passes_within_its_bound_beside_a_ch
         rank=0,
         lockstep=Lockstep(queue.Queue(), None, 0),
     )
-    chat = generate(1, "s1", 1.0, 11)  # sampled: any change to its logits shows in its tokens
+    chat = generate(1, "s1", 1.0, 11, max_tokens=long)
     batch.join(chat, prompt_of(1))
     for _ in range(3):  # it decodes
         batch.step()
@@ -342,7 +347,7 @@ def test_a_batch_embeds_the_inputs_queued_in_passes_within_its_bound_beside_a_ch
     assert [dones[f"e{i}"]["batch_size"] for i in range(len(INPUTS))] == [3, 3, 2, 3, 2]
     assert all(dones[f"e{i}"]["prompt_tokens"] == len(INPUTS[i]) for i in range(len(INPUTS)))
     tokens = [f["token_id"] for cls, f in said if cls is p.Token and f["token_id"] is not None]
-    assert tokens == alone["s1"] and dones["s1"]["completion_tokens"] == MAX_TOKENS
+    assert tokens == [t for t in lone if t not in tokenizer.eos_token_ids][:long]
     order = [(cls, f["request_id"]) for cls, f in said if cls in (p.Embedding, p.Done)]
     assert order.index((p.Embedding, "e2")) < order.index((p.Done, "s1"))  # the chat decoded beside every pass
 

@@ -488,6 +488,9 @@ class Batch:
         the inputs taken at each step shortest first, after those taken before (none waits for ever). Every
         rank takes the same inputs (the same queue, the same rule) and runs the same pass: a pipeline needs
         them all."""
+        import mlx.core as mx
+        from mlx_lm.generate import generation_stream
+
         taken = [self.embedding.popleft()]
         longest = len(taken[0].prompt)
         while self.embedding and len(taken) < self.limits.max_sequences:
@@ -496,9 +499,6 @@ class Batch:
                 break
             taken.append(self.embedding.popleft())
             longest = wider
-        import mlx.core as mx
-        from mlx_lm.generate import generation_stream
-
         with mx.stream(generation_stream):  # after the generator's work on every rank: collectives pair up alike
             vectors = embeddings(self.model, [item.prompt for item in taken])
         for item, vector in zip(taken, vectors, strict=True):
