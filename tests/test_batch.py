@@ -251,3 +251,149 @@ def test_max_sequences_is_sized_from_the_kv_budget_and_the_model(limits, token_b
     assert got == chosen and why in said, said
     if 0 < token_bytes * 2048 * MOST_SEQUENCES < limits.kv_bytes and limits.max_sequences is None:
         assert said.endswith(f"at most {MOST_SEQUENCES}")
+
+
+# -- embeddings: the inputs queued, in one forward pass ---------------------------------------------------
+
+EMBED_TOLERANCE = 1e-5  # per component, of unit vectors in float32: a batched matmul may sum in another order
+INPUTS = [[(11 * i + 5 * k) % 400 + 20 for k in range(n)] for i, n in enumerate([1, 9, 30, 4, 17])]
+
+
+def lone_embedding(model, prompt: list[int]) -> list[float]:
+    """What the embedding must be, computed here without the runner's code: the last hidden states after the
+    final norm, mean-pooled, L2-normalised, of the input alone."""
+    import mlx.core as mx
+
+    hidden = model.model(mx.array([prompt]))[0].astype(mx.float32).mean(axis=0)
+    return (hidden / mx.linalg.norm(hidden)).tolist()
+
+
+def close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b, strict=True)) < EMBED_TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir: Path):  # noqa: F811
+    import mlx_lm
+
+    return mlx_lm.load(str(model_dir))
+
+
+@pytest.fixture(scope="module")
+def lone_embeddings(loaded) -> list[list[float]]:
+    return [lone_embedding(loaded[0], prompt) for prompt in INPUTS]
+
+
+def embed(i: int) -> p.Generate:
+    return p.Generate(f"e{i}", prompt_tokens=INPUTS[i], max_tokens=0, embed=True)
+
+
+def test_inputs_of_different_lengths_embedded_in_one_pass_are_each_as_embedded_alone(loaded, lone_embeddings) -> None:
+    """One forward pass over inputs of 1 to 30 tokens, padded to the longest: each vector is its input's alone,
+    in order, of unit length."""
+    from exod.runner.batch import embeddings
+
+    together = embeddings(loaded[0], INPUTS)
+    assert len(together) == len(INPUTS)
+    for got, want in zip(together, lone_embeddings, strict=True):
+        assert close(got, want)
+        assert abs(sum(x * x for x in got) - 1) < 1e-5
+
+
+def test_a_batch_embeds_the_inputs_queued_in_passes_within_its_bound_beside_a_chat_in_flight(
+    loaded, lone_embeddings
+) -> None:
+    """In-process `Batch`: a chat decoding alone, then five inputs queued at once: shortest first, they go in
+    as few passes as `prefill_step` allows (padded tokens), each `Done` saying how many shared its pass, and
+    the chat's tokens are those it has alone."""
+    import queue
+
+    import mlx_lm
+
+    from exod.runner.batch import Batch, Lockstep
+
+    model, tokenizer = loaded
+    long = 80  # sampled, and long: any change to its logits shows in its tokens
+    sampler = keyed_sampler(1.0, 1.0, 0, 11)
+    lone = [r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt_of(1), max_tokens=long, sampler=sampler)]
+    said: list[tuple[type[p.Report], dict]] = []
+    limits = BatchLimits(max_sequences=4, prefill_step=64)
+    batch = Batch(
+        model,
+        tokenizer,
+        limits=limits,
+        send=lambda cls, **fields: said.append((cls, fields)),
+        rank=0,
+        lockstep=Lockstep(queue.Queue(), None, 0),
+    )
+    chat = generate(1, "s1", 1.0, 11, max_tokens=long)
+    batch.join(chat, prompt_of(1))
+    for _ in range(3):  # it decodes
+        batch.step()
+    assert any(cls is p.Token for cls, _ in said)
+    for i in range(len(INPUTS)):
+        batch.embed(embed(i), INPUTS[i])
+    batch.step()  # the first pass: 1, 4 and 9 tokens (3 × 9 padded); with 17 too, 4 × 17 > 64
+    passed = [f["request_id"] for cls, f in said if cls is p.Embedding]
+    assert passed == ["e0", "e3", "e1"]
+    while not batch.idle:
+        batch.step()
+    vectors = {f["request_id"]: f["vector"] for cls, f in said if cls is p.Embedding}
+    assert list(vectors) == ["e0", "e3", "e1", "e4", "e2"]  # shortest first
+    for i, want in enumerate(lone_embeddings):
+        assert close(vectors[f"e{i}"], want), i
+    dones = {f["request_id"]: f for cls, f in said if cls is p.Done}
+    # passes: [1, 4, 9], then [17, 30] (2 × 30 padded tokens)
+    assert [dones[f"e{i}"]["batch_size"] for i in range(len(INPUTS))] == [3, 3, 2, 3, 2]
+    assert all(dones[f"e{i}"]["prompt_tokens"] == len(INPUTS[i]) for i in range(len(INPUTS)))
+    tokens = [f["token_id"] for cls, f in said if cls is p.Token and f["token_id"] is not None]
+    assert tokens == [t for t in lone if t not in tokenizer.eos_token_ids][:long]
+    order = [(cls, f["request_id"]) for cls, f in said if cls in (p.Embedding, p.Done)]
+    assert order.index((p.Embedding, "e2")) < order.index((p.Done, "s1"))  # the chat decoded beside every pass
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_inputs_written_at_once_are_one_pass_on_every_rank_each_as_alone_beside_a_chat_in_flight(
+    spawn,  # noqa: F811
+    model_dir,  # noqa: F811
+    loaded,
+    lone_embeddings,
+    tmp_path,
+    world_size,
+) -> None:
+    """Five inputs of 1 to 30 tokens written at once (as the supervisor writes one call's) while a sampled chat
+    decodes: every rank embeds them in one pass (each `Done` says 5), rank 0's vectors are each input's alone,
+    and the chat, decoding beside the pass, gives its lone tokens."""
+    import mlx_lm
+
+    model, tokenizer = loaded
+    long = 120  # the chat goes on well past the inputs' arrival, however slow the machine
+    sampler = keyed_sampler(1.0, 1.0, 0, 11)
+    lone = [r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt_of(1), max_tokens=long, sampler=sampler)]
+    ranks = start(spawn, model_dir, world_size, tmp_path)
+    chat = generate(1, "s1", 1.0, 11, max_tokens=long)
+    for r in ranks:
+        r.send(chat)
+    first: list[p.Message] = []
+    while not any(isinstance(m, p.Token) for m in first):
+        first.append(ranks[0].recv())
+    inputs = [embed(i) for i in range(len(INPUTS))]
+    for r in ranks:
+        r.sock.sendall(b"".join(c.to_line() for c in inputs))
+    ids = {chat.request_id, *(c.request_id for c in inputs)}
+    outs = [first + until_done(ranks[0], ids), *(until_done(r, ids) for r in ranks[1:])]
+    vectors = {m.request_id: m.vector for m in outs[0] if isinstance(m, p.Embedding)}
+    assert sorted(vectors) == [c.request_id for c in inputs]
+    for c, want in zip(inputs, lone_embeddings, strict=True):
+        assert close(vectors[c.request_id], want), c.request_id
+    for out in outs:
+        dones = {m.request_id: m for m in out if isinstance(m, p.Done)}
+        assert [dones[c.request_id].batch_size for c in inputs] == [len(inputs)] * len(inputs)  # one pass
+        assert [dones[c.request_id].prompt_tokens for c in inputs] == [len(i) for i in INPUTS]
+    assert not any(isinstance(m, p.Embedding) for out in outs[1:] for m in out), "only rank 0 says the vectors"
+    assert collect(outs[0], chat.request_id)[0] == [t for t in lone if t not in tokenizer.eos_token_ids][:long]
+    said = [(type(m), m.request_id) for m in outs[0] if isinstance(m, p.Embedding | p.Done)]
+    assert said.index((p.Embedding, "e2")) < said.index((p.Done, chat.request_id))  # in flight: the longest, last
+    for r in ranks:
+        r.send(p.Shutdown())
+    assert all(r.wait() == 0 for r in ranks)

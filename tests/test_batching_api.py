@@ -236,6 +236,29 @@ def test_embeddings_are_the_models_pooled_states_from_every_rank_in_openais_and_
     assert sum(s.value for s in family.samples if s.name.endswith("_total")) >= 7
 
 
+def histogram(url: str, name: str) -> tuple[float, float]:
+    """A histogram's count and sum in `/metrics`, every label together."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name == name]
+    count = sum(s.value for s in family.samples if s.name.endswith("_count"))
+    return count, sum(s.value for s in family.samples if s.name.endswith("_sum"))
+
+
+def test_a_calls_inputs_share_forward_passes_and_metrics_count_them_apart_from_decoding(daemon, client):
+    """One call's inputs reach the runners together and are embedded in shared forward passes:
+    ``exod_embedding_batch_size`` counts each input with the number that shared its pass, and
+    ``exod_batch_size`` (decoding) counts none of them."""
+    decoded = histogram(daemon, "exod_batch_size")
+    count, total = histogram(daemon, "exod_embedding_batch_size")
+    inputs = [f"input number {i} " * (1 + i % 3) for i in range(6)]
+    done = client.embeddings.create(model=MODEL, input=inputs, encoding_format="float")
+    assert len(done.data) == 6
+    after_count, after_total = histogram(daemon, "exod_embedding_batch_size")
+    assert after_count - count == 6
+    assert after_total - total > 6, "every input had a pass of its own"
+    assert histogram(daemon, "exod_batch_size") == decoded
+
+
 def reference_logprobs(hf, tokens: list[int]) -> list[float]:
     """Each token's log-probability given those before it (the first has none), from the model's files here."""
     import mlx.core as mx

@@ -332,6 +332,32 @@ def test_tokens_are_queued_and_every_other_report_is_written_by_the_time_send_re
             theirs.recv(1)  # nothing after it
 
 
+def test_commands_written_at_once_are_taken_in_one_step_however_slowly_they_are_queued() -> None:
+    """The supervisor writes the commands posted together at once (one call's inputs to embed): the runner
+    takes them in the same step, so that they share a forward pass, even when the reader thread is slow to
+    queue them (here 20 ms each) and the model's thread was waiting for the first."""
+    from exod.runner.batch import Lockstep
+    from exod.runner.process import Channel
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        channel = Channel(os.dup(ours.fileno()), "m/0", 1, closed=lambda: None)
+        put = channel.commands.put
+
+        def slowly(command: p.Command) -> None:
+            put(command)
+            time.sleep(0.02)
+
+        channel.commands.put = slowly  # type: ignore[method-assign]
+        channel.start_reader()
+        lockstep = Lockstep(channel.commands, None, 0, arriving=channel.arriving)
+        commands = [p.Generate(f"e{i}", prompt_tokens=[i + 1], max_tokens=0, embed=True) for i in range(5)]
+        theirs.sendall(b"".join(c.to_line() for c in commands))
+        assert lockstep.take(idle=True) == commands
+        theirs.sendall(commands[0].to_line())
+        assert lockstep.take(idle=True) == commands[:1]
+
+
 # -- real processes ---------------------------------------------------------------
 
 

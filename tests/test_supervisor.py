@@ -162,3 +162,34 @@ def test_a_runner_log_is_its_own_processs_never_appended_to_an_earlier_ones(tmp_
     exit_code, tail = supervisor.events[-1][1], supervisor.events[-1][2]
     assert exit_code == 3 and "bye" in tail and "earlier" not in tail
     assert (tmp_path / "r.log").read_text() == "bye\n"
+
+
+def test_commands_posted_together_are_written_at_once_and_in_order(tmp_path):
+    """One planner pass's commands (one call's inputs to embed) go to the runner in one write, which the
+    runner takes in one step (`exod.runner.batch.Lockstep`); a command posted later goes in a write of its own."""
+    import trio.testing
+
+    class Recording:
+        def __init__(self) -> None:
+            self.writes: list[bytes] = []
+
+        async def send_all(self, data: bytes) -> None:
+            self.writes.append(data)
+
+    supervisor = StandIn(SAYS_NOTHING, tmp_path, FAST)
+    stream = Recording()
+    supervisor._stream = stream  # type: ignore[assignment]
+    together = [p.Generate(f"e{i}", prompt_text=f"input {i}", max_tokens=0, embed=True) for i in range(5)]
+
+    async def main() -> None:
+        for command in together:
+            supervisor.post(command)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(supervisor._write_commands)
+            await trio.testing.wait_all_tasks_blocked()
+            supervisor.post(p.Cancel("e0"))
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert stream.writes == [b"".join(c.to_line() for c in together), p.Cancel("e0").to_line()]

@@ -57,7 +57,7 @@ class Done:
     completion_tokens: int
     stop_sequence: str | None = None  # the stop string that ended it (Anthropic's clients ask which)
     cached_tokens: int = 0  # prompt tokens whose KV came from an earlier request (the prompt cache)
-    batch_size: int = 1  # the most requests decoded together while this one ran
+    batch_size: int = 1  # the most requests decoded together while this one ran (an embedding: in its pass)
     prompt_cache_bytes: int = 0  # what rank 0's prompt cache holds once it finished
 
 

@@ -2,8 +2,9 @@
 ``/api/embed``).
 
 Each input is a request like any other, computed by the instance's runners (every rank of a pipeline runs
-its layers): the last layer's hidden states mean-pooled and L2-normalised (`exod.runner.process.embed`).
-The inputs of one call are submitted together, so the runners take them in the same step.
+its layers): the last layer's hidden states mean-pooled and L2-normalised (`exod.runner.batch.embeddings`).
+The inputs of one call are submitted together, a few at a time (`gathered`), so the runners take them in the
+same step and embed them in one forward pass (``exod_embedding_batch_size`` in ``/metrics`` says how many).
 """
 
 from __future__ import annotations

@@ -98,12 +98,14 @@ class Generation:
         self.prompt = prompt  # the dialect's name for what the prompt is made of, named by its errors
         self.constraint = constraint  # … and for what constrains the output (response_format, format …)
         self.streams: list[RequestStream] = []
+        self.embedding = False  # an input's embedding, not a generation: counted apart in the metrics
         self.started = time.monotonic()
         self._recorded = False
 
     async def start(self, n: int = 1, **submit: Any) -> list[RequestStream]:
         """Queue ``n`` generations (``submit``: `exod.requests.RequestBook.submit`'s arguments) and wait until
         runners took them. Errors before the first token are HTTP errors, streaming or not."""
+        self.embedding = bool(submit.get("embed"))
         try:
             instance_id = await self.controller.requests.serving(self.model)  # placed now, if on demand
             cold = self.controller.residency(instance_id) is not fsm.Residency.LOADED
@@ -187,7 +189,7 @@ class Generation:
         `RequestFailed` ends it early (the dialect says so in its own words)."""
         async for item in stream:
             if isinstance(item, g.Done):
-                self.metrics.finished(self.model, item)
+                self.metrics.finished(self.model, item, embedded=self.embedding)
             yield ToolCall(call_id(), item.name, item.arguments) if isinstance(item, g.ToolCall) else item
 
     def finished(self, outputs: list[Output]) -> None:

@@ -55,6 +55,13 @@ class Metrics:
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
             registry=self.registry,
         )
+        self.embedding_batch_size = Histogram(
+            "exod_embedding_batch_size",
+            "Inputs embedded together: per input embedded, how many shared its forward pass",
+            ["model"],
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
+            registry=self.registry,
+        )
         self.cache_hits = Counter(
             "exod_prompt_cache_hits", "Requests whose prompt began with a cached one", ["model"], registry=self.registry
         )
@@ -83,10 +90,11 @@ class Metrics:
         distinct label is a series kept for good (60k made-up names were +90 MiB and a 31 MB /metrics)."""
         return model if model in self._controller.placed_models() else UNPLACED
 
-    def finished(self, model: str, done: g.Done) -> None:
-        """One generation ended: how it was batched, what the prompt cache gave it."""
+    def finished(self, model: str, done: g.Done, *, embedded: bool = False) -> None:
+        """One generation ended (``embedded``: an input's embedding): how it was batched, what the prompt cache
+        gave it."""
         model = self.label(model)
-        self.batch_size.labels(model).observe(done.batch_size)
+        (self.embedding_batch_size if embedded else self.batch_size).labels(model).observe(done.batch_size)
         if done.cached_tokens:
             self.cache_hits.labels(model).inc()
             self.cache_tokens.labels(model).inc(done.cached_tokens)

@@ -94,6 +94,7 @@ TAIL_LINES = 20
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 RUNNER_ENV = {"TOKENIZERS_PARALLELISM": "false"}
 DRAIN_S = 1.0  # after an exit, how long to read what the process wrote before it died
+WRITE_BYTES = 65536  # commands written at once at most: what the runner reads at once (`exod.runner.process`)
 
 
 @contextlib.contextmanager
@@ -204,13 +205,22 @@ class Supervisor:
         self._outbox_send.send_nowait(command)
 
     async def _write_commands(self) -> None:
+        """Every command posted, in order; those posted together (a planner pass's: one call's inputs to embed)
+        in one write, up to what the runner reads at once, so that it takes them together (`Lockstep.take`)."""
         assert self._stream is not None
         async for command in self.outbox:
+            commands, data = [command], command.to_line()
+            while len(data) < WRITE_BYTES:
+                try:
+                    commands.append(self.outbox.receive_nowait())
+                except trio.WouldBlock:
+                    break
+                data += commands[-1].to_line()
             try:
-                await self._stream.send_all(command.to_line())
+                await self._stream.send_all(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return  # the process is ending; `run` reports the exit
-            if isinstance(command, p.Shutdown):
+            if any(isinstance(c, p.Shutdown) for c in commands):
                 self.stop_delivered = True
 
     def stop(self) -> None:

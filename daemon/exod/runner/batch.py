@@ -10,6 +10,8 @@ sequences leave. This module keeps what is exod's around it:
 * the prompt cache (mlx-lm's `LRUPromptCache`): a finished conversation's KV cache, reused by the next
   request that extends it;
 * the lockstep of ranks (`Lockstep`): a pipeline needs every rank to run the same batch at every step;
+* embeddings (`Generate.embed`): those queued are computed together, one forward pass per step over as many as
+  a pass may hold (`Batch._embed_pass`, `embeddings`), beside the decoding;
 * a request alone on a single rank is decoded *solo* (`_Solo`), with mlx-lm's plain per-layer caches, as
   `mlx_lm.stream_generate` decodes it: the generator's bookkeeping for a batch of one costs about 5% of each
   token on a CPU (bench/README.md). A newcomer moves it into the generator's batch, where it goes on from the
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import zlib
 from collections import deque
 from collections.abc import Callable
@@ -54,7 +57,7 @@ class BatchLimits:
     max_sequences: int | None = None  # decoded together (more wait in the runner's queue); None: `sized`
     kv_bytes: int = 2048 * MIB  # KV cache the sequences in flight may reserve (prompt + max_tokens), whole model
     prompt_cache_bytes: int = 512 * MIB  # KV cache of finished conversations kept for their next turn
-    prefill_step: int = 512  # prompt tokens per prefill chunk: a newcomer's prefill never stalls decoding long
+    prefill_step: int = 512  # prompt tokens per prefill chunk (and per embedding pass): decoding never stalls long
 
     def __attrs_post_init__(self) -> None:
         sequences = 1 if self.max_sequences is None else self.max_sequences
@@ -99,10 +102,14 @@ class BatchLimits:
 class Lockstep:
     """Which queued commands join the batch at each step: rank 0 counts what it has, the group agrees on
     that count (one tiny collective), and every rank takes that many from its own queue. Every rank receives
-    every command in the same order, so every rank takes the same ones and runs the same batch."""
+    every command in the same order, so every rank takes the same ones and runs the same batch. Commands that
+    arrived together (``arriving``: held while they are queued) are taken together, or none of them is."""
 
-    def __init__(self, commands: queue.Queue[p.Command], group: Any, rank: int) -> None:
+    def __init__(
+        self, commands: queue.Queue[p.Command], group: Any, rank: int, *, arriving: threading.Lock | None = None
+    ) -> None:
         self.commands, self.group, self.rank = commands, group, rank
+        self.arriving = arriving or threading.Lock()
 
     @property
     def single(self) -> bool:
@@ -113,12 +120,14 @@ class Lockstep:
         """The commands that join now; blocks for the first one when nothing is in flight."""
         taken = [self.commands.get()] if idle else []
         if self.group is None:
-            while True:
-                try:
-                    taken.append(self.commands.get_nowait())
-                except queue.Empty:
-                    return taken
-        mine = len(taken) + self.commands.qsize() if self.rank == 0 else 0
+            with self.arriving:
+                while True:
+                    try:
+                        taken.append(self.commands.get_nowait())
+                    except queue.Empty:
+                        return taken
+        with self.arriving:
+            mine = len(taken) + self.commands.qsize() if self.rank == 0 else 0
         count = int(self._all("sum", [mine])[0])
         while len(taken) < count:  # ranks > 0: rank 0 had them, so they are on their way here too
             taken.append(self.commands.get())
@@ -229,6 +238,14 @@ class _Sequence:
         return len(self.prompt) + self.max_tokens
 
 
+@attrs.frozen
+class _Embedding:
+    """An input waiting for its embedding pass."""
+
+    request: p.Generate
+    prompt: list[int]
+
+
 @attrs.define(eq=False)
 class _Solo:
     """The one sequence decoded outside the generator (`Batch`'s module docstring): its prompt a chunk per step,
@@ -283,12 +300,15 @@ class Batch:
         self.waiting: deque[_Sequence] = deque()
         self.running: dict[int, _Sequence] = {}
         self.solo: _Solo | None = None
+        self.arrived: list[_Embedding] = []  # inputs to embed taken since the last step
+        self.embedding: deque[_Embedding] = deque()  # … and before: in the order of their passes
         self.stops = set(tokenizer.eos_token_ids)
         self._warming = False  # `run_alone`: the warm-up runs the generator, which a solo sequence would skip
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running and self.solo is None
+        busy = self.waiting or self.running or self.solo is not None or self.arrived or self.embedding
+        return not busy
 
     # -- commands ------------------------------------------------------------------
 
@@ -303,6 +323,11 @@ class Batch:
             self.send(p.RequestError, request_id=request.request_id, message=str(exc), invalid=True, grammar=True)
             return
         self.waiting.append(self._sequence(request, prompt, room, constraint))
+
+    def embed(self, request: p.Generate, prompt: list[int]) -> None:
+        """Queue ``request`` (its ``prompt`` within the context: `fits`) for its embedding, computed at the next
+        step with the others queued (`_embed_pass`)."""
+        self.arrived.append(_Embedding(request, prompt))
 
     def fits(self, request: p.Generate, prompt: list[int], *, room: int) -> bool:
         """Whether ``prompt`` leaves ``room`` tokens of the model's context (a generation needs one, a forward
@@ -321,6 +346,12 @@ class Batch:
                 self.waiting.remove(seq)
                 self._done(seq, p.FinishReason.CANCELLED)
                 return
+        for queued in (self.arrived, self.embedding):
+            for item in queued:
+                if item.request.request_id == request_id:
+                    queued.remove(item)
+                    self._embedded(item, p.FinishReason.CANCELLED, 0)
+                    return
         for seq in [*self.running.values(), *([self.solo.seq] if self.solo else [])]:
             if seq.request.request_id == request_id:
                 self._leave(seq, p.FinishReason.CANCELLED)
@@ -339,8 +370,13 @@ class Batch:
     # -- one step ------------------------------------------------------------------
 
     def step(self) -> None:
-        """Start what fits, then one step of the generator: a prefill chunk and/or one token for each (or one
-        step of the solo sequence, while it is alone)."""
+        """One embedding pass, if inputs wait for one; then start what fits, and one step of the generator: a
+        prefill chunk and/or one token for each (or one step of the solo sequence, while it is alone)."""
+        if self.arrived:  # shortest first: the inputs of a pass are alike, and little of it is padding
+            self.embedding.extend(sorted(self.arrived, key=lambda item: len(item.prompt)))
+            self.arrived.clear()
+        if self.embedding:
+            self._embed_pass()
         if self.solo is not None and self.waiting:
             self._batch_solo()  # a newcomer: the solo sequence moves into the generator's batch, to be joined
         if self.solo is None and self._may_go_solo():
@@ -439,6 +475,46 @@ class Batch:
             stop_sequence=seq.output.stop_sequence,
             cached_tokens=seq.cached,
             batch_size=max(seq.widest, 1),
+            prompt_cache_bytes=self.cache.nbytes,
+        )
+
+    # -- embeddings ------------------------------------------------------------------
+
+    def _embed_pass(self) -> None:
+        """The inputs at the head of the queue, as many as one pass may hold, embedded in one forward pass: at
+        most `max_sequences` of them, and at most `prefill_step` tokens once padded to the longest (an input
+        longer than that goes alone). The bound a newcomer's prefill chunk has: decoding in flight waits for
+        this pass no longer than for that chunk, and the pass's activations stay a chunk's. The queue holds
+        the inputs taken at each step shortest first, after those taken before (none waits for ever). Every
+        rank takes the same inputs (the same queue, the same rule) and runs the same pass: a pipeline needs
+        them all."""
+        import mlx.core as mx
+        from mlx_lm.generate import generation_stream
+
+        taken = [self.embedding.popleft()]
+        longest = len(taken[0].prompt)
+        while self.embedding and len(taken) < self.limits.max_sequences:
+            wider = max(longest, len(self.embedding[0].prompt))
+            if wider * (len(taken) + 1) > self.limits.prefill_step:
+                break
+            taken.append(self.embedding.popleft())
+            longest = wider
+        with mx.stream(generation_stream):  # after the generator's work on every rank: collectives pair up alike
+            vectors = embeddings(self.model, [item.prompt for item in taken])
+        for item, vector in zip(taken, vectors, strict=True):
+            if self.rank == 0:
+                self.send(p.Embedding, request_id=item.request.request_id, vector=vector)
+            self._embedded(item, p.FinishReason.LENGTH, len(taken))
+
+    def _embedded(self, item: _Embedding, reason: p.FinishReason, together: int) -> None:
+        """Its `Done` (every rank sends it): ``together``, how many inputs shared its pass (0: none, cancelled)."""
+        self.send(
+            p.Done,
+            request_id=item.request.request_id,
+            finish_reason=reason,
+            prompt_tokens=len(item.prompt),
+            completion_tokens=0,
+            batch_size=max(together, 1),
             prompt_cache_bytes=self.cache.nbytes,
         )
 
@@ -577,6 +653,29 @@ class Batch:
             processors.append(constraint)  # for tests, is the output whatever a constraint says)
         output = Output(self.tokenizer, request, self.send, speaks=self.rank == 0)
         return _Sequence(request, prompt, output, self.tokenizer.detokenizer, sampler, processors, max_tokens)
+
+
+def embeddings(model: Any, prompts: list[list[int]]) -> list[list[float]]:
+    """Each prompt's embedding, all in one forward pass: the last layer's hidden states (after the final norm,
+    before the head), mean-pooled over the prompt's own tokens and L2-normalised, as Ollama and llama.cpp pool
+    a generative model's.
+
+    The prompts are padded on the right to the longest: under the causal mask no token attends to any token
+    after it, so none of a prompt's tokens sees its padding, and its positions are those it has alone; the
+    padding's own states are left out of the mean. (Padding on the left would need the padding masked in
+    every layer, with a cache of the layer's own kind: mlx-lm's generator pads a batch's prompts on the right
+    too.) On a pipeline every rank runs its layers over the same batch; mlx-lm gathers the result on each."""
+    import mlx.core as mx
+
+    inner = getattr(model, "model", None) or model.language_model.model
+    longest = max(len(prompt) for prompt in prompts)
+    padded = mx.array([prompt + [0] * (longest - len(prompt)) for prompt in prompts])
+    hidden = inner(padded).astype(mx.float32)
+    lengths = mx.array([len(prompt) for prompt in prompts])
+    own = (mx.arange(longest)[None, :] < lengths[:, None])[..., None]  # each prompt's own tokens
+    pooled = mx.where(own, hidden, 0.0).sum(axis=1) / lengths[:, None]
+    vectors = pooled / mx.maximum(mx.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
+    return vectors.tolist()
 
 
 def prompt_tokens(tokenizer: Any, request: p.Generate) -> list[int]:

@@ -51,6 +51,7 @@ log = logging.getLogger("exod.runner")
 
 EXIT_FAILED = 1
 OUTBOX = 1024  # tokens queued for the writer thread at most
+READ_BYTES = 65536  # of commands at once (`exod.host.supervisor.WRITE_BYTES`)
 STREAMED = (p.Token, p.Heartbeat)  # the reports of every token: queued, not waited for (`Channel`)
 WARM_UP_TOKENS = 4
 
@@ -87,13 +88,15 @@ class Channel:
         *,
         closed: Callable[[], object] | None = None,
     ) -> None:
-        """``closed``: what a write to a closed socket does (by default: the process ends, its supervisor gone)."""
+        """``closed``: what a closed socket, written or read, does (by default: the process ends, its supervisor
+        gone)."""
         self.injector = injector or Injector(None, fail=lambda exc: None, exit_now=exit_now)
         self._closed = closed or (lambda: exit_now(0))
         self._sock = socket.socket(fileno=fd)
         self.runner_id = runner_id
         self.incarnation = incarnation
         self.commands: queue.Queue[p.Command] = queue.Queue()
+        self.arriving = threading.Lock()  # held while one read's commands are queued: they are taken together
         self._outbox: queue.Queue[tuple[str, bytes]] = queue.Queue(maxsize=OUTBOX)
         self._writing = threading.Lock()  # one writer of the socket at a time: this thread's or a sender's
         self._speaking: set[Any] = set()  # requests whose first token is written: the next ones are queued
@@ -155,7 +158,8 @@ class Channel:
     def _read_forever(self) -> None:
         reader = p.LineReader()
         try:
-            while data := self._sock.recv(65536):
+            while data := self._sock.recv(READ_BYTES):
+                arrived: list[p.Command] = []
                 for line in reader.feed(data):
                     try:
                         command = p.from_json(line)
@@ -172,14 +176,17 @@ class Channel:
                         log.info("shutdown requested: exiting")
                         self.flush()  # what the batch said before it
                         exit_now(0)
-                    self.commands.put(command)
+                    arrived.append(command)
+                with self.arriving:  # what the supervisor wrote at once is taken in one step (`Lockstep.take`)
+                    for command in arrived:
+                        self.commands.put(command)
         except p.ProtocolError as exc:
             self.send(p.Failed, **_failure_fields(exc))
             exit_now(EXIT_FAILED)
         except OSError as exc:
             log.warning("control channel error: %s", exc)
         log.info("control channel closed (supervisor gone): exiting")
-        exit_now(0)
+        self._closed()
 
 
 def exit_now(code: int) -> NoReturn:
@@ -384,7 +391,7 @@ class Runner:
             raise RunnerProtocolError("warm_up before load")
         self.channel.send(p.Status, phase=p.Phase.WARMING_UP)
         self.faults.at(FaultPhase.WARMING_UP)
-        lockstep = Lockstep(self.channel.commands, self.group, self.rank)
+        lockstep = Lockstep(self.channel.commands, self.group, self.rank, arriving=self.channel.arriving)
         batch = Batch(
             self.model,
             self.tokenizer,
@@ -416,18 +423,17 @@ class Runner:
             message = f"{type(exc).__name__}: {exc}"
             self.channel.send(p.RequestError, request_id=request.request_id, message=message, invalid=True)
             return
-        forward = request.embed or (request.echo_prompt and request.prompt_logprobs is not None)
-        if forward and not self.batch.fits(request, prompt, room=0):  # a pass over the prompt, outside the batch
+        scoring = request.echo_prompt and request.prompt_logprobs is not None
+        if (scoring or request.embed) and not self.batch.fits(request, prompt, room=0):  # a pass over the prompt
             return
         scored: dict[str, Any] = {}
-        if request.echo_prompt and request.prompt_logprobs is not None:  # every rank: a pipeline needs them all
+        if scoring:  # every rank: a pipeline needs them all
             scored = score(self.model, self.tokenizer, prompt, request.prompt_logprobs)
         if request.echo_prompt and self.rank == 0:
             self.channel.send(p.Prompt, request_id=request.request_id, tokens=prompt, text=text, **scored)
-        if request.embed:  # every rank runs the forward pass (a pipeline needs them all), rank 0 says it
-            vector = embed(self.model, prompt)
-            if self.rank == 0:
-                self.channel.send(p.Embedding, request_id=request.request_id, vector=vector)
+        if request.embed:  # with the others taken, at the next step: one pass on every rank (`Batch.embed`)
+            self.batch.embed(request, prompt)
+            return
         if request.max_tokens == 0:  # the prompt only: every rank skips the batch alike, and says it is done
             done = {"finish_reason": p.FinishReason.LENGTH, "prompt_tokens": len(prompt), "completion_tokens": 0}
             self.channel.send(p.Done, request_id=request.request_id, **done)
@@ -467,19 +473,6 @@ def score(model: Any, tokenizer: Any, prompt: list[int], k: int) -> dict[str, An
             alternatives = (p.Alternative(i, decode(i), v) for i, v in zip(ids, row, strict=True))
             top.append(sorted(alternatives, key=lambda a: -a.logprob))
     return {"logprobs": logprobs, "top_logprobs": top}
-
-
-def embed(model: Any, prompt: list[int]) -> list[float]:
-    """The prompt's embedding: the last layer's hidden states (after the final norm, before the head),
-    mean-pooled over its tokens and L2-normalised, as Ollama and llama.cpp pool a generative model's. On a
-    pipeline every rank runs its layers; mlx-lm gathers the result on each."""
-    import mlx.core as mx
-
-    inner = getattr(model, "model", None) or model.language_model.model
-    hidden = inner(mx.array([prompt]))[0].astype(mx.float32)
-    pooled = hidden.mean(axis=0)
-    vector = pooled / mx.maximum(mx.linalg.norm(pooled), 1e-12)
-    return vector.tolist()
 
 
 # -- entry point ------------------------------------------------------------------

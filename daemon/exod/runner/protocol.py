@@ -251,7 +251,7 @@ class Done(Report):
     completion_tokens: int
     stop_sequence: str | None = None  # the stop string that ended it (Anthropic's clients ask which)
     cached_tokens: int = 0  # prompt tokens whose KV cache came from an earlier request (the prompt cache)
-    batch_size: int = 1  # the most requests decoded together while this one ran
+    batch_size: int = 1  # the most requests decoded together while this one ran (an embedding: in its pass)
     prompt_cache_bytes: int = 0  # what this rank's prompt cache holds once it finished
 
 
@@ -271,7 +271,8 @@ class Prompt(Report):
 @attrs.frozen
 class Embedding(Report):
     """The prompt's embedding (rank 0 only, asked by ``Generate.embed``): the last layer's hidden states,
-    mean-pooled over the prompt's tokens and L2-normalised."""
+    mean-pooled over the prompt's tokens and L2-normalised, computed in one pass with the other inputs queued
+    (`exod.runner.batch.embeddings`); its `Done` says how many shared that pass (``batch_size``)."""
 
     type = "embedding"
     request_id: str
