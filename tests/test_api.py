@@ -358,6 +358,30 @@ def test_a_browser_page_of_a_listed_origin_may_call_with_the_key_it_holds_and_no
         assert "access-control-allow-origin" not in httpx.get(f"{url}/health", headers={"origin": origin}).headers
 
 
+def test_cors_origin_repeated_allows_each_origin_given_and_replaces_the_files(tmp_path):
+    """#28: ``--cors-origin`` twice: both pages' preflights are answered, a third page's and the one the
+    file's ``[api] cors_origins`` named are not (the flag replaces the file's list)."""
+    (tmp_path / "exod.toml").write_text(KEYED_CONFIG + '\n[api]\ncors_origins = ["http://file.test"]\n')
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    flags = ("--cors-origin", "http://one.test", "--cors-origin", "https://two.test:8443")
+    process, url = start_daemon(tmp_path, env, "--no-place", *flags)
+    try:
+        preflight = {"access-control-request-method": "POST", "access-control-request-headers": "content-type"}
+
+        def allowed(origin: str) -> str | None:
+            answer = httpx.options(f"{url}/v1/chat/completions", headers={**preflight, "origin": origin})
+            return answer.headers.get("access-control-allow-origin") if answer.status_code == 200 else None
+
+        assert allowed("http://one.test") == "http://one.test"
+        assert allowed("https://two.test:8443") == "https://two.test:8443"
+        assert allowed("http://three.test") is None and allowed("http://file.test") is None
+        got = httpx.get(f"{url}/health", headers={"origin": "https://two.test:8443"})
+        assert got.headers["access-control-allow-origin"] == "https://two.test:8443"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+
+
 def test_every_answer_names_its_request_and_head_is_answered_where_get_is(daemon, keyed):
     """#28: ``x-request-id`` on every response, the client's own echoed; HEAD as HTTP says (it was a 405)."""
     url = daemon["url"]

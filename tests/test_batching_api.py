@@ -6,8 +6,11 @@ dialect's words; a prompt the model's context cannot hold is a 400."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
+import socket
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import anthropic
 import httpx
@@ -17,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from daemon_harness import ready_daemon, runner_pids
 from exod.host.models import resolve_model
+from exod.host.tiny_model import EOS_TOKEN
 
 MODEL = "exod/tiny-qwen2"
 CONFIG = f"""
@@ -163,6 +167,56 @@ def test_a_prompt_over_the_context_is_refused_in_each_dialects_words(daemon, cli
     assert int(tokens) > int(maximum) == 2047
 
 
+def loopback_only(monkeypatch) -> list[object]:
+    """Connections and name look-ups beyond 127.0.0.0/8 fail at once (no test waits on a network it may not
+    have), and are listed: the caller asserts there were none."""
+    tried: list[object] = []
+    connect, resolve = socket.socket.connect, socket.getaddrinfo
+
+    def local_connect(sock: socket.socket, address: Any) -> None:
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and not ipaddress.ip_address(address[0]).is_loopback:
+            tried.append(address)
+            raise OSError(f"this test reaches nothing beyond loopback, not {address}")
+        connect(sock, address)
+
+    def local_resolve(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if host not in ("localhost", None) and not str(host).startswith(("127.", "::1")):
+            tried.append(host)
+            raise socket.gaierror(f"this test resolves no name beyond loopback, not {host}")
+        return resolve(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket.socket, "connect", local_connect)
+    monkeypatch.setattr(socket, "getaddrinfo", local_resolve)
+    return tried
+
+
+def test_litellm_reads_a_prompt_over_the_context_as_its_context_window_error(daemon, monkeypatch):
+    """#28: litellm (routers, proxies, agent frameworks built on it) falls back to a longer-context model or trims
+    on `ContextWindowExceededError`, which it finds by exod's sentence. Its cost map from the package, never
+    fetched: nothing here reaches beyond loopback, at import or at the call."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    monkeypatch.setenv("LITELLM_OFFLINE_MODE", "true")
+    tried = loopback_only(monkeypatch)
+    import litellm
+
+    with pytest.raises(litellm.ContextWindowExceededError) as refused:
+        litellm.completion(
+            model=f"openai/{MODEL}",
+            api_base=f"{daemon}/v1",
+            api_key="unused",
+            messages=[{"role": "user", "content": "tokens " * 3000}],
+            max_tokens=4,
+            num_retries=0,
+            timeout=60,
+        )
+    assert "maximum context length is 2048 tokens" in str(refused.value)
+    fits = litellm.completion(
+        model=f"openai/{MODEL}", api_base=f"{daemon}/v1", api_key="unused", messages=ask(1), max_tokens=2
+    )
+    assert fits.choices[0].finish_reason in ("stop", "length")
+    assert tried == []
+
+
 def test_tokens_are_counted_and_shown_by_the_runners_exactly_as_a_generation_reads_them(daemon, client):
     """#28: Anthropic's count_tokens, vLLM's /tokenize and /detokenize. Nothing is generated, on either rank;
     the counts are the ones a generation's usage reports, never an estimate."""
@@ -273,13 +327,26 @@ def reference_logprobs(hf, tokens: list[int]) -> list[float]:
 def test_completions_serve_evaluation_harnesses_prompt_lists_echo_and_scoring(daemon, client, hf):
     """#28: lm-evaluation-harness's `local-completions` scores a continuation by sending context + continuation
     as token ids with ``echo``, ``logprobs`` and a token or none to generate, and summing the continuation's
-    log-probabilities. Here in its request shape and its own arithmetic, against the model's log-probabilities
-    computed in this process (the daemon's instance has 2 ranks)."""
+    log-probabilities; it generates (``generate_until``) from token ids, greedy, until its stop strings. Here in
+    its request shapes and its own arithmetic, against the model's log-probabilities computed in this process
+    (the daemon's instance has 2 ranks).
+
+    The shapes are lm-eval 0.4.13's (`lm_eval/models/openai_completions.py`, `LocalCompletionsAPI._create_payload`,
+    with its default ``tokenized_requests``): lm-eval itself is not a test dependency, as it requires torch."""
     context = httpx.post(f"{daemon}/tokenize", json={"model": MODEL, "prompt": "The capital of France is"}).json()
     continuation = httpx.post(f"{daemon}/tokenize", json={"model": MODEL, "prompt": " Paris"}).json()["tokens"]
     whole = context["tokens"] + continuation
-    request = {"model": MODEL, "prompt": [whole, whole[:-1]], "max_tokens": 1, "temperature": 0, "logprobs": 1}
-    answer = httpx.post(f"{daemon}/v1/completions", json=request | {"echo": True, "seed": 1234}).json()
+    # loglikelihood: exactly the payload `_create_payload(generate=False)` builds, a batch of two requests
+    request = {
+        "model": MODEL,
+        "prompt": [whole, whole[:-1]],
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
+    answer = httpx.post(f"{daemon}/v1/completions", json=request).json()
     expected = reference_logprobs(hf, whole)
     (first, second) = sorted(answer["choices"], key=lambda c: c["index"])
     ctxlen = len(context["tokens"])
@@ -292,6 +359,21 @@ def test_completions_serve_evaluation_harnesses_prompt_lists_echo_and_scoring(da
         max(top.values()) >= lp - 1e-6 for lp, top in zip(scored, tops, strict=True)
     )
     assert len(second["logprobs"]["tokens"]) == len(whole)  # one token shorter, one generated
+    # generate_until: `_create_payload(generate=True)`'s payload, its stop strings the task's `until` (here a
+    # piece of what the model says, so that it cuts) and the model's end token (`handle_stop_sequences`);
+    # `parse_generations` puts each text at its choice's index
+    prompts = [whole, context["tokens"]]
+    free = [
+        client.completions.create(model=MODEL, prompt=[p], max_tokens=16, temperature=0).choices[0].text
+        for p in prompts
+    ]
+    until = [free[0][4:7], EOS_TOKEN]
+    request = {"prompt": prompts, "model": MODEL, "max_tokens": 16, "temperature": 0, "stop": until, "seed": 1234}
+    generated = httpx.post(f"{daemon}/v1/completions", json=request).json()
+    texts: list[str | None] = [None] * len(generated["choices"])
+    for choice in generated["choices"]:
+        texts[choice["index"]] = choice["text"]
+    assert texts == [f[: f.find(until[0])] if until[0] in f else f for f in free] and texts[0] != free[0]
     scoring = client.completions.create(
         model=MODEL, prompt="The capital of France is", max_tokens=0, echo=True, logprobs=0
     )

@@ -281,3 +281,18 @@ def test_a_memory_budget_lowers_what_admission_may_reserve_and_sizes_the_runner_
     assert load(write(tmp_path, "[limits]\nmemory_mib = 1000000\n")).daemon.memory_bytes == 64 * 1024 * MIB
     with pytest.raises(ConfigError, match=re.escape("[limits] memory_mib: input should be greater than or equal to 1")):
         load(write(tmp_path, "[limits]\nmemory_mib = 0\n"))
+
+
+def test_cors_origins_come_from_the_api_section_and_a_bad_one_is_named_with_how_to_write_it(tmp_path):
+    """#28: ``[api] cors_origins`` (the daemon's pages of other origins; `--cors-origin` replaces it)."""
+    assert load(None, state_dir=tmp_path).cors_origins == ()  # none by default: browsers refuse other origins
+    given = '[api]\ncors_origins = ["http://localhost:3000", "https://app.example.org:8443", "chrome-extension://x"]\n'
+    assert load(write(tmp_path, given)).cors_origins == (
+        "http://localhost:3000",
+        "https://app.example.org:8443",
+        "chrome-extension://x",
+    )
+    with pytest.raises(ConfigError, match=r"\[api\] cors_origins: CORS origin 'http://a.test/' .*scheme://host"):
+        load(write(tmp_path, '[api]\ncors_origins = ["http://localhost:3000", "http://a.test/"]\n'))
+    with pytest.raises(ConfigError, match=r"\[api\] cors_origins: input should be a valid list"):
+        load(write(tmp_path, '[api]\ncors_origins = "http://localhost:3000"\n'))

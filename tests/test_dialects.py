@@ -9,6 +9,7 @@ with the tokenizer's markers and parser, as mlx-lm does."""
 from __future__ import annotations
 
 import json
+import time
 
 import anthropic
 import httpx
@@ -397,3 +398,122 @@ def test_ollama_errors_are_in_its_shape(llama, daemon):
     assert unknown.value.status_code == 404 and "nothing-here" in unknown.value.error
     bad = httpx.post(f"{daemon}/api/chat", json={"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]})
     assert bad.status_code == 400 and set(bad.json()) == {"error"} and "role" in bad.json()["error"]
+
+
+def test_ollama_stop_ends_the_text_before_the_stop_string_and_says_stop(llama):
+    """#28: ``options.stop``, as Ollama answers one: the text up to the string, ``done_reason`` "stop"."""
+    chat = llama.chat(model=MODEL, messages=ASK, stream=False, options={"num_predict": ENOUGH, "stop": ["check"]})
+    assert chat.message.content == "Let me " and chat.done_reason == "stop"
+    made = llama.generate(model=MODEL, prompt="Hello", stream=False, options={"num_predict": ENOUGH, "stop": ["me"]})
+    assert made.response == "Let " and made.done_reason == "stop"
+
+
+def test_ollama_generate_streams_ndjson_unless_told_not_to(daemon):
+    """#28: no ``stream`` key is a stream: application/x-ndjson, one JSON object per line (each line ended),
+    the pieces adding up to the text, only the last ``done``, with the counts."""
+    body = {"model": MODEL, "prompt": "Hello", "options": {"num_predict": ENOUGH}}
+    with httpx.stream("POST", f"{daemon}/api/generate", json=body, timeout=60) as answer:
+        assert answer.status_code == 200
+        assert answer.headers["content-type"].split(";")[0] == "application/x-ndjson"
+        raw = answer.read().decode()
+    assert raw.endswith("\n")
+    objects = [json.loads(line) for line in raw.removesuffix("\n").split("\n")]
+    assert all(isinstance(o, dict) and o["model"] == MODEL for o in objects) and len(objects) > 2
+    assert [o["done"] for o in objects] == [False] * (len(objects) - 1) + [True]
+    assert "".join(o["response"] for o in objects) == SCRIPT
+    assert objects[-1]["done_reason"] == "stop" and objects[-1]["eval_count"] > 0
+
+
+# -- Ollama's sampling options, on a daemon that samples ----------------------------------------------
+
+TWIN = "acme/tiny-qwen2"  # the same name in another organisation: "tiny-qwen2" alone names neither
+SAMPLED = f"""
+[daemon]
+port = 0
+offline = true
+
+[[place]]
+model = "{MODEL}"
+ranks = 1
+
+[[place]]
+model = "{TWIN}"
+ranks = 1
+"""
+SAMPLED_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def sampled(tmp_path_factory):
+    """A daemon whose runners sample (no script), serving ``MODEL`` and ``TWIN``, both Ready."""
+    with ready_daemon(tmp_path_factory.mktemp("sampled"), SAMPLED, {MODEL: 0, TWIN: 1}) as (url, _):
+        deadline = time.monotonic() + 60  # ready_daemon waited for one instance: the other may still load
+        while not all(i["state"] == "ready" for i in httpx.get(f"{url}/instances").json()["instances"]):
+            assert time.monotonic() < deadline, httpx.get(f"{url}/instances").text
+            time.sleep(0.05)
+        yield url
+
+
+def test_ollama_sampling_options_do_what_ollama_says(sampled):
+    """#28: temperature, top_k, top_p and seed, each through the official client: 0, a top_k of 1 or a tiny
+    top_p are the greedy text (OpenAI chat's at temperature 0), even at temperature 2, where nothing else
+    is; a seed gives OpenAI chat's text for that seed, another seed another text."""
+    import ollama
+
+    llama = ollama.Client(host=sampled, timeout=60)
+    client = openai.OpenAI(base_url=f"{sampled}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def said(**options) -> str:
+        answer = llama.chat(model=MODEL, messages=ASK, stream=False, options={"num_predict": SAMPLED_TOKENS, **options})
+        return answer.message.content
+
+    def openai_said(**sampling) -> str:
+        done = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=SAMPLED_TOKENS, **sampling)
+        return done.choices[0].message.content
+
+    greedy = openai_said(temperature=0)
+    assert len(greedy) > 10
+    assert said(temperature=2, seed=1) != greedy  # hot: not the greedy text, unless an option makes it so
+    assert said(temperature=0) == greedy
+    assert said(temperature=2, top_k=1, seed=1) == greedy
+    assert said(temperature=2, top_p=1e-6, seed=1) == greedy
+    # Ollama's defaults (top_p 0.9, top_k 40) turned off: the sampling is OpenAI chat's, the same seed its text
+    seeded = said(temperature=1, top_p=1, top_k=0, seed=7)
+    assert seeded == openai_said(temperature=1, top_p=1, seed=7) != greedy
+    assert said(temperature=1, top_p=1, top_k=0, seed=8) != seeded
+
+
+def test_ollama_format_json_holds_the_output_to_json(sampled):
+    """#28: ``format: "json"``: the text parses as a JSON object, where the same request without it does not."""
+    import ollama
+
+    llama = ollama.Client(host=sampled, timeout=60)
+    options = {"num_predict": 200, "temperature": 0}
+    free = llama.chat(model=MODEL, messages=ASK, stream=False, options=options).message.content
+    with pytest.raises(ValueError):
+        json.loads(free)
+    chat = llama.chat(model=MODEL, messages=ASK, format="json", stream=False, options=options)
+    assert chat.done_reason == "stop" and isinstance(json.loads(chat.message.content), dict)
+    made = llama.generate(model=MODEL, prompt="Weather?", format="json", stream=False, options=options)
+    assert made.done_reason == "stop" and isinstance(json.loads(made.response), dict)
+
+
+def test_ollama_a_name_without_its_organisation_that_two_models_share_is_refused_naming_both(sampled):
+    """#28: "tiny-qwen2" is both ``MODEL`` and ``TWIN``: neither is guessed; the answer names them, and each
+    full name still serves."""
+    import ollama
+
+    llama = ollama.Client(host=sampled, timeout=60)
+    for ask in (
+        lambda: llama.chat(model="tiny-qwen2", messages=ASK, stream=False, options={"num_predict": 1}),
+        lambda: llama.generate(model="tiny-qwen2:latest", prompt="Hello", stream=False),
+        lambda: llama.show("tiny-qwen2"),
+    ):
+        with pytest.raises(ollama.ResponseError) as refused:
+            ask()
+        assert refused.value.status_code == 400
+        assert f"{MODEL}" in refused.value.error and f"{TWIN}" in refused.value.error
+        assert "ambiguous" in refused.value.error and "org/name" in refused.value.error
+    for model in (MODEL, TWIN):
+        answer = llama.chat(model=model, messages=ASK, stream=False, options={"num_predict": 2})
+        assert answer.done_reason == "length" and answer.eval_count == 2

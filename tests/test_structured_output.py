@@ -278,6 +278,36 @@ def test_a_forced_call_cut_short_ends_with_length_never_a_silent_stop(client):
     assert done.choices[0].finish_reason == "length" and not done.choices[0].message.tool_calls
 
 
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+def test_a_forced_call_cut_short_is_max_tokens_in_anthropics_messages_never_end_turn(daemon, choice):
+    """#28: the call begun for the model and cut by ``max_tokens``: Anthropic's clients see "max_tokens" (raise
+    the limit and retry), never "end_turn" with a call's beginning passed off as the answer; streamed alike."""
+    claude = anthropic.Anthropic(base_url=daemon, api_key="unused", max_retries=0)
+    asked = {"model": MODEL, "max_tokens": 3, "messages": ASK, "tool_choice": choice}
+    asked["tools"] = [{"name": "get_weather", "input_schema": WEATHER}]
+    done = claude.messages.create(**asked)
+    assert done.stop_reason == "max_tokens" and done.usage.output_tokens == 3
+    assert [b.type for b in done.content if b.type == "tool_use"] == []
+    with claude.messages.stream(**asked) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "max_tokens" and not [b for b in final.content if b.type == "tool_use"]
+
+
+def test_a_forced_call_cut_short_leaves_a_response_incomplete(client):
+    """#28: the same in the Responses API: ``incomplete``, for ``max_output_tokens``, with no function call;
+    the stream's last event says so too."""
+    tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
+    asked = {"model": MODEL, "input": "Weather?", "tools": tools, "max_output_tokens": 3}
+    asked["tool_choice"] = {"type": "function", "name": "get_weather"}
+    done = client.responses.create(**asked)
+    assert done.status == "incomplete" and done.incomplete_details.reason == "max_output_tokens"
+    assert [item.type for item in done.output if item.type == "function_call"] == []
+    events = list(client.responses.create(**asked, stream=True))
+    last = events[-1].response
+    assert last.status == "incomplete" and last.incomplete_details.reason == "max_output_tokens"
+    assert done.usage.output_tokens == last.usage.output_tokens == 3
+
+
 def test_the_other_dialects_constrain_alike(client, daemon):
     import ollama
 

@@ -348,7 +348,7 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
         faults = tuple(
             FaultSpec(Fault.parse(f"{f.phase}:{f.kind}"), rank=f.rank, generation=f.generation) for f in file.fault
         )
-        origins = tuple(cors_origin(o) for o in file.api.cors_origins)
+        origins = _origins(file.api.cors_origins)
         models = Models(
             on_demand=file.models.on_demand if overrides.get("on_demand") is None else overrides["on_demand"],
             default_ranks=file.models.default_ranks,
@@ -415,6 +415,14 @@ def cors_origin(text: str) -> str:
         f"CORS origin {text!r} is not an origin: write scheme://host[:port] as the browser sends it, with no path "
         "or trailing slash (e.g. http://localhost:3000), or * for any"
     )
+
+
+def _origins(given: list[str]) -> tuple[str, ...]:
+    """The file's origins; a bad one's error names the setting, so the user knows which line to fix."""
+    try:
+        return tuple(cors_origin(o) for o in given)
+    except ValueError as exc:
+        raise ValueError(f"[api] cors_origins: {exc}") from exc
 
 
 def _cluster(section: _Cluster | None, where: str) -> ClusterConfig | None:

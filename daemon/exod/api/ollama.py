@@ -3,8 +3,8 @@ to), ``/api/embed``, ``/api/tags``, ``/api/show``, ``/api/ps``, ``/api/version``
 
 Many desktop apps and editor plugins speak only Ollama. Like the other dialects this translates shapes only;
 errors are Ollama's ``{"error": "..."}`` (`exod.api.errors`). A model may be named as Ollama users write it:
-without its organisation (``tiny-qwen2``) where exactly one served model has that name, and with a
-``:latest`` tag.
+without its organisation (``tiny-qwen2``) where exactly one served model has that name (several: a 400 that
+names them), and with a ``:latest`` tag.
 """
 
 from __future__ import annotations
@@ -170,14 +170,23 @@ class ShowRequest(BaseModel):
     name: Text | None = Field(None, max_length=200)  # older clients send the model under this name
 
 
+class AmbiguousModel(ValueError):
+    """A name without its organisation that more than one served model has: which one is meant is not guessed."""
+
+
 def resolve(name: str, served: list[str]) -> str:
-    """The served model that ``name`` means, as Ollama users write one; ``name`` itself if none or several do
-    (the request then says which are served)."""
+    """The served model that ``name`` means, as Ollama users write one; ``name`` itself if none does (the
+    request then says which are served). `AmbiguousModel` if several do."""
     bare = name.removesuffix(":latest")
     if bare in served or "/" in bare:
         return bare
     matches = [m for m in served if m.rsplit("/", 1)[-1] == bare]
-    return matches[0] if len(matches) == 1 else bare
+    if len(matches) > 1:
+        raise AmbiguousModel(
+            f"model {name!r} is ambiguous: {', '.join(matches)} are served here; "
+            "name the one you mean with its organisation (org/name)"
+        )
+    return matches[0] if matches else bare
 
 
 def _now() -> str:
@@ -212,7 +221,10 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
     api = APIRouter(prefix="/api")
 
     def model_of(name: str) -> str:
-        return resolve(name, controller.placed_models())
+        try:
+            return resolve(name, controller.placed_models())
+        except AmbiguousModel as exc:
+            raise ApiError(400, str(exc), param="model") from exc
 
     @api.get("/version")
     async def version() -> dict[str, str]:
