@@ -313,11 +313,24 @@ def test_an_events_reader_of_a_quiet_log_sees_the_stop_at_the_next_keepalive():
 
 def test_the_transitions_named_unreachable_are_real_transitions_of_the_machines():
     """A typo in the report's list would leave out of the goal a transition that does not exist, silently."""
-    from exod.chaos.report import UNREACHABLE, rows_of
+    from exod.chaos.report import SELDOM, UNREACHABLE, rows_of
     from fsm.conformance import replay
 
     every, _, silent = rows_of(dict(replay([]).coverage))
     assert set(UNREACHABLE) <= every - silent, sorted(set(UNREACHABLE) - every)
+    assert set(SELDOM) <= every - silent - set(UNREACHABLE), sorted(set(SELDOM) - every)
+
+
+def test_a_transition_the_campaign_missed_says_what_it_takes_where_that_is_seldom_met():
+    from exod.chaos.report import SELDOM, UNREACHABLE, not_reached
+
+    (seldom,) = SELDOM
+    ordinary = ("runner", "idle", "connect", "connecting")
+    text = not_reached({seldom, ordinary})
+    assert f"\n- instance: alive → deleted on `give_up`: {SELDOM[seldom]}" in text
+    assert "\n- runner: idle → connecting on `connect`\n" in text  # no reason: just not met this time
+    assert all(why in text for why in UNREACHABLE.values())
+    assert not_reached(set()).startswith("\n- none\n")
 
 
 def test_a_lowered_open_file_limit_is_given_back_and_its_undo_is_quiet_once_the_target_is_gone():
