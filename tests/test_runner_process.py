@@ -553,19 +553,28 @@ def test_a_runner_whose_deadline_is_extended_lives_on_and_serves(spawn, model_di
     assert runner.wait(timeout=10) == 0
 
 
-def test_a_runner_imports_mlx_lm_under_a_hard_descriptor_limit_below_what_mlx_lm_asks():
-    """mlx_lm.utils asks for RLIMIT_NOFILE (2048, 4096) at import: under a lower hard limit that raised."""
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ((256, 256), (256, 256)),  # under a hard limit below what mlx_lm asks: that raised, every runner failed
+        ((1024, 8192), (2048, 8192)),  # the soft one raised as mlx-lm wants, within the hard one
+        ((3000, 20000), (3000, 20000)),  # found by the fault campaign: never lowered (it became (2048, 4096))
+    ],
+)
+def test_mlx_lm_is_imported_without_lowering_or_overstepping_the_descriptor_limits(before, after):
+    """mlx_lm.utils sets RLIMIT_NOFILE to (2048, 4096) at import, in the runner and in the daemon
+    (`exod.host.models.has_pipeline` looks into mlx-lm's code)."""
     import subprocess
     import sys
 
     code = (
-        "import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))\n"
-        "from exod.runner.process import import_mlx_lm; import_mlx_lm()\n"
+        f"import resource; resource.setrlimit(resource.RLIMIT_NOFILE, {before})\n"
+        "from exod.host.models import has_pipeline; assert has_pipeline('qwen2')\n"
         "from mlx_lm.utils import load_model; print(resource.getrlimit(resource.RLIMIT_NOFILE))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "(256, 256)"
+    assert done.stdout.strip() == str(after)
 
 
 def test_scoring_a_prompt_in_chunks_gives_what_one_pass_gives(model_dir: Path, monkeypatch) -> None:

@@ -335,6 +335,9 @@ def has_pipeline(model_type: str) -> bool:
     if not re.fullmatch(r"[a-z0-9_]+", model_type):  # it comes from a downloaded file: a module name only
         return False
     try:
+        from exod.runner.mlx_import import import_mlx_lm
+
+        import_mlx_lm()  # `import mlx_lm` would lower the daemon's own limit of open files
         from mlx_lm.models.pipeline import PipelineMixin
 
         module = importlib.import_module(f"mlx_lm.models.{model_type}")

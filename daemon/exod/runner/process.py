@@ -32,7 +32,6 @@ import logging
 import os
 import queue
 import re
-import resource
 import socket
 import sys
 import threading
@@ -45,6 +44,7 @@ from exod.runner import protocol as p
 from exod.runner import watchdog
 from exod.runner.batch import Batch, BatchLimits, Lockstep, prompt_tokens
 from exod.runner.faults import Fault, FaultPhase, Injector
+from exod.runner.mlx_import import import_mlx_lm
 from exod.runner.protocol import HOST_ERRNOS
 
 log = logging.getLogger("exod.runner")
@@ -476,30 +476,6 @@ def score(model: Any, tokenizer: Any, prompt: list[int], k: int) -> dict[str, An
 
 
 # -- entry point ------------------------------------------------------------------
-
-
-def import_mlx_lm() -> None:
-    """Import mlx_lm within this process's descriptor limit.
-
-    ``mlx_lm.utils`` sets RLIMIT_NOFILE to (2048, 4096) when imported, which raises ValueError wherever the
-    hard limit is lower (containers, systemd units, a daemon started with ``ulimit -Hn 1024``): every runner
-    would fail, every generation. The call is clamped to the hard limit for that one import.
-    """
-    if "mlx_lm.utils" in sys.modules:
-        return
-    real = resource.setrlimit
-
-    def clamped(which: int, limits: tuple[int, int]) -> None:
-        hard = resource.getrlimit(which)[1]
-        if which == resource.RLIMIT_NOFILE and hard != resource.RLIM_INFINITY:
-            limits = (min(limits[0], hard), min(limits[1], hard))
-        real(which, limits)
-
-    resource.setrlimit = clamped  # type: ignore[assignment]
-    try:
-        import mlx_lm.utils  # noqa: F401
-    finally:
-        resource.setrlimit = real
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
