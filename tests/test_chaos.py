@@ -344,6 +344,13 @@ def test_a_lowered_open_file_limit_is_given_back_and_its_undo_is_quiet_once_the_
         assert lowered[0] < before[0] and lowered[1] == before[1]
         restore()
         assert psutil.Process(child.pid).rlimit(resource.RLIMIT_NOFILE) == before
+        # found by the 30-min campaign (seed 2074194091): the target lowered its own hard limit while the fault
+        # held (mlx-lm's import did, in a daemon): the undo gives back the soft limit within it, refused by nobody
+        restore = _lower_fd_limit(child.pid)
+        own = min(before[1], 4096)
+        psutil.Process(child.pid).rlimit(resource.RLIMIT_NOFILE, (lowered[0], own))
+        restore()
+        assert psutil.Process(child.pid).rlimit(resource.RLIMIT_NOFILE) == (min(before[0], own), own)
         restore = _lower_fd_limit(child.pid)
     finally:
         child.communicate(b"")

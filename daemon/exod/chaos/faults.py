@@ -283,11 +283,12 @@ def _lower_fd_limit(pid: int) -> Callable[[], None]:
     def restore() -> None:
         if not process.is_running():  # gone, or its pid already another's: nothing of it to give back
             return
-        try:
-            process.rlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        try:  # the soft limit is what the fault took; the hard one is the target's own (it may lower it meanwhile)
+            now_hard = process.rlimit(resource.RLIMIT_NOFILE)[1]
+            process.rlimit(resource.RLIMIT_NOFILE, (min(soft, now_hard), now_hard))
         except psutil.NoSuchProcess:
             return
-        except psutil.AccessDenied as exc:  # seen once, never reproduced: say what the target was then
+        except psutil.AccessDenied as exc:  # found once lowered by the target itself (mlx-lm's import): see why
             with process.oneshot():
                 state = f"status {_quietly(process.status)}, uids {_quietly(process.uids)}"
             limits = f"limits now {_quietly(lambda: process.rlimit(resource.RLIMIT_NOFILE))}, to restore {(soft, hard)}"
