@@ -50,6 +50,9 @@ class ProcessLife:
     fault: str = ""  # the PHASE:KIND it was armed with (its command line says)
 
 
+NOT_STORED = "not stored yet"  # how an answer that a change was made, but not yet stored, is recorded
+
+
 @attrs.frozen
 class FaultRecord:
     kind: str  # a `schedule.Kind` value, or ``armed:PHASE:KIND``
@@ -110,6 +113,11 @@ class History:
     def faulted(self, node: str, start: float, end: float) -> bool:
         """Whether a fault made ``node`` unreachable or unresponsive at some moment of [start, end]."""
         return any(node in f.nodes and f.start <= end and start <= f.end for f in self.faults if not f.note)
+
+    def store_faulted(self, start: float, end: float) -> bool:
+        """Whether a fault held etcd (a member, or all of them) at some moment of [start, end]: a write may then
+        outlive the term of the controller that made it, and be answered as neither done nor undone."""
+        return any(f.kind.startswith("etcd-") and f.start <= end and start <= f.end for f in self.faults if not f.note)
 
     def dump(self, path: Path) -> None:
         """The whole history as JSON lines, for reading after a violation."""

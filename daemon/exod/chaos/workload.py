@@ -19,7 +19,7 @@ import httpx
 import httpx_sse
 from httpx_sse._decoders import SSEDecoder  # not re-exported; `until_stopped` says why
 
-from exod.chaos.history import History, Operation, Outcome
+from exod.chaos.history import NOT_STORED, History, Operation, Outcome
 
 CONNECT_S = 3.0  # a node whose port takes longer to answer is counted as unreachable
 # A fresh connection per request: a kept-alive one that the server closes as idle just as a request goes out
@@ -206,7 +206,7 @@ def _classify_json(answer: httpx.Response, dialect: str) -> tuple[Outcome, str]:
     if dialect == "anthropic":
         shaped = shaped and doc.get("type") == "error"
     if shaped and error.get("code") == "not_stored_yet":  # made, not yet written: it may yet happen, or not
-        return Outcome.INDETERMINATE, f"HTTP {answer.status_code}: {error['message'][:200]}"
+        return Outcome.INDETERMINATE, f"{NOT_STORED}: HTTP {answer.status_code}: {error['message'][:200]}"
     if shaped:
         return Outcome.REFUSED, f"HTTP {answer.status_code}: {error['message'][:200]}"
     return Outcome.MALFORMED, f"HTTP {answer.status_code}, not an error in the {dialect} dialect: {doc!r:.200}"
