@@ -79,6 +79,31 @@ def test_a_deposed_controllers_save_is_refused_and_changes_nothing(etcd):
     assert snapshot == {"by": "node-1"} and log == [(1, entry(0))]
 
 
+def test_a_save_of_an_earlier_turn_of_the_same_term_is_refused_once_the_node_took_its_term_back(etcd):
+    """Found by a 5-min campaign (seed 2074194091): a controller's save timed out at a paused member; the node
+    took its term back (the same election key: the same guard), restored and wrote on; then the paused member
+    applied the old save, over the new turn's log (readers had been sent another entry at that seq). A turn
+    begins by writing its token, and every save compares it: the old save, however late, is refused."""
+
+    async def body(client: Etcd):
+        term, _ = await elected(client, "node-1")
+        earlier = EtcdState(client, PREFIX, term)
+        await earlier.load()
+        await earlier.save({"turn": 1}, [entry(0)], 2000.0)
+        later = EtcdState(client, PREFIX, term)  # the same node, the same term: its next turn
+        restored = await later.load()
+        await later.save({"turn": 2}, [entry(1)], 2001.0)
+        with pytest.raises(Deposed, match="this turn of it is over"):
+            await earlier.save({"turn": "1, late"}, [entry(9)], 2000.5)  # what the paused member held back
+        await later.save({"turn": 2}, [entry(2)], 2002.0)  # the new turn goes on
+        reader = EtcdState(client, PREFIX, None)
+        return restored, await reader.load(), await reader.transitions()
+
+    restored, snapshot, log = run(etcd, body)
+    assert restored == {"turn": 1} and snapshot == {"turn": 2}
+    assert log == [(1, entry(0)), (2, entry(1)), (3, entry(2))]  # nothing of the late save, no seq written twice
+
+
 @pytest.mark.parametrize("bound", ["rows", "age"])
 def test_the_log_is_pruned_to_its_bounds_in_whole_batches_and_says_where_it_starts(etcd, bound):
     retention = Retention(max_log_rows=10) if bound == "rows" else Retention(max_log_age_days=1.0)

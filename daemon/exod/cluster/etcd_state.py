@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
-from exod.cluster.election import Deposed, Term
-from exod.cluster.etcd import Delete, Etcd, EtcdError, EtcdUnavailable, KeyValue, Put
+from exod.cluster.election import Deposed, Term, guarded_write
+from exod.cluster.etcd import Compare, Delete, Etcd, EtcdError, EtcdUnavailable, KeyValue, Put
 from exod.state.retention import Retention
 from exod.state.sqlite import PRUNE_TO, StoreError
 from exod.state.store import StateUnavailable
@@ -65,6 +66,12 @@ class EtcdState:
         self.where = f"etcd at {etcd.url} ({prefix.decode()})"
         self._meta: _Meta | None = None
         self._compacted = 0
+        # This turn's fencing token: written when the turn loads the state, compared by each of its saves. A node
+        # that takes its own term back (same election key, same guard) starts a new turn, and a save of the
+        # earlier turn still in flight (timed out at a paused member, applied when it resumed) must then be
+        # refused, not written over the new turn's log: found by a 5-min campaign (seed 2074194091).
+        self._turn = secrets.token_hex(8)
+        self._begun = False
 
     @property
     def _snapshot_key(self) -> bytes:
@@ -73,6 +80,10 @@ class EtcdState:
     @property
     def _meta_key(self) -> bytes:
         return self.prefix + b"state/meta"
+
+    @property
+    def _turn_key(self) -> bytes:
+        return self.prefix + b"state/turn"
 
     def _log_key(self, seq: int) -> bytes:
         return self.prefix + b"log/" + str(seq).zfill(_SEQ_DIGITS).encode()
@@ -84,6 +95,10 @@ class EtcdState:
     # -- StateStore ------------------------------------------------------------------------------
 
     async def load(self) -> dict[str, Any] | None:
+        """The last snapshot saved. A controller's turn begins here: its token is written first (guarded by its
+        term), so that what it reads next is all an earlier turn will ever have written."""
+        if self.term is not None:
+            await self._begin()
         kv = await self._read(self._snapshot_key)
         self._meta = await self._read_meta()
         if kv is None:
@@ -99,6 +114,8 @@ class EtcdState:
     async def save(self, snapshot: dict[str, Any], entries: Sequence[LogEntry], now: float) -> int:
         if self.term is None:
             raise Deposed("this node is not the controller: only the controller writes the cluster's state")
+        if not self._begun:  # a turn that saves before it reads (a test's, a tool's) begins here
+            await self._begin()
         meta = self._meta if self._meta is not None else await self._read_meta()
         ops: list[Put | Delete] = [Put(self._snapshot_key, json.dumps(snapshot, sort_keys=True).encode())]
         if entries:
@@ -111,11 +128,15 @@ class EtcdState:
         ops += prune
         ops.append(Put(self._meta_key, json.dumps(attrs.asdict(meta)).encode()))
         try:
-            result = await self.etcd.txn(self.term.guard(), ops)
+            turn = Compare(self._turn_key, "VALUE", "EQUAL", self._turn.encode())
+            result = await self.etcd.txn([*self.term.guard(), turn], ops)
         except EtcdUnavailable as exc:
             raise StateUnavailable(f"cannot write the state to {self.where}: {exc}") from exc
         if not result.succeeded:
-            raise Deposed(f"node {self.term.node_id} is no longer the controller: etcd refused its write")
+            raise Deposed(
+                f"node {self.term.node_id} is no longer the controller (or this turn of it is over): etcd refused "
+                "its write"
+            )
         self._meta = meta
         await self._compact(result.revision)
         return meta.last_seq
@@ -196,6 +217,15 @@ class EtcdState:
         self._compacted = revision
 
     # -- reading ----------------------------------------------------------------------------------------
+
+    async def _begin(self) -> None:
+        """Write this turn's token, while the term holds: every save of an earlier turn is refused from here."""
+        assert self.term is not None
+        try:
+            await guarded_write(self.etcd, self.term, [Put(self._turn_key, self._turn.encode())])
+        except EtcdUnavailable as exc:
+            raise StateUnavailable(f"cannot begin a controller's turn at {self.where}: {exc}") from exc
+        self._begun = True
 
     async def _read(self, key: bytes) -> KeyValue | None:
         try:
