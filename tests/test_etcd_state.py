@@ -1,18 +1,24 @@
 """exod.cluster.etcd_state on a real etcd: the cluster's state as a controller term writes it, the log read back in
-one order from any point, its bounds, and a deposed controller's save refused."""
+one order from any point, its bounds, a deposed controller's save refused, and a save whose answer was lost
+(applied late, or applied already) never written over what came after it, nor twice."""
 
 from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import trio
 from etcd_harness import run_with_client as run
 
 from exod.cluster.election import Deposed, campaign
-from exod.cluster.etcd import Etcd
+from exod.cluster.etcd import Compare, Delete, Etcd, EtcdUnavailable, Put, TxnResult
 from exod.cluster.etcd_state import EtcdState
 from exod.host.ring import free_ports
+from exod.state.journal import Journal
 from exod.state.retention import DAY_S, Retention
-from exod.state.sqlite import StoreError
+from exod.state.sqlite import Store, StoreError
 from exod.state.store import StateUnavailable
 from fsm.cluster import LogEntry
 
@@ -170,3 +176,135 @@ def test_a_reader_on_another_node_is_woken_by_the_controllers_next_save(etcd):
         return woken
 
     assert run(etcd, body) == [[(2, entry(1))]]
+
+
+# -- a save whose answer was lost: a paused member, and the client passing over to the next one ------------
+
+
+class PausedMember:
+    """The client as a save sent to a paused etcd member leaves it: the caller gets `EtcdUnavailable` (a timeout),
+    and the save is either held back, to be applied once the member resumes (``fault = "hold"``; ``"hold until
+    the next"``: applied just before the next save reaches etcd), or applied already (``"lose"``: only its answer
+    was lost). Every other call goes through as it is."""
+
+    def __init__(self, client: Etcd) -> None:
+        self.client = client
+        self.fault: str | None = None
+        self.held: tuple[Sequence[Compare], Sequence[Put | Delete]] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    async def txn(self, compare: Sequence[Compare], success: Sequence[Put | Delete], failure=()) -> TxnResult:
+        saves = any(isinstance(op, Put) and op.key == PREFIX + b"state/meta" for op in success)
+        if saves and self.fault == "deliver":
+            self.fault = None
+            await self.resume()
+        elif saves and self.fault is not None:
+            fault, self.fault = self.fault, None
+            if fault == "lose":
+                await self.client.txn(compare, success, failure)
+            else:
+                self.held = (compare, success)
+                self.fault = "deliver" if fault == "hold until the next" else None
+            raise EtcdUnavailable(f"cannot reach etcd at {self.client.url}: ReadTimeout (a paused member, {fault})")
+        return await self.client.txn(compare, success, failure)
+
+    async def resume(self) -> TxnResult:
+        """The paused member resumes: the save it held is proposed now, as it was sent."""
+        assert self.held is not None
+        compare, success = self.held
+        self.held = None
+        return await self.client.txn(compare, success)
+
+
+async def stored(client: Etcd) -> tuple[dict[str, Any] | None, dict[str, Any], list[tuple[int, LogEntry]]]:
+    """The snapshot, the meta and the log as any reader finds them."""
+    reader = EtcdState(client, PREFIX, None)
+    meta = await client.get(PREFIX + b"state/meta")
+    assert meta is not None
+    return await reader.load(), json.loads(meta.value), await reader.transitions()
+
+
+def test_a_save_retried_at_another_member_is_not_overwritten_when_the_paused_one_applies_the_first_attempt(etcd):
+    """A save timed out at a paused member; the journal retried it (the client now at another member) with its
+    entries and the next ones, and saved again; then the member resumed and applied the first attempt, the same
+    term and the same turn: the snapshot and the meta went back, and its batch replaced the retry's at the same
+    log key (readers sent entry 3 lost it: the chaos campaign's invariant 6). Each save compares the revision of
+    the meta it builds on: the late attempt is refused."""
+
+    async def body(client: Etcd):
+        term, _ = await elected(client)
+        etcd = PausedMember(client)
+        state = EtcdState(etcd, PREFIX, term)  # type: ignore[arg-type]
+        await state.load()
+        await state.save({"n": 1}, [entry(0)], 2001.0)
+        etcd.fault = "hold"
+        with pytest.raises(StateUnavailable, match="paused member"):
+            await state.save({"n": 2}, [entry(1)], 2002.0)
+        retried = await state.save({"n": 3}, [entry(1), entry(2)], 2003.0)  # as the journal retries: queued first
+        later = await state.save({"n": 4}, [entry(3)], 2004.0)
+        late = await etcd.resume()
+        after = await stored(client)
+        goes_on = await state.save({"n": 5}, [entry(4)], 2005.0)
+        return retried, later, late.succeeded, after, goes_on
+
+    retried, later, late_applied, (snapshot, meta, log), goes_on = run(etcd, body)
+    assert (retried, later, late_applied, goes_on) == (3, 4, False, 5)
+    assert snapshot == {"n": 4}
+    assert meta == {"last_seq": 4, "log_start": 1, "oldest_time": entry(0).time}
+    assert log == [(seq, entry(seq - 1)) for seq in range(1, 5)]
+
+
+@pytest.mark.parametrize("applied", ["before the retry", "as the retry was sent"])
+def test_a_save_applied_whose_answer_was_lost_is_not_written_twice_nor_counted_a_deposition(etcd, applied):
+    """The mirror case: etcd applied the save, but its answer was lost (the member paused after it applied it, or
+    the paused member resumed just after the retry had read the meta and found it not applied). The retry
+    carries its entries again: it must not write them twice (a refused retry, before, was counted a deposition:
+    a controller's turnover), nor lose any."""
+
+    async def body(client: Etcd):
+        term, _ = await elected(client)
+        etcd = PausedMember(client)
+        state = EtcdState(etcd, PREFIX, term)  # type: ignore[arg-type]
+        await state.load()
+        await state.save({"n": 1}, [entry(0)], 2001.0)
+        etcd.fault = "lose" if applied == "before the retry" else "hold until the next"
+        with pytest.raises(StateUnavailable, match="paused member"):
+            await state.save({"n": 2}, [entry(1), entry(2)], 2002.0)
+        retried = await state.save({"n": 3}, [entry(1), entry(2), entry(3)], 2003.0)
+        later = await state.save({"n": 4}, [entry(4)], 2004.0)
+        return retried, later, await stored(client)
+
+    retried, later, (snapshot, meta, log) = run(etcd, body)
+    assert (retried, later, snapshot) == (4, 5, {"n": 4})
+    assert meta == {"last_seq": 5, "log_start": 1, "oldest_time": entry(0).time}
+    assert log == [(seq, entry(seq - 1)) for seq in range(1, 6)]  # every entry once, in order
+
+
+def test_the_journal_writes_a_save_whose_answer_was_lost_once_and_goes_on(etcd, tmp_path):
+    """The journal's side of the contract: what a refused save held stays queued and is written with the next,
+    which the store writes once although etcd had applied the first; the journal stays the controller's."""
+    local = Store.open(tmp_path / "local.db")
+
+    async def body(client: Etcd):
+        term, _ = await elected(client)
+        etcd = PausedMember(client)
+        state = EtcdState(etcd, PREFIX, term)  # type: ignore[arg-type]
+        await state.load()
+        journal = Journal(state, local)
+        journal.save(lambda: {"n": 1}, [entry(0)], 2001.0)
+        etcd.fault = "lose"
+        first = await journal.durable()
+        degraded = journal.degraded
+        journal.save(lambda: {"n": 2}, [entry(1)], 2002.0)
+        second = await journal.durable()
+        return first, degraded, second, journal.degraded, await stored(client)
+
+    try:
+        first, degraded, second, healed, (snapshot, _, log) = run(etcd, body)
+    finally:
+        local.close()
+    assert first is False and degraded is not None and "paused member" in degraded
+    assert second is True and healed is None and snapshot == {"n": 2}
+    assert log == [(1, entry(0)), (2, entry(1))]

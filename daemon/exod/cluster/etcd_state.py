@@ -11,6 +11,11 @@ meta and the batch, all or nothing, and only while this node is the controller. 
 save is refused by etcd and raises `exod.cluster.election.Deposed`. One batch per save keeps a save inside etcd's
 limit on operations per transaction (128 by default) however many transitions it carries.
 
+A save also compares the mod revision of ``state/meta`` with the one it builds on (which every save rewrites), so
+that a save whose answer was lost (it timed out at a paused member, and was retried at another) can never be
+applied after anything written since: the next save first reads ``state/meta`` to learn whether it was applied
+(`EtcdState._resolve`).
+
 Why our own sequence numbers, not etcd's revisions, as the log's ids: a transaction writes all its keys
 at one revision, so the entries of one save share it. The sequence is as global (one writer at a time,
 each continuing from ``last_seq`` in etcd) and dense, so ``GET /events`` resumes exactly as on one host.
@@ -57,6 +62,15 @@ class _Meta:
     oldest_time: float | None = None  # of the entry at log_start
 
 
+@attrs.frozen
+class _Attempt:
+    """A save sent to etcd whose answer never came: etcd may have applied it, may still (a paused member that
+    resumes), or never will. Every attempt still unknown builds on the same revision of ``state/meta``."""
+
+    meta: _Meta  # what it writes to state/meta: how it is recognised there
+    entries: tuple[LogEntry, ...]  # what it appends to the log
+
+
 class EtcdState:
     """The cluster's state as one controller term reads and writes it."""
 
@@ -65,6 +79,10 @@ class EtcdState:
         self.retention = retention or Retention()
         self.where = f"etcd at {etcd.url} ({prefix.decode()})"
         self._meta: _Meta | None = None
+        # The mod revision of state/meta as this turn last wrote or read it: what its next save builds on, and
+        # compares (0: no meta yet; etcd compares an absent key's mod revision as 0).
+        self._revision = 0
+        self._unknown: list[_Attempt] = []  # saves sent whose answer was lost, none of them known applied
         self._compacted = 0
         # This turn's fencing token: written when the turn loads the state, compared by each of its saves. A node
         # that takes its own term back (same election key, same guard) starts a new turn, and a save of the
@@ -100,7 +118,8 @@ class EtcdState:
         if self.term is not None:
             await self._begin()
         kv = await self._read(self._snapshot_key)
-        self._meta = await self._read_meta()
+        self._meta, self._revision = await self._read_meta()
+        self._unknown = []  # this is what the turn builds on: an attempt applied after this read is refused
         if kv is None:
             return None
         try:
@@ -112,34 +131,52 @@ class EtcdState:
         return snapshot
 
     async def save(self, snapshot: dict[str, Any], entries: Sequence[LogEntry], now: float) -> int:
+        """After a `StateUnavailable`, the next save must carry the failed one's entries first (the journal keeps
+        them queued): that save may have been applied all the same, and they are then not written twice."""
         if self.term is None:
             raise Deposed("this node is not the controller: only the controller writes the cluster's state")
         if not self._begun:  # a turn that saves before it reads (a test's, a tool's) begins here
             await self._begin()
-        meta = self._meta if self._meta is not None else await self._read_meta()
-        ops: list[Put | Delete] = [Put(self._snapshot_key, json.dumps(snapshot, sort_keys=True).encode())]
-        if entries:
-            first = meta.last_seq + 1
-            batch = {"first": first, "entries": [e.as_record() for e in entries]}
-            ops.append(Put(self._log_key(first), json.dumps(batch).encode()))
-            oldest = meta.oldest_time if meta.last_seq >= meta.log_start else entries[0].time
-            meta = attrs.evolve(meta, last_seq=meta.last_seq + len(entries), oldest_time=oldest)
-        meta, prune = await self._prune(meta, now)
-        ops += prune
-        ops.append(Put(self._meta_key, json.dumps(attrs.asdict(meta)).encode()))
-        try:
-            turn = Compare(self._turn_key, "VALUE", "EQUAL", self._turn.encode())
-            result = await self.etcd.txn([*self.term.guard(), turn], ops)
-        except EtcdUnavailable as exc:
-            raise StateUnavailable(f"cannot write the state to {self.where}: {exc}") from exc
-        if not result.succeeded:
-            raise Deposed(
-                f"node {self.term.node_id} is no longer the controller (or this turn of it is over): etcd refused "
-                "its write"
-            )
-        self._meta = meta
-        await self._compact(result.revision)
-        return meta.last_seq
+        if self._meta is None:
+            self._meta, self._revision = await self._read_meta()
+        todo = list(entries)
+        if self._unknown:  # an earlier save's answer was lost: what it wrote is not to be written again
+            resolved = await self._resolve(todo)
+            todo = todo if resolved is None else resolved
+        value = json.dumps(snapshot, sort_keys=True).encode()
+        while True:  # twice at most: a refusal that an unknown attempt explains is resolved, and the save tried again
+            meta, ops = await self._ops(value, todo, now)
+            # Why the revision it builds on, not only the term and the turn: a save that timed out at a paused
+            # member holds both, and was applied when the member resumed, after its retry (sent to another
+            # member) and later saves: the snapshot and the meta went back, and its batch replaced the retry's
+            # at the same log key, so readers sent entry N were later shown another (the chaos campaign's
+            # invariant 6). Each save moves this revision on: an attempt built on an older one is refused.
+            compare = [
+                *self.term.guard(),
+                self._turn_compare(),
+                Compare(self._meta_key, "MOD", "EQUAL", self._revision),
+            ]
+            self._unknown.append(_Attempt(meta, tuple(todo)))
+            try:
+                result = await self.etcd.txn(compare, ops)
+            except EtcdUnavailable as exc:
+                raise StateUnavailable(f"cannot write the state to {self.where}: {exc}") from exc
+            self._unknown.pop()  # answered: applied or refused, for good
+            if result.succeeded:
+                self._meta, self._revision, self._unknown = meta, result.revision, []
+                await self._compact(result.revision)
+                return meta.last_seq
+            await self._still_this_turn()
+            # The term and the turn hold, so the meta moved under this save: only an attempt of this turn whose
+            # answer was lost can have moved it (applied after this save read the meta; a paused member resumed).
+            resolved = await self._resolve(todo) if self._unknown else None
+            if resolved is None:
+                raise Deposed(
+                    f"{self._meta_key.decode()} in {self.where} was written by someone other than this controller "
+                    f"(node {self.term.node_id}) during its turn: the turn ends, and the next one reads the state "
+                    "afresh. Only exod writes under its prefix in etcd: find who else does"
+                )
+            todo = resolved
 
     async def transitions(self, after: int = 0, limit: int | None = None) -> list[tuple[int, LogEntry]]:
         try:
@@ -161,7 +198,7 @@ class EtcdState:
             raise StateUnavailable(f"cannot read the transition log from {self.where}: {exc}") from exc
 
     async def log_start(self) -> int:
-        meta = await self._read_meta()
+        meta, _ = await self._read_meta()
         return meta.log_start
 
     async def changed(self, after: int) -> None:
@@ -192,7 +229,10 @@ class EtcdState:
             return meta, []
         keep_from = meta.last_seq - max(1, int(r.max_log_rows * PRUNE_TO)) + 1 if rows > r.max_log_rows else 0
         young = now - r.max_log_age * PRUNE_TO
-        batches = await self.etcd.range(self._log_key(meta.log_start), self._log_end)
+        try:
+            batches = await self.etcd.range(self._log_key(meta.log_start), self._log_end)
+        except EtcdUnavailable as exc:
+            raise StateUnavailable(f"cannot read the transition log from {self.where} to prune it: {exc}") from exc
         kept = [
             kv
             for kv in batches
@@ -216,6 +256,68 @@ class EtcdState:
             log.debug("etcd compaction skipped: %s", exc)
         self._compacted = revision
 
+    # -- a save's outcome ---------------------------------------------------------------------------------
+
+    async def _ops(self, snapshot: bytes, entries: Sequence[LogEntry], now: float) -> tuple[_Meta, list[Put | Delete]]:
+        """The meta a save of ``entries`` on `_meta` writes, and its operations."""
+        assert self._meta is not None
+        meta = self._meta
+        ops: list[Put | Delete] = [Put(self._snapshot_key, snapshot)]
+        if entries:
+            first = meta.last_seq + 1
+            batch = {"first": first, "entries": [e.as_record() for e in entries]}
+            ops.append(Put(self._log_key(first), json.dumps(batch).encode()))
+            oldest = meta.oldest_time if meta.last_seq >= meta.log_start else entries[0].time
+            meta = attrs.evolve(meta, last_seq=meta.last_seq + len(entries), oldest_time=oldest)
+        meta, prune = await self._prune(meta, now)
+        ops += prune
+        ops.append(Put(self._meta_key, json.dumps(attrs.asdict(meta)).encode()))
+        return meta, ops
+
+    def _turn_compare(self) -> Compare:
+        return Compare(self._turn_key, "VALUE", "EQUAL", self._turn.encode())
+
+    async def _still_this_turn(self) -> None:
+        """`Deposed` unless the term and this turn still hold (asked with a transaction that writes nothing): only
+        then is a refused save not this turn's end, and its refusal for `_resolve` to explain."""
+        assert self.term is not None
+        try:
+            result = await self.etcd.txn([*self.term.guard(), self._turn_compare()], [])
+        except EtcdUnavailable as exc:
+            raise StateUnavailable(f"cannot ask {self.where} why it refused the state's write: {exc}") from exc
+        if not result.succeeded:
+            raise Deposed(
+                f"node {self.term.node_id} is no longer the controller (or this turn of it is over): etcd refused "
+                "its write"
+            )
+
+    async def _resolve(self, entries: list[LogEntry]) -> list[LogEntry] | None:
+        """Whether a save whose answer was lost was applied, from ``state/meta`` as it is now. Applied: this turn
+        builds on it (its meta and revision), and what is left to write is ``entries`` without its entries, which
+        are in the log already (the mirror case: a save applied, its answer lost; written again, its entries
+        were twice in the log, or its retry refused and counted a deposition). Not applied (None): it never will
+        be once a save built on the same revision is, and this save builds on it. Every save of this turn writes
+        the meta, so while the term and the turn hold, a meta that moved from `_revision` is one of them."""
+        kv = await self._read(self._meta_key)
+        revision = 0 if kv is None else kv.mod_revision
+        if revision == self._revision or kv is None:
+            return None
+        meta = self._parse_meta(kv)
+        applied = next((attempt for attempt in self._unknown if attempt.meta == meta), None)
+        if applied is None:
+            return None
+        n = len(applied.entries)
+        if tuple(entries[:n]) != applied.entries:
+            raise ValueError(
+                f"a save after StateUnavailable must carry the entries of the save that failed first ({n} of them, "
+                "as exod.state.journal.Journal keeps them queued): etcd applied that save after all"
+            )
+        log.info(
+            "a write of the state whose answer was lost had been applied (seq %d): not written again", meta.last_seq
+        )
+        self._meta, self._revision, self._unknown = meta, revision, []
+        return entries[n:]
+
     # -- reading ----------------------------------------------------------------------------------------
 
     async def _begin(self) -> None:
@@ -233,9 +335,10 @@ class EtcdState:
         except EtcdUnavailable as exc:
             raise StateUnavailable(f"cannot read the state from {self.where}: {exc}") from exc
 
-    async def _read_meta(self) -> _Meta:
+    async def _read_meta(self) -> tuple[_Meta, int]:
+        """The meta and its mod revision (0 if there is none yet)."""
         kv = await self._read(self._meta_key)
-        return _Meta() if kv is None else self._parse_meta(kv)
+        return (_Meta(), 0) if kv is None else (self._parse_meta(kv), kv.mod_revision)
 
     def _parse_meta(self, kv: KeyValue) -> _Meta:
         try:

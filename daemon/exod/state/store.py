@@ -31,7 +31,9 @@ class StateStore(Protocol):
         """The last snapshot saved (None if none ever was); `StoreError` if it is not a JSON object."""
 
     async def save(self, snapshot: dict[str, Any], entries: Sequence[LogEntry], now: float) -> int:
-        """Write ``snapshot`` and append ``entries`` atomically; returns the last log sequence number."""
+        """Write ``snapshot`` and append ``entries`` atomically; returns the last log sequence number. After a
+        `StateUnavailable`, the next save carries the failed one's entries first (the journal keeps them queued):
+        etcd may have applied that save although its answer was lost, and then writes them only once."""
 
     async def transitions(self, after: int = 0, limit: int | None = None) -> list[tuple[int, LogEntry]]:
         """Log entries with sequence number > ``after``, oldest first."""
