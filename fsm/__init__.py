@@ -16,7 +16,8 @@ Where to start (the rest of this page is the reference, class by class):
   ``Cluster.view()``, then ``Cluster.execute(action, now)``.
 * What you owe. Each action's docstring says what to do and which events to
   feed back; when nothing moves, ``Cluster.owed()`` says what is awaited.
-* Policies. ``RetryPolicy`` (backoff, retries, budget reset), ``PhaseLimits``
+* Policies. ``RetryPolicy`` (backoff, retries, budget reset, ``RestartStrategy``:
+  one_for_all for a ring, one_for_one for independent replicas), ``PhaseLimits``
   (watchdogs), ``Backoff``; ``admit`` and ``place`` decide where an instance
   fits (``ModelFacts``, ``NodeRoom``, ``Limits``).
 * Residency. ``Cluster.park`` / ``Cluster.unpark``, or a keep-alive given to
@@ -53,6 +54,7 @@ from fsm.actions import (
     LoadModel,
     ParkInstance,
     ParkReason,
+    RestartRank,
     StartDownload,
     StartGeneration,
     StopReason,
@@ -77,7 +79,7 @@ from fsm.errors import (
     UnknownEvent,
 )
 from fsm.failure import Failure, FailureKind
-from fsm.instance import DeleteReason, InstanceRetry, InstanceState, RetryPolicy, budget_exhausted
+from fsm.instance import DeleteReason, InstanceRetry, InstanceState, RestartStrategy, RetryPolicy, budget_exhausted
 from fsm.log import LogEntry
 from fsm.owed import Owed, Report, owed, owed_after
 from fsm.placement import NodeRoom, NoFit, place
@@ -153,6 +155,8 @@ __all__ = [
     "Refusal",
     "Report",
     "Residency",
+    "RestartRank",
+    "RestartStrategy",
     "RetryPolicy",
     "RetryStatus",
     "Round",

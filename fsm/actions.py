@@ -70,6 +70,16 @@ class StartGeneration:
 
 
 @attrs.frozen
+class RestartRank:
+    """Machines only (one_for_one): rank ``rank`` alone starts again, as generation ``generation``; a
+    CreateRunner for it follows. Its siblings are not touched."""
+
+    instance_id: str
+    rank: int
+    generation: int
+
+
+@attrs.frozen
 class ParkInstance:
     """Machines only: the instance is parked (``reason``), its placement and budget kept. Its runners are stopped
     by later StopRunner actions (what is owed is their exits); no runner starts for it until it is unparked."""
@@ -90,7 +100,8 @@ class UnparkInstance:
 @attrs.frozen
 class CreateRunner:
     """Start the process of rank ``rank`` of ``world_size`` on ``node_id`` (it starts Idle). With two
-    ranks or more, report its ring endpoint with ``Cluster.publish``: ConnectRunner waits for every rank's."""
+    ranks or more, report its ring endpoint with ``Cluster.publish``: ConnectRunner waits for every rank's.
+    A one_for_one replica is a world of its own, rank 0 of 1: ``runner_id`` names its slot."""
 
     instance_id: str
     runner_id: str

@@ -228,7 +228,8 @@ class Cluster:
             placement.last_used = now
             if isinstance(event, rn.RequestStarted):  # a request's own keep-alive comes after (`hold`)
                 placement.keep_alive_now = placement.keep_alive
-        gen, rank = machine.incarnation, machine.rank
+        # the instance's rank is the slot's (a one_for_one replica's process is rank 0 of its own world)
+        gen, rank = machine.incarnation, next(s.rank for s in placement.slots if s.runner_id == event.runner_id)
         if not was_ready and machine.runner_state is rn.RunnerState.READY:
             self.instance_event(inst.RankReady(instance_id, now, gen, rank))
         if not was_failed and machine.failure is not None:
@@ -269,21 +270,19 @@ class Cluster:
         kept: set[str] = set()
         for instance_id, placement in self.instances.items():
             m = placement.machine
-            current = [self.runners.get(s.runner_id) for s in placement.slots]
+            current = [(s, self.runners.get(s.runner_id)) for s in placement.slots]
             whole = m.instance_state is inst.InstanceState.READY and all(
                 e is not None
-                and e.machine.incarnation == m.generation
+                and e.machine.incarnation == m.rank_generations[s.rank]
                 and e.machine.runner_state is rn.RunnerState.READY
                 and e.machine.runner_id in adopted
-                for e in current
+                for s, e in current
             )
             if whole:
                 kept.update(s.runner_id for s in placement.slots)
                 continue
-            had_runners = any(
-                e.instance_id == instance_id and e.machine.incarnation == m.generation for e in self.runners.values()
-            )
-            if m.instance_state in (inst.InstanceState.STARTING, inst.InstanceState.READY) and had_runners:
+            had_runners = any(e is not None and e.machine.incarnation == m.rank_generations[s.rank] for s, e in current)
+            if m.instance_state in _RESUMING and had_runners:
                 self.instance_event(inst.Resume(instance_id, now))
         for rid in sorted(kept):
             machine = self.runners[rid].machine
@@ -306,6 +305,8 @@ class Cluster:
         match action:
             case act.StartGeneration(instance_id, generation):
                 return self.instance_event(inst.Start(instance_id, now, generation))
+            case act.RestartRank(instance_id, rank, generation):
+                return self.instance_event(inst.StartRank(instance_id, now, generation, rank))
             case act.DeleteInstance(instance_id, _reason):
                 return self.instance_event(inst.GiveUp(instance_id, now))
             case act.ParkInstance(instance_id, reason):
@@ -346,15 +347,20 @@ class Cluster:
 
     def _create_runner(self, action: act.CreateRunner, now: float) -> Outcome:
         """Refuse first, change nothing: a runner is registered only if its instance takes the rank."""
-        instance = self._placement(action.instance_id).machine
-        if action.incarnation > instance.generation:
+        placement = self._placement(action.instance_id)
+        instance = placement.machine
+        slot = next((s for s in placement.slots if s.runner_id == action.runner_id), None)
+        if slot is None:
+            raise InvalidEvent(f"instance {action.instance_id!r} has no slot {action.runner_id!r}")
+        wanted = instance.rank_generations[slot.rank]
+        if action.incarnation > wanted:
             raise InvalidEvent(
                 f"cannot create {action.runner_id!r} for generation {action.incarnation}: instance "
-                f"{action.instance_id!r} is {instance.leaf} at generation {instance.generation}"
+                f"{action.instance_id!r} is {instance.leaf}, its rank {slot.rank} at generation {wanted}"
             )
-        if instance.instance_state is not inst.InstanceState.STARTING or action.incarnation < instance.generation:
+        if instance.instance_state not in _CREATING or action.incarnation < wanted:
             return Outcome.ignored(
-                f"instance {action.instance_id!r} moved on: {instance.leaf}, gen {instance.generation}"
+                f"instance {action.instance_id!r} moved on: {instance.leaf}, rank {slot.rank} at generation {wanted}"
             )
         parking = [
             iid
@@ -373,7 +379,7 @@ class Cluster:
         machine = self._new_runner(action)
         self.runners[action.runner_id] = RunnerEntry(machine, action.instance_id, action.node_id, since=now)
         self.log.append(LogEntry(now, "runner", action.runner_id, "create", "", machine.leaf))
-        return self.instance_event(inst.RankCreated(action.instance_id, now, action.incarnation, action.rank))
+        return self.instance_event(inst.RankCreated(action.instance_id, now, action.incarnation, slot.rank))
 
     def _load_model(self, action: act.LoadModel, now: float) -> Outcome:
         """The download's backoff resets only when the runner really starts loading (the files proved good)."""
@@ -557,6 +563,12 @@ class Cluster:
             self.log.append(LogEntry(now, machine, key, step.event, step.source, step.target, cause))
 
 
+# Where a runner may be created: a generation starting, or (one_for_one) a rank restarted alone.
+_CREATING = (inst.InstanceState.STARTING, inst.InstanceState.DEGRADED)
+# Where a generation runs: runners lost with the supervisor make it start again (`Cluster.recover`).
+_RESUMING = (inst.InstanceState.STARTING, inst.InstanceState.READY, inst.InstanceState.DEGRADED)
+
+
 # -- Cluster.from_dict's checks ----------------------------------------------------------------------
 
 M = TypeVar("M", bound=Lifecycle)
@@ -640,10 +652,11 @@ def _restore_runners(value: object, placements: dict[str, _Placement]) -> dict[s
         if r["node_id"] != slot.node_id:
             raise SnapshotError(f"{where}.node_id: {r['node_id']!r}, but its slot is on {slot.node_id!r}")
         machine = _machine(rn.RunnerLifecycle, r["machine"], f"{where}.machine")
+        replica = placement.machine.policy.strategy is inst.RestartStrategy.ONE_FOR_ONE  # a world of its own
         for key, got, want in (
             ("runner_id", machine.runner_id, rid),
-            ("rank", machine.rank, slot.rank),
-            ("world_size", machine.world_size, placement.machine.world_size),
+            ("rank", machine.rank, 0 if replica else slot.rank),
+            ("world_size", machine.world_size, 1 if replica else placement.machine.world_size),
         ):
             if got != want:
                 raise SnapshotError(f"{where}.machine.{key}: {got!r}, but its placement says {want!r}")

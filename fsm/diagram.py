@@ -330,7 +330,7 @@ def dot(machine: type[StateMachine] | StateMachine, *, highlight: str | None = N
         f"digraph {_q(cls.__name__)} {{",
         "    compound=true;",
         "    rankdir=TB;",
-        "    nodesep=0.2;",  # Graphviz's 0.25 in; the fans of labelled edges into Deleted and Failed set the width
+        "    nodesep=0.15;",  # Graphviz's 0.25 in; the fans of labelled edges into Deleted and Failed set the width
         '    graph [fontname="Helvetica", fontsize=12];',
         '    node [shape=box, style=rounded, fontname="Helvetica", fontsize=11];',
         '    edge [fontname="Helvetica", fontsize=9];',

@@ -87,7 +87,7 @@ _HANDLER: dict[type, str] = {
     act.ForwardRequest: "forward_request",
     act.CancelRequest: "cancel_request",
     act.KillRunner: "kill_runner",
-}  # StartGeneration, DeleteInstance, ParkInstance, UnparkInstance and FailStalled move only the machines
+}  # StartGeneration, RestartRank, DeleteInstance, ParkInstance, UnparkInstance, FailStalled: machines only
 
 
 @attrs.frozen

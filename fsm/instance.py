@@ -6,12 +6,14 @@ Theory of operation
 
     Pending → Starting → Ready → Recovering → BackingOff → Starting … → Deleted
                            Ready → Parking → Parked → Pending → Starting …
+                           Ready → Degraded → Ready  (one_for_one: a rank restarted alone)
 
 Two compound states group what is handled alike: **Alive** (everything but
 Deleted: ``delete`` from anywhere, ``tick`` anywhere, ``give_up`` wherever the
-planner would start runners) and, inside it, **Generation running** (Starting
-and Ready: a rank's failure or exit ends the generation the same way from
-both). The leaves, not the compounds, are the states (``InstanceState``,
+planner would start runners) and, inside it, **Generation running** (Starting,
+Ready, and one_for_one's Degraded: a rank's failure or exit ends the
+generation the same way from each, unless one_for_one restarts the rank
+alone). The leaves, not the compounds, are the states (``InstanceState``,
 snapshots); a leaf's own transitions are tried before its compound's.
 
 * **one_for_all**: a failure of any rank ends the whole generation. The
@@ -49,6 +51,17 @@ snapshots); a leaf's own transitions are tried before its compound's.
 * Time is always the caller's ``now``; jitter draws from an RNG seeded by
   (seed, instance, attempt), so the same events, clock and seed give the same
   schedule, also after a restore.
+
+* **one_for_one** (``RetryPolicy.strategy``, for ranks that are independent
+  replicas, not a ring): a rank's failure or unannounced exit takes
+  Generation running to **Degraded**, where the failed rank alone is stopped,
+  waits out its own backoff once reaped, and is restarted by ``start_rank``
+  as the instance's next generation number (so each rank has its own
+  generation: ``rank_generations``, and an event of a rank's older process is
+  ignored as ever); the other ranks serve on. Degraded goes back to Ready once
+  every rank is. Each failed rank costs one retry of the instance's budget
+  (there are no peers, so no failure is a consequence), and the failure that
+  spends it, or one no retry can mend, ends the instance as in one_for_all.
 
 Stopping runners is not this machine's job: the planner reads its state and
 emits the stop actions (Recovering, Parking or Deleted ⇒ stop every live rank).
@@ -107,9 +120,17 @@ class InstanceState(enum.Enum):
     READY = "ready"  #: every rank of the generation is Ready: it serves requests
     RECOVERING = "recovering"  #: a rank failed: every rank of the generation is being stopped (one_for_all)
     BACKING_OFF = "backing_off"  #: the failed generation is reaped; the next starts once the backoff ends
+    DEGRADED = "degraded"  #: one_for_one: a rank failed and is restarted alone; the Ready ranks serve on
     PARKING = "parking"  #: parked on purpose, its runners being stopped (a failure now costs nothing)
     PARKED = "parked"  #: no process, placement and budget kept; a request unparks it
     DELETED = "deleted"  #: final: deleted by its user or given up on (``delete_reason`` says which)
+
+
+class RestartStrategy(enum.Enum):
+    """What a rank's failure takes down (Erlang/OTP's supervisor strategies, by their names)."""
+
+    ONE_FOR_ALL = "one_for_all"  #: the whole generation: its ranks are one ring, which a lost rank hangs
+    ONE_FOR_ONE = "one_for_one"  #: that rank alone: the ranks are independent replicas, each a world of one
 
 
 class DeleteReason(enum.Enum):
@@ -127,16 +148,20 @@ class RetryPolicy:
     ``max_retries=None``: never give up on a retryable failure (a non-retryable one still ends the instance;
     the backoff still grows to its cap). ``reset_after=None``: the budget never refills.
 
-    There is no restart-strategy field, on purpose: an instance's ranks are one ring, and a ring that lost a
-    rank hangs in its next collective, so they restart together (one_for_all) whatever a policy said.
-    Replicas that need no ring are independent (one_for_one): place each as a 1-rank instance, which gives
-    each its own generation, fence and budget.
+    ``strategy``: one_for_all (the default) when the ranks are one ring — a ring that lost a rank hangs in
+    its next collective, so they restart together; one_for_one when they are independent replicas (each
+    process a world of one, no ring): a failed rank is stopped and restarted alone, after its own backoff,
+    while the others serve on (`InstanceState.DEGRADED`). Either way the budget is the instance's: each
+    failed generation of one_for_all, each failed rank of one_for_one, costs one retry.
     """
 
     backoff: Backoff = attrs.field(factory=Backoff, validator=attrs.validators.instance_of(Backoff))
     max_retries: int | None = attrs.field(default=5, validator=integer(InvalidConfig, at_least=1, optional=True))
     reset_after: float | None = attrs.field(
         default=600.0, validator=attrs.validators.optional(finite(InvalidConfig, above=0))
+    )
+    strategy: RestartStrategy = attrs.field(
+        default=RestartStrategy.ONE_FOR_ALL, validator=attrs.validators.instance_of(RestartStrategy)
     )
 
 
@@ -170,8 +195,23 @@ class Start(InstanceEvent):
 
 
 @attrs.frozen
+class StartRank(InstanceEvent):
+    """one_for_one: start rank ``rank`` alone, as ``generation`` (the instance's next); refused before the
+    rank's backoff deadline, or while its failed process is alive."""
+
+    name = "start_rank"
+    generation: int = attrs.field(validator=integer(InvalidEvent))
+    rank: int = attrs.field(validator=integer(InvalidEvent))
+
+    def payload(self) -> dict[str, Any]:
+        """The rank, whose own deadline and liveness the guard reads."""
+        return {"rank": self.rank}
+
+
+@attrs.frozen
 class RankEvent(InstanceEvent):
-    """Base of what one rank of one generation did; an event of an older generation is ignored."""
+    """Base of what one rank of one generation did; an event of an older generation than the rank's is
+    ignored (one_for_all: the instance's; one_for_one: the rank's own, its last restart)."""
 
     generation: int = attrs.field(validator=integer(InvalidEvent))
     rank: int = attrs.field(validator=integer(InvalidEvent))
@@ -299,6 +339,9 @@ class InstanceSnapshot:
     delete_reason: DeleteReason | None = None
     last_failure: Failure | None = None
     waking: bool = False  # unparked, not Ready yet
+    rank_generations: tuple[int, ...] = ()  # the generation of each rank's process (one_for_all: all alike)
+    failed_ranks: tuple[int, ...] = ()  # one_for_one: ranks that failed and wait for their own restart
+    rank_deadlines: tuple[tuple[int, float], ...] = ()  # one_for_one: (rank, when it may restart), once reaped
 
 
 _UNEXPECTED_STOP = Failure(FailureKind.EXIT, "a rank stopped without reporting a failure")
@@ -309,7 +352,7 @@ class InstanceRetry(Lifecycle):
 
     machine_name = "instance"
     snapshot_type = InstanceSnapshot
-    snapshot_version = 3  # 2 added `uncharged`, 3 `waking` (and the leaves parking and parked)
+    snapshot_version = 4  # 2 added `uncharged`, 3 `waking` (and parking, parked), 4 one_for_one's fields
 
     class alive(State.Compound):
         pending = State(initial=True)
@@ -317,6 +360,7 @@ class InstanceRetry(Lifecycle):
         class running(State.Compound, name="Generation running"):
             starting = State(initial=True)
             ready = State()
+            degraded = State()
 
         recovering = State()
         backing_off = State("Backing off")
@@ -326,28 +370,38 @@ class InstanceRetry(Lifecycle):
     deleted = State(final=True)
 
     # python-statemachine tries the active leaf's transitions before its ancestors' (each in declaration
-    # order). No leaf declares an event that its compound handles here (rank_failed, rank_stopped and
-    # rank_failed_while_stopping on `running`; tick and delete on `alive`), so the compound's alternatives are
-    # tried exactly as they were on each leaf. A compound's "stay" is targetless (`to(None)`): an internal
-    # self-transition of a compound would exit and re-enter it, back at its initial child.
+    # order). The leaves of `running` declare rank_failed and rank_stopped, which `running` handles, only for
+    # one_for_one (a rank restarted alone, Degraded's own rank_stopped of a rank that had failed): guarded so
+    # that one_for_all never takes them, and a failure that ends the instance falls through to the compound's.
+    # Otherwise the compound's alternatives are tried exactly as they were on each leaf. A compound's "stay" is
+    # targetless (`to(None)`): an internal self-transition of a compound would exit and re-enter it, back at its
+    # initial child. (Declared on the compound, the leaves' edges into Degraded would be edges from a cluster
+    # to a node inside it, which Graphviz cannot clip.)
     start = alive.pending.to(alive.running, on="_begin_generation") | alive.backing_off.to(
         alive.running, cond="deadline_passed", on="_begin_generation"
     )
+    start_rank = alive.running.degraded.to.itself(internal=True, cond="rank_due", on="_restart_rank")
     rank_created = (
         alive.running.starting.to.itself(internal=True, on="_rank_alive")
+        | alive.running.degraded.to.itself(internal=True, on="_replica_alive")
         | alive.recovering.to.itself(internal=True, on="_rank_alive")
         | alive.parking.to.itself(internal=True, on="_rank_alive")
     )
     rank_ready = (
         alive.running.starting.to.itself(internal=True, on="_rank_ready")
+        | alive.running.degraded.to.itself(internal=True, on="_replica_ready")
         | alive.running.ready.to.itself(internal=True)
         | alive.recovering.to.itself(internal=True)
         | alive.backing_off.to.itself(internal=True)
         | alive.parking.to.itself(internal=True)
     )
     alive.running.starting.to(alive.running.ready, cond="all_ranks_ready", on="_mark_ready")
+    alive.running.degraded.to(alive.running.ready, cond="all_ranks_ready", on="_mark_ready")
     rank_failed = (
-        alive.running.to(deleted, cond="non_retryable", on="_give_up_non_retryable")
+        alive.running.starting.to(alive.running.degraded, cond="fails_alone", on="_fail_alone")
+        | alive.running.ready.to(alive.running.degraded, cond="fails_alone", on="_fail_alone")
+        | alive.running.degraded.to.itself(internal=True, cond="fails_alone", on="_fail_alone")
+        | alive.running.to(deleted, cond="non_retryable", on="_give_up_non_retryable")
         | alive.recovering.to(deleted, cond="non_retryable", on="_give_up_non_retryable")
         | alive.running.to(deleted, cond="last_charged_failure", on="_give_up_exhausted")
         | alive.running.to(alive.recovering, on="_count_failure")
@@ -362,7 +416,11 @@ class InstanceRetry(Lifecycle):
         | alive.parking.to.itself(internal=True)
     )
     rank_stopped = (
-        alive.running.to(deleted, cond="last_allowed_failure", on="_stopped_and_exhausted")
+        alive.running.degraded.to.itself(internal=True, cond="was_failed", on="_failed_rank_gone")
+        | alive.running.starting.to(alive.running.degraded, cond="stops_alone", on="_stopped_alone")
+        | alive.running.ready.to(alive.running.degraded, cond="stops_alone", on="_stopped_alone")
+        | alive.running.degraded.to.itself(internal=True, cond="stops_alone", on="_stopped_alone")
+        | alive.running.to(deleted, cond="last_allowed_failure", on="_stopped_and_exhausted")
         | alive.running.to(alive.recovering, on="_stopped_unexpectedly")
         | alive.recovering.to.itself(internal=True, on="_rank_gone")
         | alive.backing_off.to.itself(internal=True, on="_rank_gone")
@@ -370,8 +428,10 @@ class InstanceRetry(Lifecycle):
     )
     alive.recovering.to(alive.backing_off, cond="nothing_alive", on="_arm_timer")
     alive.parking.to(alive.parked, cond="nothing_alive")
-    resume = alive.running.starting.to.itself(on="_begin_generation") | alive.running.ready.to(
-        alive.running.starting, on="_begin_generation"
+    resume = (
+        alive.running.starting.to.itself(on="_begin_generation")
+        | alive.running.ready.to(alive.running.starting, on="_begin_generation")
+        | alive.running.degraded.to(alive.running.starting, on="_begin_generation")
     )
     tick = alive.to(None)
     # the planner sends it only where it would start runners (Pending, Starting, Backing off); refused elsewhere
@@ -397,7 +457,9 @@ class InstanceRetry(Lifecycle):
             raise InvalidConfig(f"policy must be a RetryPolicy, got {type(policy).__name__}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise InvalidConfig(f"seed must be an int, got {seed!r}")
-        snap = _snapshot or InstanceSnapshot(instance_id, world_size, policy or RetryPolicy(), seed, leaf="pending")
+        snap = _snapshot or InstanceSnapshot(
+            instance_id, world_size, policy or RetryPolicy(), seed, leaf="pending", rank_generations=(0,) * world_size
+        )
         self._adopt(snap)
         self.policy = policy or snap.policy
         super().__init__(start_leaf=snap.leaf if _snapshot else None)
@@ -421,6 +483,9 @@ class InstanceRetry(Lifecycle):
             delete_reason=snap.delete_reason,
             last_failure=snap.last_failure,
             waking=snap.waking,
+            rank_generations=list(snap.rank_generations),
+            failed_ranks=set(snap.failed_ranks),
+            rank_deadlines=dict(snap.rank_deadlines),
         )
 
     # -- guards ---------------------------------------------------------------
@@ -453,14 +518,47 @@ class InstanceRetry(Lifecycle):
         return busy == 0
 
     @property
+    def one_for_one(self) -> bool:
+        """The ranks are independent replicas: a failure takes down its own rank only."""
+        return self.policy.strategy is RestartStrategy.ONE_FOR_ONE
+
+    def fails_alone(self, failure: Failure) -> bool:
+        """one_for_one, and the failure ends neither the instance (non-retryable, the budget's last) nor more
+        than its rank: the rank is restarted alone while the others serve on."""
+        return self.one_for_one and failure.retryable and not self.last_charged_failure(failure)
+
+    @property
+    def stops_alone(self) -> bool:
+        """one_for_one, and a rank's unannounced exit (charged) is not the budget's last."""
+        return self.one_for_one and not self.last_allowed_failure
+
+    def was_failed(self, rank: int) -> bool:
+        """The rank's process had failed: its exit is the one the plan's stop brought, nothing more to charge."""
+        return rank in self.failed_ranks
+
+    def rank_due(self, rank: int) -> bool:
+        """Guard of ``start_rank``: the rank failed, its process is reaped (never two of one rank at once)
+        and its own backoff has run out."""
+        deadline = self.rank_deadlines.get(rank)
+        return (
+            rank in self.failed_ranks
+            and rank not in self.live_ranks
+            and deadline is not None
+            and self.clock is not None
+            and self.clock >= deadline
+        )
+
+    @property
     def last_allowed_failure(self) -> bool:
         """One more charged failure would spend the budget: the instance gives up on it instead of retrying."""
         return budget_exhausted(self.attempts + 1, self.policy.max_retries)
 
     def last_charged_failure(self, failure: Failure) -> bool:
         """A charged cause that spends the budget: the instance gives up at once. Not a consequence (a peer
-        lost): its cause, still to come, may be the host's and give the retry back."""
-        return failure.charged and failure.kind is not FailureKind.PEER and self.last_allowed_failure
+        lost) in a ring: its cause, still to come, may be the host's and give the retry back; replicas
+        (one_for_one) have no peers, so there every failure is its own cause."""
+        cause = failure.kind is not FailureKind.PEER or self.one_for_one
+        return failure.charged and cause and self.last_allowed_failure
 
     @staticmethod
     def non_retryable(failure: Failure) -> bool:
@@ -471,15 +569,54 @@ class InstanceRetry(Lifecycle):
 
     def _begin_generation(self) -> None:
         self.generation += 1
+        self.rank_generations[:] = [self.generation] * self.world_size
         self.deadline = None
         self.live_ranks.clear()
         self.ready_ranks.clear()
+        self.failed_ranks.clear()
+        self.rank_deadlines.clear()
+
+    def _restart_rank(self, rank: int) -> None:
+        self.generation += 1
+        self.rank_generations[rank] = self.generation
+        self.failed_ranks.discard(rank)
+        del self.rank_deadlines[rank]
+
+    def _fail_alone(self, rank: int, failure: Failure) -> None:
+        self._count_failure(failure)
+        self.failed_ranks.add(rank)
+        self.ready_ranks.discard(rank)
+        if rank not in self.live_ranks:  # reported after its exit: its backoff starts now
+            self._arm_rank_timer(rank)
+
+    def _failed_rank_gone(self, rank: int) -> None:
+        self.live_ranks.discard(rank)
+        self._arm_rank_timer(rank)
+
+    def _stopped_alone(self, rank: int) -> None:
+        self._fail_alone(rank, _UNEXPECTED_STOP)
+        self._failed_rank_gone(rank)
+
+    def _arm_rank_timer(self, rank: int) -> None:
+        """A failed rank waits out the instance's backoff, counted by every failure so far, once reaped."""
+        assert self.clock is not None
+        self.rank_deadlines[rank] = self.clock + self.retry_delay(self.attempts + self.uncharged)
 
     def _rank_alive(self, rank: int) -> None:
         self.live_ranks.add(rank)
 
     def _rank_ready(self, rank: int) -> None:
         self.ready_ranks.add(rank)
+
+    def _replica_alive(self, rank: int) -> None:
+        """A failed rank reported alive (its creation reported late) waits to be reaped before its backoff."""
+        self._rank_alive(rank)
+        self.rank_deadlines.pop(rank, None)
+
+    def _replica_ready(self, rank: int) -> None:
+        """A failed rank's process is never Ready again, whatever it reports late."""
+        if rank not in self.failed_ranks:
+            self._rank_ready(rank)
 
     def _mark_ready(self) -> None:
         self.ready_since = self.clock
@@ -488,6 +625,8 @@ class InstanceRetry(Lifecycle):
     def _park(self) -> None:
         self.ready_since = None  # a ready streak ends; the budget (attempts, uncharged) is kept as it is
         self.ready_ranks.clear()
+        self.failed_ranks.clear()  # every rank is stopped now, and all start together when unparked
+        self.rank_deadlines.clear()
         self.waking = False
 
     def _unpark(self) -> None:
@@ -544,6 +683,8 @@ class InstanceRetry(Lifecycle):
         self.deadline = None  # cancels the pending timer
         self.ready_since = None
         self.waking = False
+        self.failed_ranks.clear()
+        self.rank_deadlines.clear()
 
     # -- policy arithmetic ------------------------------------------------------
 
@@ -567,6 +708,14 @@ class InstanceRetry(Lifecycle):
     # -- the typed door ---------------------------------------------------------
 
     def _why_refused(self, event: str) -> str:
+        if event == "start_rank":
+            if self.leaf != _DEGRADED:
+                return "only a one_for_one instance with a failed rank (degraded) restarts a rank alone"
+            return (
+                f"a rank restarts once it failed, its process is reaped and its backoff is over (failed "
+                f"{sorted(self.failed_ranks)}, alive {sorted(self.live_ranks)}, deadlines {self.rank_deadlines}, "
+                f"now {self.clock})"
+            )
         if event == "start" and self.leaf == "backing_off":
             return f"backoff deadline {self.deadline} not reached (now {self.clock})"
         if event == "give_up":
@@ -593,19 +742,21 @@ class InstanceRetry(Lifecycle):
             return Outcome.ignored(f"instance is {self.leaf} already")
         if isinstance(event, Unpark) and self.leaf not in (_PARKING, _PARKED):
             return Outcome.ignored(f"instance is not parked ({self.leaf})")
-        if isinstance(event, Start):
+        if isinstance(event, (Start, StartRank)):
             if event.generation <= self.generation:
                 return Outcome.ignored(f"generation {event.generation} already started")
             if event.generation != self.generation + 1:
                 raise InvalidEvent(f"next generation is {self.generation + 1}, not {event.generation}")
+        if isinstance(event, (RankEvent, StartRank)) and event.rank >= self.world_size:
+            raise InvalidEvent(f"rank {event.rank} out of range for world_size {self.world_size}")
         if isinstance(event, RankEvent):
-            if event.rank >= self.world_size:
-                raise InvalidEvent(f"rank {event.rank} out of range for world_size {self.world_size}")
-            if event.generation < self.generation:
-                return Outcome.ignored(f"stale generation {event.generation} < {self.generation}")
-            if event.generation > self.generation:
+            current = self.rank_generations[event.rank]
+            if event.generation < current:
+                return Outcome.ignored(f"stale generation {event.generation} < {current} of rank {event.rank}")
+            if event.generation > current:
                 raise IncarnationMismatch(
-                    f"instance {self.instance_id!r} is at generation {self.generation}, event names {event.generation}"
+                    f"instance {self.instance_id!r} runs rank {event.rank} as generation {current}, event names "
+                    f"{event.generation}"
                 )
         clock, attempts, uncharged = self.clock, self.attempts, self.uncharged
         self._observe(event.now)
@@ -650,6 +801,9 @@ class InstanceRetry(Lifecycle):
             delete_reason=self.delete_reason,
             last_failure=self.last_failure,
             waking=self.waking,
+            rank_generations=tuple(self.rank_generations),
+            failed_ranks=tuple(sorted(self.failed_ranks)),
+            rank_deadlines=tuple(sorted(self.rank_deadlines.items())),
         )
 
     @classmethod
@@ -662,12 +816,37 @@ class InstanceRetry(Lifecycle):
             if "waking" in body:
                 raise SnapshotError(f"invalid instance snapshot: waking: version {version} has no such field")
             body = {**body, "waking": False}  # nothing was ever parked before version 3
+        if version <= 3:
+            for name in ("rank_generations", "failed_ranks", "rank_deadlines"):
+                if name in body:
+                    raise SnapshotError(f"invalid instance snapshot: {name}: version {version} has no such field")
+            policy = body.get("policy")
+            if isinstance(policy, dict) and "strategy" in policy:
+                raise SnapshotError(f"invalid instance snapshot: policy.strategy: version {version} has no such field")
+            generation, world_size = body.get("generation", 0), body.get("world_size", 1)
+            ranks = [generation] * world_size if is_count(world_size) else []  # a bad size is refused later
+            if isinstance(policy, dict):
+                policy = {**policy, "strategy": RestartStrategy.ONE_FOR_ALL.value}
+            body = {  # every rank ran the instance's generation: one_for_all was the only strategy
+                **body,
+                "policy": policy,
+                "rank_generations": ranks,
+                "failed_ranks": [],
+                "rank_deadlines": [],
+            }
         return body
 
     @classmethod
     def from_snapshot(cls, snapshot: InstanceSnapshot, policy: RetryPolicy | None = None) -> InstanceRetry:
-        """Restore; pass ``policy`` to apply a changed configuration to a restored instance."""
+        """Restore; pass ``policy`` to apply a changed configuration to a restored instance (its restart strategy
+        only while none of its processes is alive: a ring's ranks and a replica are not spawned alike)."""
         cls.check_snapshot(snapshot)
+        changed = policy is not None and policy.strategy is not snapshot.policy.strategy
+        if changed and (snapshot.live_ranks or snapshot.leaf == _DEGRADED):
+            raise InvalidConfig(
+                f"instance {snapshot.instance_id!r} has live ranks {list(snapshot.live_ranks)} started as "
+                f"{snapshot.policy.strategy.value}: change its restart strategy while none is alive (park it first)"
+            )
         return cls(snapshot.instance_id, policy=policy, _snapshot=snapshot)
 
     @classmethod
@@ -712,6 +891,14 @@ class InstanceRetry(Lifecycle):
             and (s.last_failure is None or type(s.last_failure) is Failure)
             and (s.waking is False or (s.waking is True and s.leaf in _WAKING))
             and (not live or s.leaf != _PARKED)
+            # one_for_all at rest: every rank of the instance's generation, none failed alone (else: the rule)
+            and s.leaf != _DEGRADED
+            and s.failed_ranks == ()
+            and s.rank_deadlines == ()
+            and type(s.rank_generations) is tuple
+            and s.rank_generations == (gen,) * ws
+            and all(type(g) is int for g in s.rank_generations)
+            and s.policy.strategy is RestartStrategy.ONE_FOR_ALL
         )
 
     @classmethod
@@ -770,7 +957,7 @@ class InstanceRetry(Lifecycle):
             return "live_ranks: a parked instance has no live process (parking goes on until the last is reaped)"
         if s.leaf == _PARKING and not s.live_ranks:
             return "live_ranks: parking with no live rank is not a resting state (it goes on to parked)"
-        return None
+        return _ranks_apart_problem(s)
 
 
 # Leaves with an eventless transition of their own (Starting → Ready, Recovering → Backing off, Parking →
@@ -782,18 +969,59 @@ _SETTLING = frozenset(
 _AFTER_A_FAILURE = frozenset({InstanceState.RECOVERING.value, InstanceState.BACKING_OFF.value})
 # Leaves where ready_since may be set: Ready, and Starting after a Resume (Ready then sets a new one).
 _READY_STREAK = frozenset({InstanceState.READY.value, InstanceState.STARTING.value})
-_BACKING_OFF, _DELETED, _RECOVERING, _STARTING, _PARKING, _PARKED = (
+_BACKING_OFF, _DELETED, _RECOVERING, _STARTING, _PARKING, _PARKED, _DEGRADED = (
     InstanceState.BACKING_OFF.value,
     InstanceState.DELETED.value,
     InstanceState.RECOVERING.value,
     InstanceState.STARTING.value,
     InstanceState.PARKING.value,
     InstanceState.PARKED.value,
+    InstanceState.DEGRADED.value,
 )
 # Where the planner would start runners next (and gives a spent budget up instead).
-_WAITING_TO_START = frozenset({InstanceState.PENDING.value, _STARTING, _BACKING_OFF})
+_WAITING_TO_START = frozenset({InstanceState.PENDING.value, _STARTING, _BACKING_OFF, _DEGRADED})
 # Where an unparked instance may be on its way back to Ready.
-_WAKING = frozenset({InstanceState.PENDING.value, _STARTING, _RECOVERING, _BACKING_OFF})
+_WAKING = frozenset({InstanceState.PENDING.value, _STARTING, _RECOVERING, _BACKING_OFF, _DEGRADED})
+# Where one_for_all's processes, if any, are all of the instance's generation.
+_ONE_RING = frozenset({_STARTING, InstanceState.READY.value, _RECOVERING, _PARKING})
+
+
+def _ranks_apart_problem(s: InstanceSnapshot) -> str | None:
+    """What contradicts the per-rank fields: each rank's generation, and one_for_one's failed ranks."""
+    gens = s.rank_generations
+    if not isinstance(gens, tuple) or len(gens) != s.world_size or not all(is_count(g) for g in gens):
+        return f"rank_generations must hold an int >= 0 per rank ({s.world_size}), got {show(gens)}"
+    if any(g > s.generation for g in gens):
+        return f"rank_generations: none may be past the instance's generation {s.generation}, got {list(gens)}"
+    one_for_one = s.policy.strategy is RestartStrategy.ONE_FOR_ONE
+    if not one_for_one and s.leaf in _ONE_RING and any(g != s.generation for g in gens):
+        return f"rank_generations: one_for_all runs every rank as generation {s.generation}, got {list(gens)}"
+    problem = ranks_problem("failed_ranks", s.failed_ranks, s.world_size)
+    if problem:
+        return problem
+    if s.leaf == _DEGRADED and not one_for_one:
+        return "leaf degraded: only a one_for_one instance restarts a rank alone"
+    if s.leaf == _DEGRADED and len(s.ready_ranks) == s.world_size:
+        return "ready_ranks: degraded with every rank ready is not a resting state (it goes on to ready)"
+    if s.failed_ranks and s.leaf != _DEGRADED:
+        return f"failed_ranks: only a degraded instance has ranks failed alone, not one {s.leaf}"
+    if set(s.failed_ranks) & set(s.ready_ranks):
+        return f"failed_ranks {list(s.failed_ranks)} and ready_ranks {list(s.ready_ranks)} overlap"
+    deadlines = s.rank_deadlines
+    if not isinstance(deadlines, tuple) or not all(
+        isinstance(pair, tuple) and len(pair) == 2 and is_time(pair[1]) and pair[1] is not None for pair in deadlines
+    ):
+        return f"rank_deadlines must be (rank, finite time) pairs, got {show(deadlines)}"
+    problem = ranks_problem("rank_deadlines", tuple(rank for rank, _ in deadlines), s.world_size)
+    if problem:
+        return problem
+    waiting = {rank for rank in s.failed_ranks if rank not in s.live_ranks}
+    if {rank for rank, _ in deadlines} != waiting:
+        return (
+            f"rank_deadlines: exactly the failed ranks already reaped ({sorted(waiting)}) wait for a deadline, "
+            f"got {[rank for rank, _ in deadlines]}"
+        )
+    return None
 
 
 def _plain_ranks(ranks: tuple[int, ...], world_size: int) -> bool:

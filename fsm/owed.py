@@ -20,6 +20,7 @@ after executing           the caller owes
                           ``runner.Exited`` once it is reaped
 `StartDownload`           ``download.Complete`` or ``download.DownloadFailed``
 `StartGeneration`,        nothing: they move only the machines
+`RestartRank`,
 `DeleteInstance`,
 `CancelRequest`           end the request with an error (the request book is yours)
 ========================  ===========================================================
@@ -126,7 +127,8 @@ def owed(view: ClusterView, node_id: str | None = None) -> list[Owed]:
             found.add(Owed(_WAITING[r.phase], r.runner_id, r.incarnation))
         inst = view.instances.get(r.instance_id)
         unready = r.state in (RunnerState.IDLE, RunnerState.CONNECTING)
-        if inst is not None and inst.world_size > 1 and r.endpoint is None and unready and not r.stop_requested:
+        ring = inst is not None and inst.world_size > 1 and not inst.retry.one_for_one  # replicas join none
+        if ring and r.endpoint is None and unready and not r.stop_requested:
             found.add(Owed(Report.PUBLISHED, r.runner_id, r.incarnation))
     for (node, model_id), d in view.downloads.items():
         if d.state is DownloadState.ONGOING and (node_id is None or node == node_id):

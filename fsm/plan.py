@@ -4,7 +4,7 @@
 returns every action this node should take now, in priority order::
 
     cancel requests → stop runners → watch phases → park idle instances → give up at the cap
-    → unpark wanted instances → start generations → downloads → create runners → connect → load
+    → unpark wanted instances → start generations → restart ranks → downloads → create runners → connect → load
     → warm up → forward requests
 
 Each rule is one function, named after the rule, that reads the view and
@@ -24,6 +24,10 @@ The rules carried over from exo's two fixes, by function:
   nor while a sibling is Failed unless ours failed too (both-failed proceeds:
   neither waits for the other); nor before the backoff deadline; nor while any
   runner of an older generation is still alive.
+* ``_restart_ranks`` — one_for_one: a failed rank is started again alone, once
+  its process is reaped and its own backoff has elapsed; its siblings are
+  neither stopped nor waited for (``_stop_runners`` stops the failed one only,
+  ``_forward_requests`` sends each request to one Ready replica).
 * ``_download_models`` — a failed download is retried once its per-model
   backoff has elapsed; a local placement (its files on its nodes already)
   downloads nothing.
@@ -54,6 +58,7 @@ from fsm.actions import (
     LoadModel,
     ParkInstance,
     ParkReason,
+    RestartRank,
     StartDownload,
     StartGeneration,
     StopReason,
@@ -85,6 +90,7 @@ def plan(view: ClusterView, node_id: str, now: float) -> list[Action]:
         *_give_up_at_cap(view, node_id),
         *_unpark_wanted(view, node_id),
         *_start_generations(view, node_id, now),
+        *_restart_ranks(view, node_id, now),
         *_download_models(view, node_id, now),
         *_create_runners(view, node_id, now),
         *_connect_runners(view, node_id),
@@ -102,6 +108,12 @@ def next_deadline(view: ClusterView, node_id: str, now: float) -> float | None:
         for inst in view.instances.values()
         if inst.retry.state in (InstanceState.BACKING_OFF, InstanceState.STARTING) and node_id in inst.nodes
     ]
+    times += [
+        deadline
+        for inst in view.instances.values()
+        if inst.retry.state is InstanceState.DEGRADED and inst.leader == node_id
+        for _, deadline in inst.retry.rank_deadlines
+    ]
     times += [inst.retry.reset_due for inst in view.instances.values() if node_id in inst.nodes]
     times += [inst.park_at for inst in view.instances.values() if inst.leader == node_id]
     times += [
@@ -116,9 +128,9 @@ def next_deadline(view: ClusterView, node_id: str, now: float) -> float | None:
 
 
 def _current(view: ClusterView, inst: InstanceView) -> list[RunnerStatus | None]:
-    """The runner of each rank in the instance's current generation (None: not created yet)."""
-    gen = inst.retry.generation
-    return [r if r is not None and r.incarnation == gen else None for _, r in view.slot_runners(inst)]
+    """The runner of each rank in the rank's current generation (None: not created yet)."""
+    gen = inst.retry.rank_generation
+    return [r if r is not None and r.incarnation == gen(s.rank) else None for s, r in view.slot_runners(inst)]
 
 
 def _model_on(view: ClusterView, node_id: str, inst: InstanceView) -> bool:
@@ -161,12 +173,15 @@ def _stop_reason(view: ClusterView, runner: RunnerStatus) -> StopReason | None:
         return StopReason.INSTANCE_GONE  # in no slot of its instance: nothing would ever stop it otherwise
     if runner.state is RunnerState.FAILED:
         return StopReason.RUNNER_FAILED
-    if runner.incarnation < inst.retry.generation:
+    rank = next(s.rank for s in inst.slots if s.runner_id == runner.runner_id)
+    if runner.incarnation < inst.retry.rank_generation(rank):
         return StopReason.STALE_GENERATION
     if inst.retry.state in _PARKED:
         return StopReason.PARKED
     if inst.retry.state in _TEARDOWN:
         return StopReason.RECOVERING
+    if inst.retry.one_for_one:
+        return None  # replicas: a sibling's failure is none of this runner's business
     for _, sibling in view.slot_runners(inst):
         if (
             sibling is not None
@@ -218,7 +233,7 @@ def _watch_phases(view: ClusterView, node_id: str, now: float) -> Iterator[Actio
 
 def _give_up_at_cap(view: ClusterView, node_id: str) -> Iterator[Action]:
     """At the cap the instance is deleted instead of started again (by any node hosting it)."""
-    waiting = (InstanceState.PENDING, InstanceState.STARTING, InstanceState.BACKING_OFF)
+    waiting = (InstanceState.PENDING, InstanceState.STARTING, InstanceState.BACKING_OFF, InstanceState.DEGRADED)
     for inst in view.instances.values():
         if node_id in inst.nodes and inst.retry.state in waiting and _exhausted(inst):
             yield DeleteInstance(inst.instance_id, DeleteReason.RETRIES_EXHAUSTED)
@@ -261,8 +276,26 @@ def _start_generations(view: ClusterView, node_id: str, now: float) -> Iterator[
             yield StartGeneration(inst.instance_id, retry.generation + 1)
 
 
+def _restart_ranks(view: ClusterView, node_id: str, now: float) -> Iterator[Action]:
+    """one_for_one: the leader starts a failed rank again once its process is reaped and its backoff is over;
+    one a round, for each takes the instance's next generation number."""
+    for inst in view.instances.values():
+        if inst.leader != node_id or inst.retry.state is not InstanceState.DEGRADED or _exhausted(inst):
+            continue
+        statuses = dict(view.slot_runners(inst))
+        for slot in inst.slots:
+            deadline = dict(inst.retry.rank_deadlines).get(slot.rank)
+            runner = statuses[slot]
+            if deadline is not None and now >= deadline and (runner is None or not runner.alive):
+                yield RestartRank(inst.instance_id, slot.rank, inst.retry.generation + 1)
+                break
+
+
 def _create_runners(view: ClusterView, node_id: str, now: float) -> Iterator[Action]:
     for inst in view.instances.values():
+        if inst.retry.one_for_one:
+            yield from _create_replicas(view, node_id, inst)
+            continue
         retry = inst.retry
         if retry.state is not InstanceState.STARTING or _exhausted(inst):
             continue
@@ -295,6 +328,32 @@ def _create_runners(view: ClusterView, node_id: str, now: float) -> Iterator[Act
             )
 
 
+def _create_replicas(view: ClusterView, node_id: str, inst: InstanceView) -> Iterator[Action]:
+    """one_for_one: each slot of ours without a process of its rank's generation gets one, a world of its own,
+    once no older process of that slot is alive (two of one rank never run at once). No backoff gate here:
+    a rank restarts only past its deadline (`_restart_ranks`), and a whole generation only past the
+    instance's (`_start_generations`)."""
+    if inst.retry.state not in (InstanceState.STARTING, InstanceState.DEGRADED) or _exhausted(inst):
+        return
+    if not _model_on(view, node_id, inst):
+        return
+    if any(o.retry.state is InstanceState.PARKING and node_id in o.nodes for o in view.instances.values()):
+        return  # the memory a parking instance frees here is free once its processes are gone
+    for slot, ours in view.slot_runners(inst):
+        generation = inst.retry.rank_generation(slot.rank)
+        if slot.node_id != node_id or (ours is not None and (ours.incarnation >= generation or ours.alive)):
+            continue
+        yield CreateRunner(
+            instance_id=inst.instance_id,
+            runner_id=slot.runner_id,
+            node_id=node_id,
+            rank=0,
+            world_size=1,
+            incarnation=generation,
+            model_id=inst.model_id,
+        )
+
+
 def _download_models(view: ClusterView, node_id: str, now: float) -> Iterator[Action]:
     wanted = sorted(
         {
@@ -318,7 +377,7 @@ def _download_models(view: ClusterView, node_id: str, now: float) -> Iterator[Ac
 def _connect_runners(view: ClusterView, node_id: str) -> Iterator[Action]:
     """Ranks below the last join first; the last rank joins once all others are connecting."""
     for inst in view.instances.values():
-        if inst.retry.state is not InstanceState.STARTING or inst.world_size == 1:
+        if inst.retry.state is not InstanceState.STARTING or inst.world_size == 1 or inst.retry.one_for_one:
             continue
         current = _current(view, inst)
         if any(r is None or r.state not in (RunnerState.IDLE, RunnerState.CONNECTING) for r in current):
@@ -339,6 +398,9 @@ def _connect_runners(view: ClusterView, node_id: str) -> Iterator[Action]:
 def _load_models(view: ClusterView, node_id: str) -> Iterator[Action]:
     """Load once every node of the instance has the model, and every rank has joined."""
     for inst in view.instances.values():
+        if inst.retry.one_for_one:
+            yield from _load_replicas(view, node_id, inst)
+            continue
         if inst.retry.state is not InstanceState.STARTING:
             continue
         if not all(_model_on(view, node, inst) for node in inst.nodes):
@@ -354,6 +416,14 @@ def _load_models(view: ClusterView, node_id: str) -> Iterator[Action]:
                 yield LoadModel(runner.runner_id, runner.incarnation, inst.model_id)
 
 
+def _load_replicas(view: ClusterView, node_id: str, inst: InstanceView) -> Iterator[Action]:
+    """one_for_one: a replica loads as soon as it is created, on its own node's copy of the model."""
+    if inst.retry.state in (InstanceState.STARTING, InstanceState.DEGRADED) and _model_on(view, node_id, inst):
+        for runner in _our_current_runners(view, inst, node_id):
+            if runner.state is RunnerState.IDLE:
+                yield LoadModel(runner.runner_id, runner.incarnation, inst.model_id)
+
+
 def _warm_up_runners(view: ClusterView, node_id: str) -> Iterator[Action]:
     """Ranks > 0 warm up when all ranks are loaded or warming; rank 0 when all others are warming.
 
@@ -361,6 +431,11 @@ def _warm_up_runners(view: ClusterView, node_id: str) -> Iterator[Action]:
     """
     loaded_or_warming = (RunnerPhase.LOADED, RunnerPhase.WARMING_UP, RunnerPhase.AVAILABLE, RunnerPhase.BUSY)
     for inst in view.instances.values():
+        if inst.retry.one_for_one and inst.retry.state in (InstanceState.STARTING, InstanceState.DEGRADED):
+            for runner in _our_current_runners(view, inst, node_id):
+                if runner.phase is RunnerPhase.LOADED:
+                    yield WarmUp(runner.runner_id, runner.incarnation)  # a replica waits for nobody
+            continue
         if inst.retry.state is not InstanceState.STARTING:
             continue
         current = _current(view, inst)
@@ -380,12 +455,41 @@ def _warm_up_runners(view: ClusterView, node_id: str) -> Iterator[Action]:
 
 
 def _forward_requests(view: ClusterView, node_id: str) -> Iterator[Action]:
-    """A request goes to every rank on this node once all ranks of its instance are Ready."""
+    """A request goes to every rank on this node once all ranks of its instance are Ready; to a one_for_one
+    instance's, it goes to one Ready replica, the waiting requests spread over them (fewest in flight first),
+    while any replica is Ready."""
+    replicas = _ready_replicas(view)
+    handed: dict[str, int] = {}
     for req in view.requests:
         inst = view.instances.get(req.instance_id)
+        if inst is not None and inst.instance_id in replicas:
+            ready = replicas[inst.instance_id]
+            if ready:
+                turn = handed.get(inst.instance_id, 0)
+                handed[inst.instance_id] = turn + 1
+                runner = ready[turn % len(ready)]
+                if runner.node_id == node_id:
+                    yield ForwardRequest(req.request_id, runner.runner_id, runner.incarnation)
+            continue
         if inst is None or inst.retry.state is not InstanceState.READY:
             continue
         current = _current(view, inst)
         if all(r is not None and r.state is RunnerState.READY for r in current):
             for runner in _our_current_runners(view, inst, node_id):
                 yield ForwardRequest(req.request_id, runner.runner_id, runner.incarnation)
+
+
+def _ready_replicas(view: ClusterView) -> dict[str, list[RunnerStatus]]:
+    """Each one_for_one instance that serves (Ready or Degraded) with its Ready replicas, fewest requests in
+    flight first (then by rank): every node computes the same order, so each request reaches one replica."""
+    serving = (InstanceState.READY, InstanceState.DEGRADED)
+    replicas: dict[str, list[RunnerStatus]] = {}
+    for inst in view.instances.values():
+        if inst.retry.one_for_one and inst.retry.state in serving:
+            ready = [
+                (r.in_flight, rank, r)
+                for rank, r in enumerate(_current(view, inst))
+                if r is not None and r.state is RunnerState.READY and r.alive and not r.stop_requested
+            ]
+            replicas[inst.instance_id] = [r for _, _, r in sorted(ready, key=lambda t: t[:2])]
+    return replicas

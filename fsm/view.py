@@ -17,7 +17,7 @@ import attrs
 from fsm.download import DownloadLifecycle, DownloadState
 from fsm.errors import InvalidConfig
 from fsm.failure import Failure
-from fsm.instance import DeleteReason, InstanceRetry, InstanceState
+from fsm.instance import DeleteReason, InstanceRetry, InstanceState, RestartStrategy
 from fsm.runner import RunnerLifecycle, RunnerPhase, RunnerState
 from fsm.watchdog import PhaseLimits
 
@@ -116,6 +116,18 @@ class RetryStatus:
     ready_since: float | None = None
     reset_after: float | None = 600.0  # None: the budget never refills
     waking: bool = False  # unparked, not Ready yet
+    strategy: RestartStrategy = RestartStrategy.ONE_FOR_ALL
+    rank_generations: tuple[int, ...] = ()  # each rank's generation; () reads as every rank at ``generation``
+    rank_deadlines: tuple[tuple[int, float], ...] = ()  # one_for_one: (rank, when it may restart alone)
+
+    def rank_generation(self, rank: int) -> int:
+        """The generation rank ``rank``'s process belongs to: the instance's, unless one_for_one restarted it."""
+        return self.rank_generations[rank] if self.rank_generations else self.generation
+
+    @property
+    def one_for_one(self) -> bool:
+        """Its ranks are independent replicas: each runs, fails and restarts on its own."""
+        return self.strategy is RestartStrategy.ONE_FOR_ONE
 
     @property
     def reset_due(self) -> float | None:
@@ -139,6 +151,9 @@ class RetryStatus:
             ready_since=machine.ready_since,
             reset_after=machine.policy.reset_after,
             waking=machine.waking,
+            strategy=machine.policy.strategy,
+            rank_generations=tuple(machine.rank_generations),
+            rank_deadlines=tuple(sorted(machine.rank_deadlines.items())),
         )
 
 
@@ -198,6 +213,7 @@ class InstanceView:
 
 _RESIDENCY = {
     InstanceState.READY: Residency.LOADED,
+    InstanceState.DEGRADED: Residency.LOADED,  # one_for_one: its other replicas serve while one restarts
     InstanceState.PARKING: Residency.PARKING,
     InstanceState.PARKED: Residency.PARKED,
     InstanceState.DELETED: Residency.DELETED,

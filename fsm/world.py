@@ -97,14 +97,25 @@ def check_action(cluster: Cluster, action: act.Action, now: float) -> None:
                 raise InvariantViolated(
                     "5 no start before its deadline", f"generation started at t={now:g} < deadline {deadline:g}"
                 )
-        case act.CreateRunner(instance_id, _, _, _, _, incarnation, _):
+        case act.RestartRank(instance_id, rank, _):
+            deadline = cluster.instance(instance_id).rank_deadlines.get(rank)
+            if deadline is None or now < deadline:
+                raise InvariantViolated(
+                    "5 no start before its deadline", f"rank {rank} restarted at t={now:g}, its deadline {deadline}"
+                )
+        case act.CreateRunner(instance_id, runner_id, _, _, _, incarnation, _):
             machine = cluster.instance(instance_id)
             if machine.is_deleted:
                 raise InvariantViolated("1 absorbing Deleted", f"{action} for a Deleted instance")
+            # one_for_all: no process of another generation of the instance; one_for_one: none of its own rank's
+            alone = machine.policy.strategy is inst.RestartStrategy.ONE_FOR_ONE
             older = [
                 e.machine
-                for e in cluster.runners.values()
-                if e.instance_id == instance_id and e.machine.alive and e.machine.incarnation != incarnation
+                for rid, e in cluster.runners.items()
+                if e.instance_id == instance_id
+                and e.machine.alive
+                and e.machine.incarnation != incarnation
+                and (rid == runner_id or not alone)
             ]
             if older:
                 raise InvariantViolated("6 one generation at a time", f"{action} while {older[0].runner_id} is alive")
@@ -128,8 +139,9 @@ def check_action(cluster: Cluster, action: act.Action, now: float) -> None:
                 )
         case act.ForwardRequest(_, runner_id, incarnation):
             runner = cluster.runner(runner_id)
-            instance = cluster.instance(cluster.runners[runner_id].instance_id)
-            if runner.runner_state is not RunnerState.READY or incarnation != instance.generation:
+            placement = cluster.instances[cluster.runners[runner_id].instance_id]
+            rank = next(s.rank for s in placement.slots if s.runner_id == runner_id)
+            if runner.runner_state is not RunnerState.READY or incarnation != placement.machine.rank_generations[rank]:
                 raise InvariantViolated("requests go to Ready runners", f"{action} while the runner is {runner.path}")
         case act.CancelRequest(_, instance_id, _) if instance_id in cluster.instances:
             machine = cluster.instance(instance_id)
@@ -140,10 +152,12 @@ def check_action(cluster: Cluster, action: act.Action, now: float) -> None:
 
 
 def check_runners(cluster: Cluster) -> None:
-    """Invariant 6 on a state: one generation alive per instance, never more live runners than ranks."""
+    """Invariant 6 on a state: one generation alive per instance (one_for_one: per rank, which a slot's single
+    runner entry holds by construction), never more live runners than ranks."""
     for instance_id, placement in cluster.instances.items():
         alive = [e.machine for e in cluster.runners.values() if e.instance_id == instance_id and e.machine.alive]
-        if len({m.incarnation for m in alive}) > 1:
+        alone = placement.machine.policy.strategy is inst.RestartStrategy.ONE_FOR_ONE
+        if not alone and len({m.incarnation for m in alive}) > 1:
             raise InvariantViolated(
                 "6 one generation at a time", f"alive incarnations {sorted({m.incarnation for m in alive})}"
             )

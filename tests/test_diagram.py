@@ -39,13 +39,14 @@ EXPECTED_COUNTS = {
     },
     "instance": {
         "start": 2,
-        "rank_created": 3,
-        "rank_ready": 5,
-        "": 3,
-        "rank_failed": 7,
+        "start_rank": 1,
+        "rank_created": 4,
+        "rank_ready": 6,
+        "": 4,
+        "rank_failed": 10,
         "rank_failed_while_stopping": 4,
-        "rank_stopped": 5,
-        "resume": 2,
+        "rank_stopped": 9,
+        "resume": 3,
         "tick": 1,
         "give_up": 1,
         "delete": 1,
@@ -149,6 +150,7 @@ def test_instance_eventless_rows_and_tie_order() -> None:
     table = diagram.transition_table(fsm.InstanceRetry)
     eventless = [r for r in table if r.event == ""]
     assert eventless == [
+        Transition("degraded", "", "all_ranks_ready", "ready", "_mark_ready", False),
         Transition("parking", "", "nothing_alive", "parked", "", False),
         Transition("recovering", "", "nothing_alive", "backing_off", "_arm_timer", False),
         Transition("starting", "", "all_ranks_ready", "ready", "_mark_ready", False),
@@ -315,11 +317,14 @@ def test_graphviz_accepts_dot(name: str) -> None:
 
 # Rendered with `dot -Tsvg`, each drawing must fit about one screen: at most 1000 x 1200 pt (14 x 17 in) keeps
 # the 9 pt labels legible at a zoom where the whole machine is in view, scrolled at most once. Measured with
-# Graphviz 2.43: runner 592 x 1061 pt, instance 920 x 629 pt, download 284 x 276 pt (before the compounds and
-# the merged edges: 1292 x 974 and 3067 x 545). The edge bound counts the initial arrows too; measured 20, 15, 6
-# (before: 34, 45, 8). A machine that outgrows a bound needs a new look at its drawing, not a larger bound.
+# Graphviz 2.43: runner 582 x 1061 pt, instance 979 x 666 pt, download 280 x 276 pt (before the compounds and
+# the merged edges: 1292 x 974 and 3067 x 545). The edge bound counts the initial arrows too; measured 20, 20, 6
+# (before: 34, 45, 8). A machine that outgrows a bound needs a new look at its drawing, not a larger bound: the
+# instance's went from 16 to 20 with a new state (Degraded, one_for_one's restart of a rank alone: edges in
+# from Starting and Ready, out to Ready and, on resume, Starting), after a look at declaring them on Generation
+# running instead (Graphviz cannot clip an edge from a cluster to a node inside it).
 MAX_WIDTH_PT, MAX_HEIGHT_PT = 1000, 1200
-MAX_EDGES = {"runner": 22, "instance": 16, "download": 8}
+MAX_EDGES = {"runner": 22, "instance": 20, "download": 8}
 SVG = "{http://www.w3.org/2000/svg}"
 
 

@@ -331,10 +331,11 @@ def test_snapshot_rejects_bad_input():
     good = started().to_dict()
     for bad in (
         {**good, "machine": "runner"},
-        {**good, "version": 4},
+        {**good, "version": 5},
         {**good, "version": 0},
         {**good, "version": 1},  # version 1 had no `uncharged`
         {**good, "version": 2},  # nor version 2 `waking`
+        {**good, "version": 3},  # nor version 3 the per-rank fields of one_for_one
         {**good, "waking": 1},
         {**good, "waking": True, "leaf": "parked", "live_ranks": []},  # wakes only once unparked
         {**good, "leaf": "parking", "live_ranks": []},  # parking ends when the last rank is reaped
@@ -1039,20 +1040,37 @@ def test_a_version_1_snapshot_is_read_as_charging_every_failure():
     i = started(world_size=1)
     i.apply(RankFailed("inst", 1.0, 1, 0, failure=CRASH))
     fail_generation(i, 1.0, failures=())
-    old = {k: v for k, v in i.to_dict().items() if k not in ("uncharged", "waking")} | {"version": 1}
+    old = {k: v for k, v in _as_version_3(i.to_dict()).items() if k not in ("uncharged", "waking")} | {"version": 1}
     restored = InstanceRetry.from_dict(old)
-    assert restored.snapshot() == i.snapshot() and restored.to_dict()["version"] == 3
+    assert restored.snapshot() == i.snapshot() and restored.to_dict()["version"] == 4
     with pytest.raises(fsm.SnapshotError, match="uncharged"):
         InstanceRetry.from_dict({**i.to_dict(), "version": 1})
 
 
 def test_a_version_2_snapshot_is_read_as_never_parked():
     i = started(world_size=1)
-    old = {k: v for k, v in i.to_dict().items() if k != "waking"} | {"version": 2}
+    old = {k: v for k, v in _as_version_3(i.to_dict()).items() if k != "waking"} | {"version": 2}
     restored = InstanceRetry.from_dict(old)
     assert restored.snapshot() == i.snapshot() and not restored.waking
     with pytest.raises(fsm.SnapshotError, match="waking"):
-        InstanceRetry.from_dict({**i.to_dict(), "version": 2})
+        InstanceRetry.from_dict({**_as_version_3(i.to_dict()), "version": 2})
+
+
+def _as_version_3(body: dict) -> dict:
+    """What version 3 wrote: no per-rank fields, a policy with no strategy."""
+    old = {k: v for k, v in body.items() if k not in ("rank_generations", "failed_ranks", "rank_deadlines")}
+    return old | {"version": 3, "policy": {k: v for k, v in body["policy"].items() if k != "strategy"}}
+
+
+def test_a_version_3_snapshot_is_read_as_one_for_all_with_every_rank_of_its_generation():
+    i = started(world_size=2)
+    restored = InstanceRetry.from_dict(_as_version_3(i.to_dict()))
+    assert restored.snapshot() == i.snapshot()
+    assert restored.rank_generations == [1, 1] and restored.policy.strategy is fsm.RestartStrategy.ONE_FOR_ALL
+    with pytest.raises(fsm.SnapshotError, match="rank_generations: version 3"):
+        InstanceRetry.from_dict({**i.to_dict(), "version": 3})
+    with pytest.raises(fsm.SnapshotError, match=r"policy\.strategy: version 3"):
+        InstanceRetry.from_dict({**_as_version_3(i.to_dict()), "policy": i.to_dict()["policy"]})
 
 
 @pytest.mark.parametrize("uncharged", [-1, 1.0, True, None])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -233,6 +234,80 @@ class InstanceMachine(RuleBasedStateMachine):
             assert m.attempts == 0
 
 
+class OneForOneMachine(InstanceMachine):
+    """The same, with the ranks as independent replicas: each rank's events name its own generation, and a
+    failed rank is restarted alone (`StartRank`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policy = attrs.evolve(self.policy, strategy=it.RestartStrategy.ONE_FOR_ONE)
+        self.m = it.InstanceRetry("i", world_size=2, policy=self.policy)
+
+    def _generation(self, rank: int, delta: int) -> int:
+        return max(self.m.rank_generations[rank] + delta, 0)
+
+    @rule(
+        rank=st.integers(0, 1),
+        gen_delta=st.sampled_from([-1, 0, 0, 0]),
+        kind=st.sampled_from(["created", "ready", "stopped"]),
+    )
+    def rank_event(self, rank, gen_delta, kind):
+        cls = {"created": it.RankCreated, "ready": it.RankReady, "stopped": it.RankStopped}[kind]
+        self._send(cls("i", self.now, self._generation(rank, gen_delta), rank))
+
+    @rule(rank=st.integers(0, 1), gen_delta=st.sampled_from([-1, 0, 0]), failure=FAILURES)
+    def rank_failed(self, rank, gen_delta, failure):
+        before = self.m.attempts
+        self._send(it.RankFailed("i", self.now, self._generation(rank, gen_delta), rank, failure=failure))
+        assert self.m.attempts <= before + 1, "one failure cost more than one retry"
+
+    @rule(rank=st.integers(0, 1), gen_delta=st.sampled_from([-1, 0, 0]), failure=FAILURES)
+    def rank_failed_while_stopping(self, rank, gen_delta, failure):
+        before_state, before_attempts = self.m.leaf, self.m.attempts
+        event = it.RankFailedWhileStopping("i", self.now, self._generation(rank, gen_delta), rank, failure=failure)
+        self._send(event)
+        assert (self.m.leaf, self.m.attempts) == (before_state, before_attempts), "a stop we asked for cost a retry"
+
+    @rule(rank=st.integers(0, 1))
+    def bring_up(self, rank):
+        """A rank's process comes up and is Ready: what a replica does between its failures."""
+        self._send(it.RankCreated("i", self.now, self.m.rank_generations[rank], rank))
+        self._send(it.RankReady("i", self.now, self.m.rank_generations[rank], rank))
+
+    @precondition(lambda self: self.m.leaf == "degraded")
+    @rule(rank=st.integers(0, 1))
+    def reap_and_wait(self, rank):
+        """A failed rank's process is reaped and its backoff waited out, so that restarts are explored."""
+        if rank in self.m.failed_ranks and rank in self.m.live_ranks:
+            self._send(it.RankStopped("i", self.now, self.m.rank_generations[rank], rank))
+        deadline = self.m.rank_deadlines.get(rank)
+        if deadline is not None and deadline > self.now:
+            self.now = deadline
+
+    @rule(rank=st.integers(0, 1), delta=st.sampled_from([0, 0, 1]))
+    def start_rank(self, rank, delta):
+        deadline, alive, others = (
+            self.m.rank_deadlines.get(rank),
+            rank in self.m.live_ranks,
+            list(self.m.rank_generations),
+        )
+        generation = self.m.generation
+        self._send(it.StartRank("i", self.now, generation + 1 + delta, rank))
+        if self.m.generation != generation:  # taken
+            assert deadline is not None and self.now >= deadline and not alive, "restarted before its backoff"
+            others[rank] = generation + 1
+            assert self.m.rank_generations == others, "a restart touched another rank"
+
+    @invariant()
+    def replicas_apart(self):
+        m = self.m
+        assert not (m.failed_ranks & m.ready_ranks)
+        assert set(m.rank_deadlines) == {r for r in m.failed_ranks if r not in m.live_ranks}
+        assert (m.leaf == "degraded") or not m.failed_ranks
+        assert m.leaf not in ("recovering", "backing_off"), "one_for_one ended a whole generation"
+        assert max(m.rank_generations) == m.generation or m.generation == 0 or m.leaf in ("parked", "pending")
+
+
 class DownloadMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -277,5 +352,7 @@ TestRunnerMachine = RunnerMachine.TestCase
 TestRunnerMachine.settings = SETTINGS
 TestInstanceMachine = InstanceMachine.TestCase
 TestInstanceMachine.settings = SETTINGS
+TestOneForOneMachine = OneForOneMachine.TestCase
+TestOneForOneMachine.settings = SETTINGS
 TestDownloadMachine = DownloadMachine.TestCase
 TestDownloadMachine.settings = SETTINGS

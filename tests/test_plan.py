@@ -367,7 +367,9 @@ def test_fresh_placement_after_deletion_starts_without_backoff():
             t = old.deadline
         old.apply(instance.Start("i", t, generation=gen))
         old.apply(instance.RankFailed("i", t, generation=gen, rank=1, failure=BOOM))
-    assert RetryStatus.of(old) == RetryStatus(InstanceState.DELETED, 3, 3, 3, None, DeleteReason.RETRIES_EXHAUSTED)
+    assert RetryStatus.of(old) == RetryStatus(
+        InstanceState.DELETED, 3, 3, 3, None, DeleteReason.RETRIES_EXHAUSTED, rank_generations=(3, 3)
+    )
 
     slots = (Slot(0, "a", "i-r0"), Slot(1, "b", "i-r1"))
     dead = view(
@@ -379,7 +381,7 @@ def test_fresh_placement_after_deletion_starts_without_backoff():
     assert plan(dead, "b", t) == []
 
     fresh = fsm.InstanceRetry("i", world_size=2, policy=policy)  # placed again: its runners were forgotten
-    assert RetryStatus.of(fresh) == RetryStatus(InstanceState.PENDING, 0, 0, 3, None, None)
+    assert RetryStatus.of(fresh) == RetryStatus(InstanceState.PENDING, 0, 0, 3, None, None, rank_generations=(0, 0))
     again = view([InstanceView("i", MODEL, slots, RetryStatus.of(fresh))], downloads=done("a", "b"))
     assert plan(again, "a", t) == [StartGeneration("i", 1)]
 
