@@ -49,7 +49,9 @@ and checks these invariants (numbered as the specs number them) on every transit
    invariant 5 holds it to the backoff all the same).
 5. No start before its deadline.
 6. Never two generations alive at once, never more than N live runners; with hosts, never two generations
-   of processes running at once, counting those that run on, unknown, on a cut node.
+   of processes running at once, counting those that run on, unknown, on a cut node. Under one_for_one
+   (``RetryPolicy.strategy``) the ranks are replicas, each restarted alone (``RestartRank``): the rule is
+   per rank, never two processes of one rank, and a rank's restart waits for its own deadline (5).
 7. An event of an older incarnation changes nothing (probed in every state).
 8. The budget resets iff Ready continuously for ≥ reset_after.
 9. Determinism: a sample of transitions is recomputed and must agree.
@@ -86,7 +88,7 @@ from fsm.cluster import Cluster, RunnerEntry
 from fsm.download import DownloadLifecycle
 from fsm.errors import FsmError
 from fsm.failure import Failure
-from fsm.instance import InstanceRetry, InstanceState, RetryPolicy
+from fsm.instance import InstanceRetry, InstanceState, RestartStrategy, RetryPolicy
 from fsm.owed import Owed, Report
 from fsm.plan import plan as default_plan
 from fsm.runner import RunnerLifecycle, RunnerPhase, RunnerState
@@ -777,14 +779,22 @@ class _System:
         self.cluster.move(INSTANCE, nodes)
 
     def _check_hosts(self) -> None:
-        """Invariant 6 on the hosts: the processes that run, known or not, are of one generation."""
+        """Invariant 6 on the hosts: the processes that run, known or not, are of one generation (one_for_one:
+        each rank's, for replicas restart one by one)."""
         if not self.config.hosts:
             return
-        running = {
-            e.machine.incarnation
+        processes = {
+            (rid, e.machine.incarnation)
             for rid, e in self.cluster.runners.items()
             if e.machine.alive and (rid, e.machine.incarnation) not in self.lost
-        } | {inc for _, inc, _ in self.ghosts}
+        } | {(rid, inc) for rid, inc, _ in self.ghosts}
+        if self.config.policy.strategy is RestartStrategy.ONE_FOR_ONE:
+            by_rank: dict[str, set[int]] = {}
+            for rid, inc in processes:
+                by_rank.setdefault(rid, set()).add(inc)
+            running = max(by_rank.values(), key=len, default=set())  # the rank with the most generations running
+        else:
+            running = {inc for _, inc in processes}
         if len(running) > 1:
             ghosts = ", ".join(f"{rid}#{inc} on {node}" for rid, inc, node in sorted(self.ghosts)) or "none"
             raise _Fail(
@@ -870,12 +880,13 @@ class _System:
                 after = self.capture(world, state.streak_delay, state.streak_starts, state.submitted)
                 if out.accepted or after != state:
                     raise _Fail("7 stale events are no-ops", f"a stale {event.name} moved runner {rid}")
-        generation = state.instance.generation
+        # the rank run by the newest generation (one_for_all: every rank; one_for_one: the last restarted)
+        generation, rank = max((g, r) for r, g in enumerate(state.instance.rank_generations))
         deleted = state.instance.leaf == InstanceState.DELETED.value
         if generation >= 2 and not deleted and state.instance not in self._stale_proven:
             self._stale_proven.add(state.instance)
             self.load(state)
-            stale = inst.RankFailed(INSTANCE, state.now, generation - 1, 0, failure=stale_failure)
+            stale = inst.RankFailed(INSTANCE, state.now, generation - 1, rank, failure=stale_failure)
             if self.cluster.instance_event(stale).accepted or self.placement.machine.snapshot() != state.instance:
                 raise _Fail("7 stale events are no-ops", "a stale generation's failure moved the instance")
 
