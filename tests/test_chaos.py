@@ -71,17 +71,22 @@ def test_a_hang_is_always_a_violation_a_broken_connection_only_where_nothing_was
     assert [(v.text.split()[2], v.time) for v in found] == [("node-2,", 11.0), ("node-1,", 20.0), ("node-1:", 11.0)]
 
 
-def test_a_change_made_but_not_stored_is_excused_only_while_etcd_was_held():
+def test_a_change_made_but_not_stored_is_excused_only_while_etcd_was_held_or_cut_off():
     """Found by a 5-min campaign (seed 2074194091): a member paused while a placement was written; the
-    controller's term ended before the write, and the answer was neither done nor undone, rightly."""
+    controller's term ended before the write, and the answer was neither done nor undone, rightly. And by the
+    CI campaign (seed 26): a park relayed to a controller deaf to etcd."""
     history = History()
     history.fault(FaultRecord("etcd-pause-member", "m1", 10.0, 13.0))
+    history.fault(FaultRecord("network-deaf-to-etcd", "node-1", 30.0, 33.0, ("node-1",)))
+    history.fault(FaultRecord("network-cut-from-peers", "node-1", 40.0, 43.0, ("node-1",)))
     unstored = f"{inv.NOT_STORED}: HTTP 503: instance i is placed but not stored yet"
     history.operation(Operation("place", "node-2", 12.0, 12.5, Outcome.INDETERMINATE, unstored, "i"))  # excused
     history.operation(Operation("place", "node-2", 20.0, 20.5, Outcome.INDETERMINATE, unstored, "j"))  # etcd well
     history.operation(Operation("chat-openai", "node-2", 12.0, 12.1, Outcome.INDETERMINATE, "reset"))  # not a write
+    history.operation(Operation("park", "node-2", 31.0, 31.5, Outcome.INDETERMINATE, unstored, "i"))  # excused
+    history.operation(Operation("park", "node-2", 41.0, 41.5, Outcome.INDETERMINATE, unstored, "i"))  # etcd reached
     found = inv.every_request_ends(history, BOUNDS)
-    assert [v.time for v in found] == [20.0, 12.0]
+    assert [v.time for v in found] == [20.0, 12.0, 41.0]
 
 
 # -- 4. retries --------------------------------------------------------------------------------

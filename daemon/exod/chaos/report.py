@@ -31,6 +31,18 @@ UNREACHABLE: dict[Row, str] = {
     ),
 }
 
+_ONE_FOR_ONE = (
+    "one_for_one only (`fsm.RestartStrategy.ONE_FOR_ONE`: replicas, a failed one restarted alone): the daemon "
+    "runs an instance's ranks as one pipeline ring, which restarts together (one_for_all)"
+)
+UNREACHABLE.update(
+    {
+        ("instance", row.source, row.event or "auto", row.target): _ONE_FOR_ONE
+        for row in fsm.diagram.transition_table(fsm.InstanceRetry)
+        if fsm.InstanceState.DEGRADED.value in (row.source, row.target) and row.source != row.target
+    }
+)
+
 # Transitions real processes can take but that a campaign seldom meets, and why: they stay in the goal, and a
 # report that missed one says what it takes.
 SELDOM: dict[Row, str] = {
