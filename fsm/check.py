@@ -76,8 +76,8 @@ and checks these invariants (numbered as the specs number them) on every transit
 14. Eviction parks only idle instances: admission names only Ready instances with no request in flight
     on their runners or waiting for them, and a finite keep-alive (checked as the eviction is made).
 15. A node's memory is never over-committed: the ranks of the runners alive on a node (of every
-    instance, an evicted one's until they are reaped) fit its ``node_memory``, and so do the ranks
-    admitted there (instances placed and not parked).
+    instance, an evicted or deleted one's until they are reaped) fit its ``node_memory``, and so do the
+    ranks admitted there (instances placed and not parked).
 
 With several instances, 1–13 hold for each instance, and 10 for all together: a request for a parked
 instance is served once another instance frees its room.
@@ -659,11 +659,12 @@ class _System:
         self.parks = state.parks
         self.placement.last_used = state.last_used
         self.placement.keep_alive_now = self.config.keep_alive
-        c.instances.clear()
-        c.instances[INSTANCE] = self.placement
-        for iid, seat in zip(self.ids[1:], state.others, strict=True):
-            if seat.instance is not None:
-                self._seat(iid, seat.instance, seat.nodes, seat.last_used)
+        if state.others:  # the instances placed in this state, in order (one instance: always the first alone)
+            c.instances.clear()
+            c.instances[INSTANCE] = self.placement
+            for iid, seat in zip(self.ids[1:], state.others, strict=True):
+                if seat.instance is not None:
+                    self._seat(iid, seat.instance, seat.nodes, seat.last_used)
         live = dict(state.runners)
         for rid in list(c.runners):
             if rid not in live:
@@ -818,9 +819,11 @@ class _System:
 
     def _world(self, state: _State) -> World:
         self.load(state)
-        world = _World(self.cluster, self.config.nodes, state.now, plan=self.config.plan)
         if self.admitting:
-            world.admits = self._admits
+            world: World = _World(self.cluster, self.config.nodes, state.now, plan=self.config.plan)
+            world.admits = self._admits  # type: ignore[attr-defined]
+        else:
+            world = World(self.cluster, self.config.nodes, state.now, plan=self.config.plan)
         if self.config.hosts:
             world.before = self._place_again
         world.pending = list(state.pending)
@@ -1135,10 +1138,10 @@ class _System:
         """11, 12 and 13 for instance ``iid``."""
         c = self.cluster
         steps = [(e.event, e.target) for e in c.log if e.machine == "instance" and e.key == iid]
-        ours = [(rid, e) for rid, e in c.runners.items() if e.instance_id == iid]
-        if after.leaf == InstanceState.PARKED.value and any(e.machine.alive for _, e in ours):
-            alive = sorted(rid for rid, e in ours if e.machine.alive)
-            raise _Fail("11 parked means no process", f"instance parked while {alive} alive")
+        if after.leaf == InstanceState.PARKED.value:
+            alive = sorted(rid for rid, e in c.runners.items() if e.instance_id == iid and e.machine.alive)
+            if alive:
+                raise _Fail("11 parked means no process", f"instance parked while {alive} alive")
         parking = any(event in ("park", "unpark") or target == InstanceState.PARKED.value for event, target in steps)
         if parking and (after.attempts, after.uncharged) != (before.attempts, before.uncharged):
             raise _Fail(
@@ -1220,10 +1223,10 @@ class _System:
         concerns (each instance, for the system's own events), beside each other instance (None: the only one);
         and ("ready", "evict", where the instance it made room for went) for each eviction."""
         kind = _kind(event)
-        where = {iid: _where(snap) for iid, snap in self.placed(state)}
         if len(self.ids) == 1:
-            yield where[INSTANCE], kind, None
+            yield _where(state.instance), kind, None
             return
+        where = {iid: _where(snap) for iid, snap in self.placed(state)}
         for iid in self.ids:
             where.setdefault(iid, "absent")
         concerned = _concerns(event)
