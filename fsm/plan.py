@@ -39,7 +39,8 @@ And the residency rules (`fsm.instance`, "Residency"):
 * ``_unpark_wanted`` — a parked instance with a request waiting is unparked
   (the caller may hold it back until `fsm.admit_unpark` finds it memory).
 * ``_create_runners`` — no runner starts on a node where an instance is
-  still parking: the memory it frees is not free until its processes are gone.
+  still parking, or deleted with a process still alive: the memory it frees
+  is not free until its processes are gone.
 """
 
 from __future__ import annotations
@@ -291,6 +292,15 @@ def _restart_ranks(view: ClusterView, node_id: str, now: float) -> Iterator[Acti
                 break
 
 
+def _freeing(view: ClusterView, inst: InstanceView, node_id: str) -> bool:
+    """Whether ``inst`` holds memory on ``node_id`` that admission counts as free already: it is parking there,
+    or it is deleted with a process still alive there."""
+    if inst.retry.state is InstanceState.PARKING:
+        return node_id in inst.nodes
+    deleted = inst.retry.state is InstanceState.DELETED
+    return deleted and any(r is not None and r.alive and r.node_id == node_id for _, r in view.slot_runners(inst))
+
+
 def _create_runners(view: ClusterView, node_id: str, now: float) -> Iterator[Action]:
     for inst in view.instances.values():
         if inst.retry.one_for_one:
@@ -306,8 +316,8 @@ def _create_runners(view: ClusterView, node_id: str, now: float) -> Iterator[Act
             continue  # never two generations alive at once
         if not _model_on(view, node_id, inst):
             continue  # the instance waits for its download; `_download_models` is fetching it
-        if any(o.retry.state is InstanceState.PARKING and node_id in o.nodes for o in view.instances.values()):
-            continue  # the memory a parking instance frees here is free once its processes are gone
+        if any(_freeing(view, o, node_id) for o in view.instances.values()):
+            continue  # the memory a parking (or deleted) instance frees here is free once its processes are gone
         for slot, ours in statuses.items():
             if slot.node_id != node_id or (ours is not None and ours.incarnation >= retry.generation):
                 continue
@@ -337,8 +347,8 @@ def _create_replicas(view: ClusterView, node_id: str, inst: InstanceView) -> Ite
         return
     if not _model_on(view, node_id, inst):
         return
-    if any(o.retry.state is InstanceState.PARKING and node_id in o.nodes for o in view.instances.values()):
-        return  # the memory a parking instance frees here is free once its processes are gone
+    if any(_freeing(view, o, node_id) for o in view.instances.values()):
+        return  # the memory a parking (or deleted) instance frees here is free once its processes are gone
     for slot, ours in view.slot_runners(inst):
         generation = inst.retry.rank_generation(slot.rank)
         if slot.node_id != node_id or (ours is not None and (ours.incarnation >= generation or ours.alive)):

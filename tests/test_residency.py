@@ -528,6 +528,26 @@ def test_the_parking_gate_by_hand_and_nothing_is_downloaded_for_a_parked_instanc
     assert fsm.StartDownload("a", "org/p") in fsm.plan(ClusterView.build(instances=[pending]), "a", 0.0)
 
 
+def test_no_runner_starts_on_a_node_where_a_deleted_instance_still_has_a_process():
+    """Found by the two-instance model checker (invariant 15): a rank reported an error that spent the last retry,
+    the instance was deleted, admission gave its memory to a new placement at once, and the new instance's runner
+    was created on the node while the failed one was still being stopped there."""
+    gone = InstanceView("d", "org/d", (Slot(0, "a", "d/0"), Slot(1, "b", "d/1")), RetryStatus(S.DELETED, generation=1))
+    new = InstanceView("n", "org/n", (Slot(0, "a", "n/0"), Slot(1, "b", "n/1")), RetryStatus(S.STARTING, generation=1))
+    d0 = RunnerStatus("d/0", "d", "a", 0, 1, rn.RunnerState.SHUTDOWN, rn.RunnerPhase.STOPPING, stop_requested=True)
+    d1 = RunnerStatus("d/1", "d", "b", 1, 1, rn.RunnerState.SHUTDOWN, rn.RunnerPhase.STOPPED, stop_requested=True)
+    done = [fsm.DownloadStatus(node, "org/n", fsm.DownloadState.COMPLETED) for node in ("a", "b")]
+
+    def created(node: str, *runners: RunnerStatus) -> list[fsm.Action]:
+        view = ClusterView.build(instances=[gone, new], runners=list(runners), downloads=done)
+        return [a for a in fsm.plan(view, node, 0.0) if isinstance(a, fsm.CreateRunner)]
+
+    assert created("a", d0, d1) == []  # d/0 still runs on a
+    assert created("b", d0, d1) == [fsm.CreateRunner("n", "n/1", "b", 1, 2, 1, "org/n")]  # d/1 is reaped on b
+    reaped = attrs.evolve(d0, phase=rn.RunnerPhase.STOPPED)
+    assert created("a", reaped, d1) == [fsm.CreateRunner("n", "n/0", "a", 0, 2, 1, "org/n")]
+
+
 # -- admission -----------------------------------------------------------------------------------------------
 
 GIB = 1024 * MIB

@@ -93,7 +93,8 @@ INVARIANTS: dict[str, tuple[tuple[int, str], ...]] = {
             10,
             "No deadlock: from every reachable state Ready, Parked or Deleted is reachable (`delete` is accepted "
             "from every non-final state), and a request that waits is served: one for a parked instance unparks "
-            "it, and is never refused while the instance can start.",
+            "it, and is never refused while the instance can start (with other instances on its nodes: once "
+            "`fsm.admit_unpark` finds it room, evicting an idle one or when one becomes idle).",
         ),
         (11, "A parked instance has no live process: Parking goes on to Parked only once the last rank is reaped."),
         (
@@ -102,6 +103,18 @@ INVARIANTS: dict[str, tuple[tuple[int, str], ...]] = {
             "fails while its instance parks charges nothing (the stop was ours).",
         ),
         (13, "An instance is parked only while no request is in flight on its runners (guard `idle`)."),
+        (
+            14,
+            "Eviction parks only idle instances: admission (`fsm.admit` with `evict`, `fsm.admit_unpark`) names "
+            "only Ready instances with no request in flight on their runners or waiting for them, and a finite "
+            "keep-alive.",
+        ),
+        (
+            15,
+            "A node's memory is never over-committed: the ranks admitted on a node (instances placed and not "
+            "parked) fit its memory, and so do the ranks of the runners alive there, an evicted or deleted "
+            "instance's counted until they are reaped (`fsm.plan` starts nothing on a node before they are).",
+        ),
     ),
     "download": (
         (
