@@ -88,6 +88,14 @@ def test_cli_replay_jsonl_and_check(tmp_path):
     parking = ["check", "--ranks", "1", "--max-retries", "1", "--requests", "1", "--parks", "1", "--keep-alive", "0"]
     parked = CliRunner().invoke(main, parking)
     assert parked.exit_code == 0 and "all invariants hold" in parked.output and "exhaustive" in parked.output
+    replicas = ["check", "--max-retries", "1", "--strategy", "one_for_one", "--requests", "1"]
+    alone = CliRunner().invoke(main, replicas)
+    assert alone.exit_code == 0 and "all invariants hold" in alone.output and "exhaustive" in alone.output
+    two = ["check", "--ranks", "1", "--max-retries", "1", "--instances", "2", "--node-memory", "1", "--keep-alive", "1"]
+    evicting = CliRunner().invoke(main, [*two, "--requests", "1", "--no-deletes"])
+    assert evicting.exit_code == 0 and "all invariants hold" in evicting.output and "exhaustive" in evicting.output
+    forever = CliRunner().invoke(main, two[:-2])  # kept forever in the memory of one: the check refuses it
+    assert forever.exit_code == 2 and "keep_alive" in forever.output
     wrong = CliRunner().invoke(main, ["check", "--faults", "crash,nope"])
     assert wrong.exit_code == 2 and "choose from crash, error, fatal, host" in wrong.output
 

@@ -92,6 +92,26 @@ def check_fencing(nodes, ranks, max_faults, generations, horizon, max_states, wi
     default=None,
     help="The instance's keep-alive in seconds: its plan parks it once idle that long (default: kept forever).",
 )
+@click.option(
+    "--strategy",
+    type=click.Choice(["one_for_all", "one_for_one"]),
+    default="one_for_all",
+    show_default=True,
+    help="What a rank's failure takes down: the whole generation (a ring), or that rank alone (replicas).",
+)
+@click.option(
+    "--instances",
+    type=click.IntRange(1, 4),
+    default=1,
+    show_default=True,
+    help="Instances of the model on the same nodes, sharing each node's memory (see --node-memory).",
+)
+@click.option(
+    "--node-memory",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Ranks a node's memory holds (default: all of them): fewer makes placements and unparks evict.",
+)
 def check(
     ranks: int,
     max_retries: int,
@@ -106,6 +126,9 @@ def check(
     node_failures: int,
     parks: int,
     keep_alive: float | None,
+    strategy: str,
+    instances: int,
+    node_memory: int | None,
 ) -> None:
     """Model-check the composed system; a violated invariant prints its shortest trace and exits 1."""
     import fsm
@@ -123,7 +146,7 @@ def check(
             faults=chosen,
             horizon=horizon,
             ranks=ranks,
-            policy=fsm.RetryPolicy(max_retries=max_retries),
+            policy=fsm.RetryPolicy(max_retries=max_retries, strategy=fsm.RestartStrategy(strategy)),
             depth=depth,
             max_states=max_states,
             deletes=not no_deletes,
@@ -133,8 +156,10 @@ def check(
             node_failures=node_failures,
             parks=parks,
             keep_alive=keep_alive,
+            instances=instances,
+            node_memory=node_memory,
         )
-    except ValueError as exc:  # --hosts below --ranks, or node failures without hosts
+    except (ValueError, fsm.InvalidConfig) as exc:  # --hosts below --ranks, node failures without hosts …
         raise click.UsageError(str(exc)) from None
     import time
 
