@@ -190,19 +190,24 @@ class InstanceMachine(RuleBasedStateMachine):
     )
     def rank_event(self, rank, gen_delta, kind):
         cls = {"created": it.RankCreated, "ready": it.RankReady, "stopped": it.RankStopped}[kind]
-        self._send(cls("i", self.now, max(self.m.generation + gen_delta, 0), rank))
+        self._send(cls("i", self.now, self._generation(rank, gen_delta), rank))
+
+    def _generation(self, rank: int, delta: int) -> int:
+        """The generation a rank event names: the instance's, give or take (one_for_one: the rank's own)."""
+        return max(self.m.generation + delta, 0)
 
     @rule(rank=st.integers(0, 1), gen_delta=st.sampled_from([-1, 0, 0]), failure=FAILURES)
     def rank_failed(self, rank, gen_delta, failure):
         before_state, before_attempts = self.m.leaf, self.m.attempts
-        self._send(it.RankFailed("i", self.now, max(self.m.generation + gen_delta, 0), rank, failure=failure))
+        self._send(it.RankFailed("i", self.now, self._generation(rank, gen_delta), rank, failure=failure))
+        assert self.m.attempts <= before_attempts + 1, "one failure cost more than one retry"
         if before_state == "recovering" and self.m.leaf != "deleted":
             assert self.m.attempts == before_attempts, "a second failure in one generation cost a retry"
 
     @rule(rank=st.integers(0, 1), gen_delta=st.sampled_from([-1, 0, 0]), failure=FAILURES)
     def rank_failed_while_stopping(self, rank, gen_delta, failure):
         before_state, before_attempts = self.m.leaf, self.m.attempts
-        generation = max(self.m.generation + gen_delta, 0)
+        generation = self._generation(rank, gen_delta)
         self._send(it.RankFailedWhileStopping("i", self.now, generation, rank, failure=failure))
         assert (self.m.leaf, self.m.attempts) == (before_state, before_attempts), "a stop we asked for cost a retry"
 
@@ -245,28 +250,6 @@ class OneForOneMachine(InstanceMachine):
 
     def _generation(self, rank: int, delta: int) -> int:
         return max(self.m.rank_generations[rank] + delta, 0)
-
-    @rule(
-        rank=st.integers(0, 1),
-        gen_delta=st.sampled_from([-1, 0, 0, 0]),
-        kind=st.sampled_from(["created", "ready", "stopped"]),
-    )
-    def rank_event(self, rank, gen_delta, kind):
-        cls = {"created": it.RankCreated, "ready": it.RankReady, "stopped": it.RankStopped}[kind]
-        self._send(cls("i", self.now, self._generation(rank, gen_delta), rank))
-
-    @rule(rank=st.integers(0, 1), gen_delta=st.sampled_from([-1, 0, 0]), failure=FAILURES)
-    def rank_failed(self, rank, gen_delta, failure):
-        before = self.m.attempts
-        self._send(it.RankFailed("i", self.now, self._generation(rank, gen_delta), rank, failure=failure))
-        assert self.m.attempts <= before + 1, "one failure cost more than one retry"
-
-    @rule(rank=st.integers(0, 1), gen_delta=st.sampled_from([-1, 0, 0]), failure=FAILURES)
-    def rank_failed_while_stopping(self, rank, gen_delta, failure):
-        before_state, before_attempts = self.m.leaf, self.m.attempts
-        event = it.RankFailedWhileStopping("i", self.now, self._generation(rank, gen_delta), rank, failure=failure)
-        self._send(event)
-        assert (self.m.leaf, self.m.attempts) == (before_state, before_attempts), "a stop we asked for cost a retry"
 
     @rule(rank=st.integers(0, 1))
     def bring_up(self, rank):
