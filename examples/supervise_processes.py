@@ -7,7 +7,11 @@ generation 1 up, SIGKILLs rank 1 — the driver stops rank 0 (one_for_all), back
 off and starts generation 2, charging one retry — then deletes the instance and
 checks that the transition log replays through the machines.
 
-    python examples/supervise_processes.py
+With ``--one-for-one`` the two servers are independent replicas
+(``RestartStrategy.ONE_FOR_ONE``): the killed one alone is restarted after its
+backoff, as generation 2, while rank 0 keeps its process and serves on.
+
+    python examples/supervise_processes.py [--one-for-one]
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ class Processes:
         self.driver: fsm.Driver
         self.changed = asyncio.Event()
         self.procs: dict[tuple[str, int], asyncio.subprocess.Process] = {}
-        self.endpoints: dict[tuple[str, int], str] = {}
+        self.endpoints: dict[tuple[str, int], asyncio.Future[str]] = {}  # each process's, once it says it
 
     def _tell(self, report) -> None:
         report()
@@ -52,14 +56,20 @@ class Processes:
         line = (await proc.stdout.readline()).decode()  # "Serving HTTP on 127.0.0.1 port 41234 (...) ..."
         if "port" in line:
             endpoint = f"127.0.0.1:{line.split('port')[1].split()[0]}"
-            self.endpoints[key] = endpoint
+            self._endpoint(key).set_result(endpoint)
             self._tell(lambda: self.driver.published(*key, endpoint))
+        else:
+            self._endpoint(key).cancel()  # it never served: whoever waits for its port stops waiting
         code = await proc.wait()
         self._tell(lambda: self.driver.report(rn.Exited(*key, exit_code=code)))
 
+    def _endpoint(self, key: tuple[str, int]) -> asyncio.Future[str]:
+        return self.endpoints.setdefault(key, asyncio.get_running_loop().create_future())
+
     async def _reachable(self, key: tuple[str, int], then: rn.RunnerEvent) -> None:
-        """Connect, load and warm up all mean one thing for a web server: it answers."""
-        url = f"http://{self.endpoints[key]}/"
+        """Connect, load and warm up all mean one thing for a web server: it answers (a replica is told to
+        load as soon as it is created: its port may not be known yet)."""
+        url = f"http://{await self._endpoint(key)}/"
         try:
             await asyncio.to_thread(get, url)
         except OSError as exc:
@@ -119,19 +129,22 @@ async def supervise(driver: fsm.Driver, world: Processes, until) -> None:
 
 def generation(cluster: fsm.Cluster, world: Processes) -> str:
     machine = cluster.instance("web")
-    pids = [world.procs[(f"web/{r}", machine.generation)].pid for r in range(2)]
+    pids = [world.procs[(f"web/{r}", machine.rank_generations[r])].pid for r in range(2)]
+    if machine.policy.strategy is fsm.RestartStrategy.ONE_FOR_ONE:
+        return f"replicas of generations {machine.rank_generations} ready, attempts {machine.attempts}, pids {pids}"
     return f"generation {machine.generation} ready, attempts {machine.attempts}, pids {pids}"
 
 
-async def main() -> None:
+async def main(strategy: fsm.RestartStrategy) -> None:
     cluster = fsm.Cluster()
     world = Processes()
     driver = world.driver = fsm.Driver(cluster, world, time.time)
     slots = [fsm.Slot(rank, "local", f"web/{rank}") for rank in range(2)]
-    cluster.place("web", "local/http.server", slots, policy=POLICY, local=True)  # nothing to download
+    policy = fsm.RetryPolicy(backoff=POLICY.backoff, max_retries=POLICY.max_retries, strategy=strategy)
+    cluster.place("web", "local/http.server", slots, policy=policy, local=True)  # nothing to download
     machine = cluster.instance("web")
 
-    def ready(gen: int):
+    def ready(gen: int):  # the newest generation, of the whole instance or of the replica restarted last
         return lambda: machine.instance_state is fsm.InstanceState.READY and machine.generation == gen
 
     await supervise(driver, world, ready(1))
@@ -151,4 +164,5 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    alone = "--one-for-one" in sys.argv[1:]
+    asyncio.run(main(fsm.RestartStrategy.ONE_FOR_ONE if alone else fsm.RestartStrategy.ONE_FOR_ALL))

@@ -20,6 +20,17 @@ def _run(name: str, *args: str) -> str:
     return result.stdout
 
 
+def test_supervise_processes_as_replicas_restarts_the_killed_one_alone():
+    """The same supervisor with `RestartStrategy.ONE_FOR_ONE`: rank 0 keeps its process while rank 1 restarts."""
+    out = _run("supervise_processes.py", "--one-for-one")
+    first = re.search(r"^replicas of generations \[1, 1\] ready, attempts 0, pids \[(\d+), (\d+)\]$", out, re.M)
+    second = re.search(r"^replicas of generations \[1, 2\] ready, attempts 1, pids \[(\d+), (\d+)\]$", out, re.M)
+    assert first and second and f"killed rank 1 (pid {first.group(2)})" in out, out
+    assert second.group(1) == first.group(1) and second.group(2) != first.group(2)  # rank 0 was never stopped
+    assert "instance ready → degraded (rank_failed)" in out and "instance degraded → ready (auto)" in out
+    assert "recovering" not in out and out.rstrip().endswith("log replays: ok")
+
+
 def test_drive_runner_goes_through_the_lifecycle_and_fails_while_busy():
     out = _run("drive_runner.py")
     lines = out.splitlines()
