@@ -4,6 +4,7 @@ and one short campaign with a fixed seed against a real cluster finds no violati
 from __future__ import annotations
 
 import itertools
+import random
 import resource
 import subprocess
 import sys
@@ -373,3 +374,17 @@ def test_a_lowered_open_file_limit_is_given_back_and_its_undo_is_quiet_once_the_
     finally:
         child.communicate(b"")
     restore()  # the target exited and was reaped while the fault held: nothing to give back, no error
+
+
+def test_a_placement_pins_its_ranks_only_to_nodes_that_are_up_and_enough_of_them():
+    """A 10-min campaign (seed 911) drew 3 pinned ranks while a daemon was down: the sampling error ended the
+    workload's placements for the rest of the run. With fewer nodes up than ranks, the placer spreads them."""
+    from exod.chaos.workload import placement_body
+
+    rng = random.Random(0)
+    bodies = [placement_body(rng, ["m"], ["node-1"]) for _ in range(200)]
+    assert all(len(b.get("nodes", ())) in (0, b["ranks"]) for b in bodies)
+    assert {b["ranks"] for b in bodies} == {1, 2, 3} and any(b.get("nodes") == ["node-1"] for b in bodies)
+    assert all("nodes" not in b for b in bodies if b["ranks"] > 1)
+    up = [placement_body(rng, ["m"], ["node-1", "node-2", "node-3"]) for _ in range(200)]
+    assert any(len(b.get("nodes", ())) == 3 for b in up)

@@ -12,7 +12,7 @@ import contextlib
 import json
 import random
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import httpx
@@ -106,10 +106,7 @@ class Workload:
         on the way, often park it (at once, while it may still be Pending, or once it runs) and unpark it."""
         with httpx.Client(timeout=self.timeout, headers=self.headers, limits=FRESH) as client:
             while not self._stop.is_set() and self.clock() < self.placements_until:
-                ranks = rng.randint(1, 3)
-                body: dict[str, Any] = {"model": rng.choice(self.models), "ranks": ranks}
-                if rng.random() < 0.5:
-                    body["nodes"] = rng.sample(sorted(self.urls()), ranks)
+                body = placement_body(rng, self.models, sorted(self.urls()))
                 iid = self._ask(client, rng, "place", "POST", "/instances", body)
                 self._stop.wait(0.0 if rng.random() < 0.3 else rng.uniform(2.0, 10.0))
                 if iid and rng.random() < 0.6:
@@ -233,3 +230,14 @@ def _classify_stream(lines: Iterator[str], dialect: str) -> tuple[Outcome, str]:
     if error:  # OpenAI's streams end with their error event
         return Outcome.REFUSED, error
     return Outcome.MALFORMED, "the stream ended without its end or an error"
+
+
+def placement_body(rng: random.Random, models: Sequence[str], nodes: Sequence[str]) -> dict[str, Any]:
+    """A placement of 1–3 ranks, half of them pinned to nodes the workload can reach now (spread by the placer
+    when fewer are up than it has ranks: a 10-min campaign, seed 911, drew 3 ranks while a daemon was down,
+    and the sampling error ended the workload's placements for the rest of the run)."""
+    ranks = rng.randint(1, 3)
+    body: dict[str, Any] = {"model": rng.choice(models), "ranks": ranks}
+    if rng.random() < 0.5 and len(nodes) >= ranks:
+        body["nodes"] = rng.sample(list(nodes), ranks)
+    return body
