@@ -226,6 +226,16 @@ async def stored(client: Etcd) -> tuple[dict[str, Any] | None, dict[str, Any], l
     return await reader.load(), json.loads(meta.value), await reader.transitions()
 
 
+async def saved_once(client: Etcd) -> tuple[PausedMember, EtcdState]:
+    """A controller's turn through a member that can be paused, with one save made (seq 1)."""
+    term, _ = await elected(client)
+    etcd = PausedMember(client)
+    state = EtcdState(etcd, PREFIX, term)  # type: ignore[arg-type]
+    await state.load()
+    await state.save({"n": 1}, [entry(0)], 2001.0)
+    return etcd, state
+
+
 def test_a_save_retried_at_another_member_is_not_overwritten_when_the_paused_one_applies_the_first_attempt(etcd):
     """A save timed out at a paused member; the journal retried it (the client now at another member) with its
     entries and the next ones, and saved again; then the member resumed and applied the first attempt, the same
@@ -234,11 +244,7 @@ def test_a_save_retried_at_another_member_is_not_overwritten_when_the_paused_one
     the meta it builds on: the late attempt is refused."""
 
     async def body(client: Etcd):
-        term, _ = await elected(client)
-        etcd = PausedMember(client)
-        state = EtcdState(etcd, PREFIX, term)  # type: ignore[arg-type]
-        await state.load()
-        await state.save({"n": 1}, [entry(0)], 2001.0)
+        etcd, state = await saved_once(client)
         etcd.fault = "hold"
         with pytest.raises(StateUnavailable, match="paused member"):
             await state.save({"n": 2}, [entry(1)], 2002.0)
@@ -264,11 +270,7 @@ def test_a_save_applied_whose_answer_was_lost_is_not_written_twice_nor_counted_a
     a controller's turnover), nor lose any."""
 
     async def body(client: Etcd):
-        term, _ = await elected(client)
-        etcd = PausedMember(client)
-        state = EtcdState(etcd, PREFIX, term)  # type: ignore[arg-type]
-        await state.load()
-        await state.save({"n": 1}, [entry(0)], 2001.0)
+        etcd, state = await saved_once(client)
         etcd.fault = "lose" if applied == "before the retry" else "hold until the next"
         with pytest.raises(StateUnavailable, match="paused member"):
             await state.save({"n": 2}, [entry(1), entry(2)], 2002.0)
