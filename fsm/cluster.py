@@ -42,7 +42,16 @@ from fsm.errors import InvalidConfig, InvalidEvent, SnapshotError
 from fsm.failure import Failure
 from fsm.log import LogEntry
 from fsm.owed import Owed, owed
-from fsm.view import ClusterView, DownloadStatus, InstanceView, PendingRequest, RetryStatus, RunnerStatus, Slot
+from fsm.view import (
+    ClusterView,
+    DownloadStatus,
+    InstanceView,
+    PendingRequest,
+    RetryStatus,
+    RunnerStatus,
+    Slot,
+    slot_of,
+)
 from fsm.watchdog import PhaseLimits
 
 
@@ -228,8 +237,9 @@ class Cluster:
             placement.last_used = now
             if isinstance(event, rn.RequestStarted):  # a request's own keep-alive comes after (`hold`)
                 placement.keep_alive_now = placement.keep_alive
-        # the instance's rank is the slot's (a one_for_one replica's process is rank 0 of its own world)
-        gen, rank = machine.incarnation, next(s.rank for s in placement.slots if s.runner_id == event.runner_id)
+        slot = slot_of(placement.slots, event.runner_id)
+        assert slot is not None  # a runner entry exists only for a slot of its instance
+        gen, rank = machine.incarnation, slot.rank
         if not was_ready and machine.runner_state is rn.RunnerState.READY:
             self.instance_event(inst.RankReady(instance_id, now, gen, rank))
         if not was_failed and machine.failure is not None:
@@ -349,7 +359,7 @@ class Cluster:
         """Refuse first, change nothing: a runner is registered only if its instance takes the rank."""
         placement = self._placement(action.instance_id)
         instance = placement.machine
-        slot = next((s for s in placement.slots if s.runner_id == action.runner_id), None)
+        slot = slot_of(placement.slots, action.runner_id)
         if slot is None:
             raise InvalidEvent(f"instance {action.instance_id!r} has no slot {action.runner_id!r}")
         wanted = instance.rank_generations[slot.rank]
@@ -646,13 +656,13 @@ def _restore_runners(value: object, placements: dict[str, _Placement]) -> dict[s
         placement = placements.get(r["instance_id"])
         if placement is None:
             raise SnapshotError(f"{where}.instance_id: no instance {r['instance_id']!r}")
-        slot = next((s for s in placement.slots if s.runner_id == rid), None)
+        slot = slot_of(placement.slots, rid)
         if slot is None:
             raise SnapshotError(f"{where}: {rid!r} is in no slot of instance {r['instance_id']!r}")
         if r["node_id"] != slot.node_id:
             raise SnapshotError(f"{where}.node_id: {r['node_id']!r}, but its slot is on {slot.node_id!r}")
         machine = _machine(rn.RunnerLifecycle, r["machine"], f"{where}.machine")
-        replica = placement.machine.policy.strategy is inst.RestartStrategy.ONE_FOR_ONE  # a world of its own
+        replica = placement.machine.one_for_one  # each process a world of its own
         for key, got, want in (
             ("runner_id", machine.runner_id, rid),
             ("rank", machine.rank, 0 if replica else slot.rank),

@@ -70,7 +70,7 @@ from fsm.actions import (
 from fsm.download import DownloadState
 from fsm.instance import DeleteReason, InstanceState, budget_exhausted
 from fsm.runner import RunnerPhase, RunnerState
-from fsm.view import ClusterView, InstanceView, RunnerStatus
+from fsm.view import ClusterView, InstanceView, RunnerStatus, slot_of
 
 _TEARDOWN = (InstanceState.RECOVERING, InstanceState.BACKING_OFF)
 _PARKED = (InstanceState.PARKING, InstanceState.PARKED)
@@ -170,12 +170,12 @@ def _stop_reason(view: ClusterView, runner: RunnerStatus) -> StopReason | None:
     inst = view.instances.get(runner.instance_id)
     if inst is None or inst.retry.state is InstanceState.DELETED:
         return StopReason.INSTANCE_GONE
-    if all(slot.runner_id != runner.runner_id for slot in inst.slots):
+    slot = slot_of(inst.slots, runner.runner_id)
+    if slot is None:
         return StopReason.INSTANCE_GONE  # in no slot of its instance: nothing would ever stop it otherwise
     if runner.state is RunnerState.FAILED:
         return StopReason.RUNNER_FAILED
-    rank = next(s.rank for s in inst.slots if s.runner_id == runner.runner_id)
-    if runner.incarnation < inst.retry.rank_generation(rank):
+    if runner.incarnation < inst.retry.rank_generation(slot.rank):
         return StopReason.STALE_GENERATION
     if inst.retry.state in _PARKED:
         return StopReason.PARKED

@@ -10,7 +10,7 @@ visible after it was reaped, which the sibling rule of `fsm.plan` relies on.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import attrs
 
@@ -90,6 +90,12 @@ class Slot:
     rank: int
     node_id: str
     runner_id: str
+
+
+def slot_of(slots: Iterable[Slot], runner_id: str) -> Slot | None:
+    """The slot ``runner_id`` runs in: its rank is the instance's (a one_for_one replica's process is rank 0 of
+    a world of its own, so the runner's own rank does not say)."""
+    return next((s for s in slots if s.runner_id == runner_id), None)
 
 
 class Residency(enum.Enum):

@@ -25,7 +25,7 @@ from fsm.owed import Owed, Report, owed_after
 from fsm.plan import next_deadline
 from fsm.plan import plan as default_plan
 from fsm.runner import RunnerPhase, RunnerState
-from fsm.view import ClusterView, PendingRequest
+from fsm.view import ClusterView, PendingRequest, slot_of
 
 # The phase a runner must still be in for its completion to mean something.
 _EXPECTED_PHASE = {
@@ -108,7 +108,7 @@ def check_action(cluster: Cluster, action: act.Action, now: float) -> None:
             if machine.is_deleted:
                 raise InvariantViolated("1 absorbing Deleted", f"{action} for a Deleted instance")
             # one_for_all: no process of another generation of the instance; one_for_one: none of its own rank's
-            alone = machine.policy.strategy is inst.RestartStrategy.ONE_FOR_ONE
+            alone = machine.one_for_one
             older = [
                 e.machine
                 for rid, e in cluster.runners.items()
@@ -140,8 +140,9 @@ def check_action(cluster: Cluster, action: act.Action, now: float) -> None:
         case act.ForwardRequest(_, runner_id, incarnation):
             runner = cluster.runner(runner_id)
             placement = cluster.instances[cluster.runners[runner_id].instance_id]
-            rank = next(s.rank for s in placement.slots if s.runner_id == runner_id)
-            if runner.runner_state is not RunnerState.READY or incarnation != placement.machine.rank_generations[rank]:
+            slot = slot_of(placement.slots, runner_id)
+            current = slot is not None and incarnation == placement.machine.rank_generations[slot.rank]
+            if runner.runner_state is not RunnerState.READY or not current:
                 raise InvariantViolated("requests go to Ready runners", f"{action} while the runner is {runner.path}")
         case act.CancelRequest(_, instance_id, _) if instance_id in cluster.instances:
             machine = cluster.instance(instance_id)
@@ -156,7 +157,7 @@ def check_runners(cluster: Cluster) -> None:
     runner entry holds by construction), never more live runners than ranks."""
     for instance_id, placement in cluster.instances.items():
         alive = [e.machine for e in cluster.runners.values() if e.instance_id == instance_id and e.machine.alive]
-        alone = placement.machine.policy.strategy is inst.RestartStrategy.ONE_FOR_ONE
+        alone = placement.machine.one_for_one
         if not alone and len({m.incarnation for m in alive}) > 1:
             raise InvariantViolated(
                 "6 one generation at a time", f"alive incarnations {sorted({m.incarnation for m in alive})}"
