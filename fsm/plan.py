@@ -283,10 +283,9 @@ def _restart_ranks(view: ClusterView, node_id: str, now: float) -> Iterator[Acti
     for inst in view.instances.values():
         if inst.leader != node_id or inst.retry.state is not InstanceState.DEGRADED or _exhausted(inst):
             continue
-        statuses = dict(view.slot_runners(inst))
+        statuses, deadlines = dict(view.slot_runners(inst)), dict(inst.retry.rank_deadlines)
         for slot in inst.slots:
-            deadline = dict(inst.retry.rank_deadlines).get(slot.rank)
-            runner = statuses[slot]
+            deadline, runner = deadlines.get(slot.rank), statuses[slot]
             if deadline is not None and now >= deadline and (runner is None or not runner.alive):
                 yield RestartRank(inst.instance_id, slot.rank, inst.retry.generation + 1)
                 break
