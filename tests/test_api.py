@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
+from urllib.parse import urlsplit
 
+import h11
 import httpx
 import openai
 import pytest
@@ -60,6 +63,48 @@ def reference(hf, **sampling) -> str:
     prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
     mx.random.seed(sampling["seed"])
     return mlx_lm.generate(model, tokenizer, prompt, max_tokens=10, sampler=make_sampler(temp=sampling["temperature"]))
+
+
+def written_chunks(url: str, path: str, body: dict) -> list[bytes]:
+    """The body of a streamed answer as the server wrote it: each chunk of its chunked encoding (h11 marks
+    where each begins and ends, however the network splits them)."""
+    address = urlsplit(url)
+    raw = json.dumps(body).encode()
+    connection = h11.Connection(h11.CLIENT)
+    headers = [("host", address.netloc), ("content-type", "application/json"), ("content-length", str(len(raw)))]
+    chunks, current = [], b""
+    with socket.create_connection((address.hostname, address.port), timeout=60) as sock:
+        request = h11.Request(method="POST", target=path, headers=headers)
+        sock.sendall(
+            connection.send(request) + connection.send(h11.Data(data=raw)) + connection.send(h11.EndOfMessage())
+        )
+        while not isinstance(event := connection.next_event(), h11.EndOfMessage):
+            if event is h11.NEED_DATA:
+                connection.receive_data(sock.recv(65536))
+            elif isinstance(event, h11.Response):
+                assert event.status_code == 200
+            elif isinstance(event, h11.Data):
+                current += event.data
+                if event.chunk_end:
+                    chunks.append(current)
+                    current = b""
+    return chunks
+
+
+def test_a_streamed_chat_writes_what_is_ready_at_once_as_one_chunk(daemon):
+    """The role goes out with the first token, the finish with the usage and ``[DONE]``: one write each,
+    not one per event (each write is a trip through the HTTP stack and a system call)."""
+    wait_instance(daemon["url"], lambda i: i["state"] == "ready")
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "stream": True, "temperature": 1.0, "seed": 3}
+    chunks = written_chunks(daemon["url"], "/v1/chat/completions", body | {"stream_options": {"include_usage": True}})
+    events = [[e.removeprefix("data: ") for e in c.decode().split("\n\n") if e] for c in chunks]
+    first, *middle, last = [[e if e == "[DONE]" else json.loads(e) for e in chunk] for chunk in events]
+    assert first[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert len(first) == 2 and "content" in first[1]["choices"][0]["delta"]
+    assert all(len(chunk) == 1 and chunk[0]["choices"][0]["finish_reason"] is None for chunk in middle)
+    finish, usage, done = last
+    assert finish["choices"][0]["finish_reason"] == "length" and usage["usage"]["completion_tokens"] == 6
+    assert done == "[DONE]"
 
 
 def test_openai_client_completion_and_stream_match_mlx_lm(daemon, client):

@@ -36,7 +36,6 @@ DAEMON_IMPORTS = frozenset(
         "hypercorn",
         "httpx",
         "httpx_sse",
-        "sse_starlette",
         "psutil",
         "platformdirs",
         "prometheus_client",

@@ -11,11 +11,11 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
-from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from exod import generated as g
 from exod.api.errors import ApiError, responses
 from exod.api.generation import Generation, Output, ToolCall, Usage, event_stream, openai_logprobs, sse, usage
+from exod.api.sse import EventStream
 from exod.controller import Controller
 from exod.host.models import ModelCard
 from exod.requests import REQUIRED, RequestFailed
@@ -365,7 +365,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
         return _model(model_id, controller.model_card(model_id))
 
     @api.post("/v1/chat/completions", response_model=None, responses=responses(400, 404, 429, 502, 503))
-    async def chat(body: ChatRequest, request: Request) -> JSONResponse | EventSourceResponse:
+    async def chat(body: ChatRequest, request: Request) -> JSONResponse | EventStream:
         max_tokens = body.max_completion_tokens or body.max_tokens or min(256, max_tokens_ceiling)
         generation = Generation(controller, metrics, body.model, constraint=body.constraint_param)
         if max_tokens > max_tokens_ceiling:
@@ -396,45 +396,46 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        def chunk(
-            index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None
-        ) -> ServerSentEvent:
+        def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
             choice = {"index": index, "delta": delta, "finish_reason": finish}
             if body.logprobs:
                 choice["logprobs"] = logprobs
             return sse(head | {"object": "chat.completion.chunk", "choices": [choice]})
 
-        async def events() -> AsyncIterator[ServerSentEvent]:
+        async def events() -> AsyncIterator[bytes]:
             dones: list[g.Done] = []
+            held = b""  # chunks with nothing to wait for go out with the next one: one write, not one each
             try:
                 for index, stream in enumerate(streams):  # choice by choice; each chunk says its index
-                    yield chunk(index, {"role": "assistant", "content": ""})
+                    held += chunk(index, {"role": "assistant", "content": ""})
                     calls = 0
                     async for item in generation.pieces(stream):
                         match item:
                             case g.Token(text=text) if text or item.chosen is not None:
                                 logprobs = {"content": openai_logprobs([item])} if item.chosen else None
-                                yield chunk(index, {"content": text}, logprobs=logprobs)
+                                yield held + chunk(index, {"content": text}, logprobs=logprobs)
+                                held = b""
                             case ToolCall():
                                 function = {"name": item.name, "arguments": item.arguments}
                                 call = {"index": calls, "id": item.id, "type": "function", "function": function}
-                                yield chunk(
+                                yield held + chunk(
                                     index, {"function_call": function} if body.legacy else {"tool_calls": [call]}
                                 )
+                                held = b""
                                 calls += 1
                             case g.Done():
                                 dones.append(item)
-                                yield chunk(index, {}, _finish_reason(item.finish_reason.value, body.legacy))
+                                held += chunk(index, {}, _finish_reason(item.finish_reason.value, body.legacy))
                 generation.record("ok", sum(d.completion_tokens for d in dones))
                 if include_usage:
                     counted = Usage.of(dones).openai()
-                    yield sse(head | {"object": "chat.completion.chunk", "choices": [], "usage": counted})
+                    held += sse(head | {"object": "chat.completion.chunk", "choices": [], "usage": counted})
             except RequestFailed as exc:
                 generation.record("error")
-                yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
+                held += sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
             finally:
                 generation.close()  # the client went away mid-stream: cancelled (no-op when recorded)
-            yield sse("[DONE]")
+            yield held + sse("[DONE]")
 
         return event_stream(events())
 

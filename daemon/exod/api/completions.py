@@ -11,12 +11,12 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import Field, field_validator, model_validator
-from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from exod import generated as g
 from exod.api.chat import LENIENT, MAX_CHOICES, MAX_MESSAGE_CHARS, Guided, StreamOptions, Text, stop_list
 from exod.api.errors import ApiError, responses
 from exod.api.generation import Generation, Output, Usage, event_stream, gathered, sse, usage
+from exod.api.sse import EventStream
 from exod.controller import Controller
 from exod.requests import RequestFailed
 
@@ -90,7 +90,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
     api = APIRouter()
 
     @api.post("/v1/completions", response_model=None, responses=responses(400, 404, 429, 502, 503))
-    async def complete(body: CompletionRequest) -> JSONResponse | EventSourceResponse:
+    async def complete(body: CompletionRequest) -> JSONResponse | EventStream:
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         if max_tokens > max_tokens_ceiling:
             refused = ApiError(400, f"max_tokens must be at most {max_tokens_ceiling}", param="max_tokens")
@@ -137,11 +137,11 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
         first_streams = await first.start(body.n, **submits[0])
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None) -> ServerSentEvent:
+        def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None) -> bytes:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
             return sse(head | {"choices": [choice]})
 
-        async def events() -> AsyncIterator[ServerSentEvent]:
+        async def events() -> AsyncIterator[bytes]:
             counted: list[Usage] = []
             current = first
             try:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import AsyncIterator
 
 import trio
 from fastapi import APIRouter, Header, Query
-from sse_starlette import EventSourceResponse, ServerSentEvent
 
+from exod.api.sse import EventStream, comment, event
 from exod.controller import Controller, StoreUnavailable
 
 KEEPALIVE_S = 15.0
@@ -19,11 +20,11 @@ BATCH = 500  # log entries read at a time
 def router(controller: Controller) -> APIRouter:
     api = APIRouter()
 
-    @api.get("/events", response_class=EventSourceResponse)
+    @api.get("/events", response_class=EventStream, status_code=200)
     async def events(
         last_event_id: int | None = Header(None, ge=0, le=MAX_SEQ, description="resume after this sequence number"),
         after: int = Query(0, ge=0, le=MAX_SEQ, description="resume after this sequence number, if no Last-Event-ID"),
-    ) -> EventSourceResponse:
+    ) -> EventStream:
         """Server-sent events: every lifecycle transition, from the durable log, resumable.
 
         A resume point must be a sequence number the log could hold (0..2^63-1), or it is a 400 before the
@@ -32,30 +33,30 @@ def router(controller: Controller) -> APIRouter:
         event first, whose id is the last pruned entry's, then the stream from the oldest entry kept.
         """
         start = last_event_id if last_event_id is not None else after
-        return EventSourceResponse(_stream(controller, start), sep="\n", headers={"Cache-Control": "no-cache"})
+        return EventStream(_stream(controller, start), keepalive=math.inf)  # the stream sends its own
 
     return api
 
 
-async def _stream(controller: Controller, seen: int) -> AsyncIterator[ServerSentEvent]:
+async def _stream(controller: Controller, seen: int) -> AsyncIterator[bytes]:
     """The log's entries after ``seen``, then each new one as it is written; a keepalive when idle."""
     while True:
         try:
             if seen < (oldest := await controller.log_start()) - 1:  # also when a slow reader is overtaken
                 doc = {"oldest_seq": oldest, "after": seen}
-                yield ServerSentEvent(data=json.dumps(doc), id=str(oldest - 1), event="truncated")
+                yield event(json.dumps(doc), "truncated", id=str(oldest - 1))
                 seen = oldest - 1
             batch = await controller.transitions(after=seen, limit=BATCH)
             for seq, e in batch:
                 seen = seq
                 doc = {"seq": seq, **e.as_record()}
-                yield ServerSentEvent(data=json.dumps(doc), id=str(seq), event="transition")
+                yield event(json.dumps(doc), "transition", id=str(seq))
             if len(batch) == BATCH:
                 continue  # more are waiting
             with trio.move_on_after(KEEPALIVE_S) as idle:
                 await controller.log_grew(seen)
             if idle.cancelled_caught:
-                yield ServerSentEvent(comment="keepalive")
+                yield comment("keepalive")
         except StoreUnavailable as exc:  # the cluster's etcd is away: the stream waits for it
-            yield ServerSentEvent(comment=f"{exc}; trying again")
+            yield comment(f"{exc}; trying again")
             await trio.sleep(1.0)

@@ -17,13 +17,14 @@ from typing import Any, TypeVar
 
 import attrs
 import trio
-from sse_starlette import EventSourceResponse, ServerSentEvent
 
 import fsm
 from exod import generated as g
 from exod.api.drain import unavailable
 from exod.api.errors import ApiError
 from exod.api.instances import refused, unstored
+from exod.api.sse import EventStream
+from exod.api.sse import event as sse_event
 from exod.controller import Controller, StoreUnavailable
 from exod.placer import PlacementRefused
 from exod.requests import (
@@ -282,15 +283,15 @@ def openai_logprobs(tokens: list[g.Token]) -> list[dict[str, Any]]:
     ]
 
 
-def sse(data: dict[str, Any] | str, event: str | None = None) -> ServerSentEvent:
+def sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
     """One server-sent event (``event:`` for the dialects that name them: Anthropic's, Responses')."""
-    return ServerSentEvent(data=data if isinstance(data, str) else json.dumps(data), event=event)
+    return sse_event(data if isinstance(data, str) else json.dumps(data), event)
 
 
-def event_stream(events: AsyncIterator[ServerSentEvent]) -> EventSourceResponse:
-    """The response that streams ``events`` (sse-starlette: the framing, and the client going away cancels
-    the stream, whose ``finally`` then counts the request as cancelled)."""
-    return EventSourceResponse(events, sep="\n", headers={"Cache-Control": "no-cache"})
+def event_stream(events: AsyncIterator[bytes]) -> EventStream:
+    """The response that streams ``events`` (the client going away closes the stream, whose ``finally``
+    then counts the request as cancelled)."""
+    return EventStream(events)
 
 
 async def gathered(controller: Controller, jobs: list[Callable[[], Awaitable[T]]], each: int = 1) -> list[T]:

@@ -16,12 +16,12 @@ from typing import Any, Literal
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, field_validator
-from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from exod import generated as g
 from exod.api.chat import LENIENT, MAX_MESSAGE_CHARS, MAX_MESSAGES, Text, stop_list, unicode_text
 from exod.api.errors import ApiError, responses
 from exod.api.generation import Generation, Output, ToolCall, event_stream, sse
+from exod.api.sse import EventStream
 from exod.controller import Controller
 from exod.requests import REQUIRED, RequestFailed
 
@@ -141,7 +141,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
     api = APIRouter()
 
     @api.post("/v1/messages", response_model=None, responses=responses(400, 404, 429, 502, 503, anthropic=True))
-    async def messages(body: MessagesRequest) -> JSONResponse | EventSourceResponse:
+    async def messages(body: MessagesRequest) -> JSONResponse | EventStream:
         generation = Generation(controller, metrics, body.model)
         if body.max_tokens > max_tokens_ceiling:
             raise generation.rejected(
@@ -164,7 +164,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
             [output] = await generation.outputs()
             return JSONResponse(head | _message(output))
 
-        async def events() -> AsyncIterator[ServerSentEvent]:
+        async def events() -> AsyncIterator[bytes]:
             index = 0
             text_open = False
             try:

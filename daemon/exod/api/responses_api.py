@@ -17,12 +17,12 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, model_validator
-from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from exod import generated as g
 from exod.api.chat import LENIENT, MAX_MESSAGE_CHARS, MAX_MESSAGES, Text, format_grammar, text_of
 from exod.api.errors import ApiError, responses
 from exod.api.generation import Generation, Output, ToolCall, event_stream, sse
+from exod.api.sse import EventStream
 from exod.controller import Controller
 from exod.requests import REQUIRED, RequestFailed
 
@@ -156,7 +156,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
     api = APIRouter()
 
     @api.post("/v1/responses", response_model=None, responses=responses(400, 404, 429, 502, 503))
-    async def respond(body: ResponsesRequest) -> JSONResponse | EventSourceResponse:
+    async def respond(body: ResponsesRequest) -> JSONResponse | EventStream:
         grammar = body.text.format.grammar() if body.text is not None else None
         generation = Generation(
             controller, metrics, body.model, prompt="input", constraint="text.format" if grammar else "tools"
@@ -181,10 +181,10 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
             [output] = await generation.outputs()
             return JSONResponse(_finished(shell, output))
 
-        async def events() -> AsyncIterator[ServerSentEvent]:
+        async def events() -> AsyncIterator[bytes]:
             number = 0
 
-            def event(kind: str, **data: Any) -> ServerSentEvent:
+            def event(kind: str, **data: Any) -> bytes:
                 nonlocal number
                 number += 1
                 return sse({"type": kind, "sequence_number": number - 1, **data}, kind)
@@ -241,7 +241,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
     return api
 
 
-def _text_done(event: Any, message_id: str, index: int, text: str) -> list[ServerSentEvent]:
+def _text_done(event: Any, message_id: str, index: int, text: str) -> list[bytes]:
     """The events that close a message item of text."""
     where = {"item_id": message_id, "output_index": index, "content_index": 0}
     part = {"type": "output_text", "text": text, "annotations": []}
