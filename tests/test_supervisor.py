@@ -9,8 +9,9 @@ from pathlib import Path
 
 import attrs
 import trio
+import trio.testing
 
-from exod.host.supervisor import RunnerSpec, Supervisor, Timeouts
+from exod.host.supervisor import RunnerSpec, Supervisor, Timeouts, Watchdog
 from exod.runner import protocol as p
 
 IGNORES_EVERYTHING = """
@@ -193,3 +194,30 @@ def test_commands_posted_together_are_written_at_once_and_in_order(tmp_path):
 
     trio.run(main)
     assert stream.writes == [b"".join(c.to_line() for c in together), p.Cancel("e0").to_line()]
+
+
+def test_the_generation_watchdog_fires_one_timeout_after_the_last_token_and_never_while_tokens_flow():
+    """Tokens move the deadline without waking the watchdog (it looks again when the old one passes); a
+    runner silent for the timeout with a request outstanding is reported once; one with none is not."""
+    stalls: list[tuple[str, float]] = []
+
+    async def main() -> None:
+        watchdog = Watchdog(Timeouts(generate=10.0), lambda phase, _: stalls.append((phase, trio.current_time())))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watchdog.run)
+            for round_ in range(2):  # the second after a Done disarmed it: a new request arms it again
+                watchdog.arm_for(p.Generate(f"r{round_}", prompt_tokens=[1], max_tokens=99))
+                for _ in range(20):  # 120 s of tokens, 6 s apart
+                    await trio.sleep(6)
+                    watchdog.feed(p.Token("w", 0, f"r{round_}", "x", 1))
+                assert stalls == []
+                if round_ == 0:
+                    watchdog.feed(p.Done("w", 0, "r0", p.FinishReason.LENGTH, 1, 20))
+                    await trio.sleep(60)  # nothing outstanding: silence is no stall
+                    assert stalls == []
+            last_token = trio.current_time()
+            await trio.sleep(60)
+            nursery.cancel_scope.cancel()
+        assert stalls == [("generating", last_token + 10.0)]
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -130,9 +130,11 @@ class _Connection(TCPServer):
             return
         async with self.send_lock:
             try:
-                with trio.CancelScope(shield=True):  # hypercorn's own: a write cut midway breaks the stream …
-                    with trio.move_on_after(self.send_timeout) as waited:  # … which is what is wanted here
-                        await self.stream.send_all(event.data)
+                # hypercorn shields the write (one cut midway breaks the stream), which is what is wanted when
+                # the client takes nothing for ``send_timeout``: a shielded scope's own deadline still ends it
+                deadline = trio.current_time() + self.send_timeout
+                with trio.CancelScope(shield=True, deadline=deadline) as waited:
+                    await self.stream.send_all(event.data)
                 if waited.cancelled_caught:
                     log.warning("a client took nothing for %g s: its connection is closed", self.send_timeout)
                     raise trio.BrokenResourceError("the client stopped reading")

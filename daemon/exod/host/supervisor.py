@@ -123,17 +123,20 @@ class Watchdog:
     def __init__(self, timeouts: Timeouts, on_stall: Callable[[str, float], None]) -> None:
         self.timeouts = timeouts
         self._on_stall = on_stall
-        self._deadline: float | None = None  # trio time; None: disarmed
-        self._changed = trio.Event()
+        # trio time; None: disarmed. Each token moves it and wakes nobody: `run` looks at it when the one it
+        # slept until has passed, so a busy runner costs one wake-up per timeout, not one per token.
+        self._deadline: float | None = None
+        self._armed = trio.Event()
         self._outstanding = 0  # Generate commands without their Done yet
 
     def _arm(self) -> None:
+        disarmed = self._deadline is None
         self._deadline = trio.current_time() + self.timeouts.generate
-        self._changed.set()
+        if disarmed:
+            self._armed.set()
 
     def disarm(self) -> None:
         self._deadline = None
-        self._changed.set()
 
     def arm_for(self, command: p.Command) -> None:
         """A request gives the generation its timeout."""
@@ -154,15 +157,14 @@ class Watchdog:
 
     async def run(self) -> None:
         while True:
-            self._changed = trio.Event()
             if self._deadline is None:
-                await self._changed.wait()
-                continue
-            with trio.move_on_at(self._deadline):
-                await self._changed.wait()
-                continue
-            self._deadline = None
-            self._on_stall("generating", self.timeouts.generate)
+                self._armed = trio.Event()  # no checkpoint since the look: an `_arm` from now on sets this one
+                await self._armed.wait()
+            elif trio.current_time() < self._deadline:
+                await trio.sleep_until(self._deadline)  # fed meanwhile: the deadline moved, sleep on
+            else:
+                self._deadline = None
+                self._on_stall("generating", self.timeouts.generate)
 
 
 class Supervisor:
