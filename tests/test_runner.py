@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import attrs
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from statemachine.exceptions import TransitionNotAllowed
 
 from fsm import (
@@ -956,3 +959,43 @@ def test_a_fail_with_its_cause_refused_after_stopped_does_not_ask_for_a_cause():
     with pytest.raises(IllegalTransition) as refused:
         r.apply(Fail("r", 0, failure=STALL))
     assert "needs its cause" not in str(refused.value)
+
+
+# -- the request shortcut is the engine ---------------------------------------------------------------
+
+
+def _engine_apply(machine: RunnerLifecycle, event: RunnerEvent) -> Outcome:
+    """What `RunnerLifecycle.apply` did before its request shortcut: every event through python-statemachine."""
+    return machine._fire(event.name, **event.payload())
+
+
+def _outcome_of(machine: RunnerLifecycle, apply: Callable[[RunnerEvent], Outcome], name: str) -> Any:
+    try:
+        return apply(make(name))
+    except IllegalTransition as exc:
+        return ("refused", str(exc))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["request_started"] * 3 + ["request_finished"] * 3 + ["fail", "stop", "exited"])))
+def test_request_events_in_ready_do_what_the_engine_does(names: list[str]) -> None:
+    """`RunnerLifecycle.apply` takes ``request_started`` / ``request_finished`` in Ready without the engine: the
+    same outcome (steps, refusals and their words), leaf, configuration, count in flight and snapshot."""
+    shortcut, engine = (RunnerLifecycle(RID, incarnation=INC) for _ in range(2))
+    for machine in (shortcut, engine):
+        for name in ["load", "weights_loaded", "warm_up", "warmed"]:
+            machine.apply(make(name))
+    for name in names:
+        assert _outcome_of(shortcut, shortcut.apply, name) == _outcome_of(engine, partial(_engine_apply, engine), name)
+        assert shortcut.snapshot() == engine.snapshot()
+        assert (shortcut.leaf, shortcut.path, shortcut.configuration_values) == (
+            engine.leaf,
+            engine.path,
+            engine.configuration_values,
+        )
+    # and the engine goes on from where the shortcut left it
+    for name in ["request_started", "request_finished", "fail", "exited"]:
+        assert _outcome_of(shortcut, partial(_engine_apply, shortcut), name) == _outcome_of(
+            engine, partial(_engine_apply, engine), name
+        )
+        assert shortcut.snapshot() == engine.snapshot()
