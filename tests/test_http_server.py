@@ -113,6 +113,27 @@ def test_half_sent_headers_are_closed_at_the_keep_alive_timeout(tmp_path):
     assert 0.4 <= elapsed < 3 and data == b""
 
 
+def test_a_kept_alive_connection_serves_again_and_is_closed_a_keep_alive_timeout_after_its_last_answer(tmp_path):
+    """The keep-alive timer runs again from each answer's end, and stops while a request is served."""
+
+    async def body(port: int) -> tuple[list[bytes], float, bytes]:
+        stream = await connect(port)
+        heads = []
+        for _ in range(3):  # each within the timeout of the one before
+            await trio.sleep(0.3)
+            await stream.send_all(b"GET /slow HTTP/1.1\r\nHost: test\r\n\r\n")  # an answer longer than the timeout
+            data = b""
+            while not data.endswith(b"got 0 bytes\r\n0\r\n\r\n"):  # the chunked body's end
+                data += await stream.receive_some()
+            heads.append(data.split(b"\r\n", 1)[0])
+        elapsed, rest = await until_closed(stream)
+        return heads, elapsed, rest
+
+    heads, elapsed, rest = serving(tmp_path, body, keep_alive_timeout=0.5, read_timeout=5)
+    assert heads == [b"HTTP/1.1 200 "] * 3
+    assert 0.4 <= elapsed < 3 and rest == b""
+
+
 def test_half_sent_body_is_a_408_and_closed_at_the_read_timeout(tmp_path):
     async def body(port: int) -> tuple[float, bytes]:
         stream = await connect(port)

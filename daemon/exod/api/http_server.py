@@ -124,6 +124,10 @@ class _Connection(TCPServer):
 
     send_timeout = math.inf  # set per server (`serve_http`)
 
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.idle_task = _IdleTimer(self)
+
     async def protocol_send(self, event: Event) -> None:
         if not isinstance(event, RawData):
             await super().protocol_send(event)
@@ -143,7 +147,40 @@ class _Connection(TCPServer):
 
     async def _read_data(self) -> None:
         await super()._read_data()  # returns once the client closed (or the connection failed)
-        await self.idle_task.stop()  # nothing left to wait for: the connection closes when its request is done
+        self.idle_task.end()  # nothing left to wait for: the connection closes when its request is done
+
+
+class _IdleTimer:
+    """hypercorn's keep-alive timer, in its ``SingleTask`` shape: restarted as a connection opens and as each
+    response ends, stopped as each request's headers are in. hypercorn's own starts a task at every restart
+    (a twentieth of the daemon's CPU on a short request); this one is one task per connection, asleep in a
+    scope whose deadline the two move."""
+
+    def __init__(self, connection: _Connection) -> None:
+        self.connection = connection
+        self._scope = trio.CancelScope(deadline=math.inf)
+        self._running = self._ended = False
+
+    async def restart(self, task_group: Any, _action: Any) -> None:
+        self._scope.deadline = trio.current_time() + self.connection.config.keep_alive_timeout
+        if not self._running:
+            self._running = True
+            task_group.spawn(self._close_when_idle)
+
+    async def stop(self) -> None:
+        self._scope.deadline = math.inf
+
+    def end(self) -> None:
+        """The connection is over: nothing to time (its task group waits for this task too)."""
+        self._ended = True
+        self._scope.cancel()
+
+    async def _close_when_idle(self) -> None:
+        with self._scope:
+            await trio.sleep_forever()
+        if not self._ended:  # idle past the deadline: hypercorn's own way to close
+            with trio.CancelScope(shield=True):
+                await self.connection._initiate_server_close()
 
 
 class LimitedListener(trio.abc.Listener[trio.SocketStream]):
