@@ -107,6 +107,21 @@ def test_a_streamed_chat_writes_what_is_ready_at_once_as_one_chunk(daemon):
     assert done == "[DONE]"
 
 
+def test_a_streamed_message_writes_what_is_ready_at_once_as_one_chunk(daemon):
+    """Anthropic's Messages: the message's and the block's starts with the first text, then one delta a write,
+    then the block's stop with the message's delta and stop."""
+    wait_instance(daemon["url"], lambda i: i["state"] == "ready")
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "stream": True, "temperature": 1.0, "seed": 3}
+    chunks = written_chunks(daemon["url"], "/v1/messages", body)
+    kinds = [
+        [line.removeprefix("event: ") for line in c.decode().split("\n") if line.startswith("event: ")] for c in chunks
+    ]
+    first, *middle, last = kinds
+    assert first == ["message_start", "content_block_start", "content_block_delta"]
+    assert all(chunk == ["content_block_delta"] for chunk in middle)
+    assert last == ["content_block_stop", "message_delta", "message_stop"]
+
+
 def test_openai_client_completion_and_stream_match_mlx_lm(daemon, client):
     sampling = {"temperature": 1.0, "seed": 11}
     expected = reference(daemon["hf"], **sampling)

@@ -144,9 +144,13 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
         async def events() -> AsyncIterator[bytes]:
             counted: list[Usage] = []
             current = first
+            held = b""  # a choice's finish goes out with what follows it: the next text, or the usage and [DONE]
             try:
                 for i in range(len(submits)):  # prompt by prompt, each started as the one before ends
                     if i:
+                        if held:  # the next prompt may wait for a runner: what is done goes out first
+                            yield held
+                            held = b""
                         current = generation()
                         streams = await current.start(body.n, **submits[i])
                     else:
@@ -158,25 +162,27 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                             if isinstance(item, g.Prompt):
                                 text = body.prompt[i] if isinstance(body.prompt[i], str) else item.text
                                 logprobs = _prompt_logprobs(item, text) if body.logprobs is not None else None
-                                yield chunk(index, text, logprobs=logprobs)
+                                yield held + chunk(index, text, logprobs=logprobs)
+                                held = b""
                             elif isinstance(item, g.Token) and (item.text or item.chosen is not None):
                                 logprobs = _legacy_logprobs([item], 0) if body.logprobs is not None else None
-                                yield chunk(index, item.text, logprobs=logprobs)
+                                yield held + chunk(index, item.text, logprobs=logprobs)
+                                held = b""
                             elif isinstance(item, g.Done):
                                 dones.append(item)
-                                yield chunk(index, "", _finish(Output(done=item)))
+                                held += chunk(index, "", _finish(Output(done=item)))
                     current.record("ok", sum(d.completion_tokens for d in dones))
                     counted.append(Usage.of(dones))
                 if include_usage:
                     total = Usage(sum(u.prompt for u in counted), sum(u.completion for u in counted))
-                    yield sse(head | {"choices": [], "usage": total.openai()})
+                    held += sse(head | {"choices": [], "usage": total.openai()})
             except (RequestFailed, ApiError) as exc:
                 current.record("error")
                 message = exc.message if isinstance(exc, ApiError) else str(exc)
-                yield sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
+                held += sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
             finally:
                 current.close()
-            yield sse("[DONE]")
+            yield held + sse("[DONE]")
 
         return event_stream(events())
 

@@ -167,49 +167,65 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
         async def events() -> AsyncIterator[bytes]:
             index = 0
             text_open = False
+            start = head | {"content": [], "stop_reason": None, "stop_sequence": None}
+            start["usage"] = {"input_tokens": 0, "output_tokens": 0}
+            # what a piece of the output makes goes out in one write: the message's start with the first text,
+            # a block's start with its first delta, the last block's stop with the message's
+            held = [sse({"type": "message_start", "message": start}, "message_start")]
             try:
-                start = head | {"content": [], "stop_reason": None, "stop_sequence": None}
-                start["usage"] = {"input_tokens": 0, "output_tokens": 0}
-                yield sse({"type": "message_start", "message": start}, "message_start")
                 async for item in generation.pieces(stream):
                     match item:
                         case g.Token(text=text) if text:
                             if not text_open:
                                 block = {"type": "content_block_start", "index": index}
-                                yield sse(block | {"content_block": {"type": "text", "text": ""}}, block["type"])
+                                held.append(sse(block | {"content_block": {"type": "text", "text": ""}}, block["type"]))
                                 text_open = True
                             delta = {"type": "text_delta", "text": text}
-                            yield sse(
-                                {"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta"
+                            held.append(
+                                sse(
+                                    {"type": "content_block_delta", "index": index, "delta": delta},
+                                    "content_block_delta",
+                                )
                             )
                         case ToolCall():
                             if text_open:
-                                yield sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+                                held.append(sse({"type": "content_block_stop", "index": index}, "content_block_stop"))
                                 index, text_open = index + 1, False
                             use = {"type": "tool_use", "id": _tool_use_id(item), "name": item.name, "input": {}}
-                            yield sse(
-                                {"type": "content_block_start", "index": index, "content_block": use},
-                                "content_block_start",
-                            )
                             delta = {"type": "input_json_delta", "partial_json": item.arguments}
-                            yield sse(
-                                {"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta"
-                            )
-                            yield sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+                            held += [
+                                sse(
+                                    {"type": "content_block_start", "index": index, "content_block": use},
+                                    "content_block_start",
+                                ),
+                                sse(
+                                    {"type": "content_block_delta", "index": index, "delta": delta},
+                                    "content_block_delta",
+                                ),
+                                sse({"type": "content_block_stop", "index": index}, "content_block_stop"),
+                            ]
                             index += 1
                         case g.Done():
                             if text_open:
-                                yield sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+                                held.append(sse({"type": "content_block_stop", "index": index}, "content_block_stop"))
                             stop = {"stop_reason": _stop_reason(item), "stop_sequence": item.stop_sequence}
                             counted = _usage(item)
-                            yield sse({"type": "message_delta", "delta": stop, "usage": counted}, "message_delta")
-                            yield sse({"type": "message_stop"}, "message_stop")
+                            held.append(
+                                sse({"type": "message_delta", "delta": stop, "usage": counted}, "message_delta")
+                            )
+                            held.append(sse({"type": "message_stop"}, "message_stop"))
                             generation.record("ok", item.completion_tokens)
+                        case _:
+                            continue
+                    yield b"".join(held)
+                    held.clear()
             except RequestFailed as exc:
                 generation.record("error")
-                yield sse({"type": "error", "error": {"type": "api_error", "message": str(exc)}}, "error")
+                held.append(sse({"type": "error", "error": {"type": "api_error", "message": str(exc)}}, "error"))
             finally:
                 generation.close()
+            if held:
+                yield b"".join(held)
 
         return event_stream(events())
 
