@@ -12,6 +12,14 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
+# mlx-lm lowers the process's hard limit of open files to 4,096 when first imported (`exod.runner.mlx_import`).
+# Tests import it directly too; a lowered limit is inherited by every process the suite starts after, and
+# where raising a hard limit takes a privilege (CAP_SYS_RESOURCE) the tests of that import fail. Imported
+# first, through exod's door: the suite's limits stay what they were, whatever the order of its tests.
+from exod.runner.mlx_import import import_mlx_lm  # noqa: E402
+
+import_mlx_lm()
+
 from etcd_harness import etcd, etcd_cluster, etcd_server, secure_etcd  # noqa: E402, F401 - a real etcd, for the cluster's tests
 from netns_harness import namespace  # noqa: E402, F401 - a host of its own, for partitions
 
