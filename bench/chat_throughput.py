@@ -298,13 +298,22 @@ def body(model: str, messages: list[dict[str, str]], max_tokens: int, kind: str,
     }
 
 
+class NotAnswered(Exception):
+    """The server reset or refused the connection before it answered. mlx_lm.server's accept queue holds 5
+    (`http.server`'s default): a round of 32 new connections at once can overflow it on a busy machine."""
+
+
 def chat_stream(client: httpx.Client, url: str, request: dict[str, Any]) -> dict:
     t0 = time.monotonic()
     first = None
     chunks = 0
     usage = None
     text: list[str] = []
-    with client.stream("POST", f"{url}/v1/chat/completions", json=request) as response:
+    try:
+        response = client.send(client.build_request("POST", f"{url}/v1/chat/completions", json=request), stream=True)
+    except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError) as exc:
+        raise NotAnswered(f"{url}: {exc!r}") from exc
+    with contextlib.closing(response):
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith("data: "):
@@ -336,16 +345,24 @@ def chat_stream(client: httpx.Client, url: str, request: dict[str, Any]) -> dict
     }
 
 
+RETRIES = 3
+
+
 def round_of(url: str, requests: list[dict[str, Any]]) -> tuple[float, list[dict]]:
     """Send ``requests`` concurrently (one thread and connection each); returns the round's wall time and results."""
     results: list[Any] = [None] * len(requests)
 
     def one(i: int) -> None:
-        try:
-            with httpx.Client(timeout=300) as client:
-                results[i] = chat_stream(client, url, requests[i])
-        except Exception as exc:  # re-raised in the caller
-            results[i] = exc
+        for retry in range(RETRIES + 1):  # a request no server answered is sent again, timed from then
+            try:
+                with httpx.Client(timeout=300) as client:
+                    results[i] = chat_stream(client, url, requests[i]) | {"retries": retry}
+                return
+            except NotAnswered as exc:
+                results[i] = exc
+            except Exception as exc:  # re-raised in the caller
+                results[i] = exc
+                return
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(requests))]
     t0 = time.monotonic()
@@ -378,6 +395,7 @@ def level_stats(walls: list[float], results: list[dict]) -> dict[str, Any]:
         ),
         "usage_reported": all(r["usage_reported"] for r in results),
         "min_completion_tokens": min(r["completion_tokens"] for r in results),
+        "retried": sum(r.get("retries", 0) for r in results),  # requests sent again, not answered (`NotAnswered`)
     }
 
 
@@ -510,7 +528,12 @@ def main() -> None:
                                 results[name].extend(res)
                         print(
                             f"  run {run + 1}, {kind}, c{c}: "
-                            + ", ".join(f"{name} {sum(walls[name]):.1f} s" for name in servers),
+                            + ", ".join(f"{name} {sum(walls[name]):.1f} s" for name in servers)
+                            + "".join(
+                                f" ({name}: {n} sent again, not answered)"
+                                for name in servers
+                                if (n := sum(r.get("retries", 0) for r in results[name]))
+                            ),
                             flush=True,
                         )
                         for name in servers:
