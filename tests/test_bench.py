@@ -110,3 +110,41 @@ def _end_leftovers(tag: str) -> dict[int, str]:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
     return leftovers
+
+
+def test_a_chat_request_the_server_resets_before_answering_is_sent_again_and_counted(monkeypatch):
+    """chat_throughput.py's rounds open c connections at once; a server whose accept queue overflows (mlx_lm.server's
+    holds 5) resets some before answering. Such a request is sent again and counted, not the whole run lost."""
+    import socket
+    import struct
+    import threading
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import chat_throughput
+
+    answer = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+        b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n'
+        b'data: {"choices": [], "usage": {"completion_tokens": 1}}\n\ndata: [DONE]\n\n'
+    )
+    listener = socket.create_server(("127.0.0.1", 0))
+    served: list[str] = []
+
+    def serve() -> None:
+        for turn in ("reset", "answered"):
+            connection, _ = listener.accept()
+            with connection:
+                if turn == "reset":  # closed with linger 0: the client reads a reset, not an answer
+                    connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                else:
+                    connection.recv(65536)
+                    connection.sendall(answer)
+            served.append(turn)
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    with listener:
+        _, [result] = chat_throughput.round_of(f"http://127.0.0.1:{listener.getsockname()[1]}", [{"model": "m"}])
+        server.join(10)
+    assert served == ["reset", "answered"]
+    assert result["retries"] == 1 and result["completion_tokens"] == 1 and result["text"] == "hi"
