@@ -1,10 +1,10 @@
 """Server-sent events: their framing, and the response that streams them.
 
 Not sse-starlette, which exod used until 2026-12-06: it runs four tasks per response (the stream, a pinger,
-a disconnect watcher, a shutdown watcher) and opens a cancel scope around every event it sends, about a
-tenth of the daemon's CPU per streamed token (bench/README.md). Here the stream runs in the response's own
-task, beside one watcher that ends it when the client goes away and one that sends a keepalive only after
-``keepalive`` seconds of silence. The daemon's shutdown needs no watcher: it drains the HTTP requests itself
+a disconnect watcher, a shutdown watcher) and opens a cancel scope around every event it sends: the
+response was 15 % of the daemon's CPU on a one-token request (bench/README.md). Here the stream runs in the
+response's task, beside one watcher that ends it when the client goes away and one that sends a keepalive
+only after ``keepalive`` seconds of silence. The daemon's shutdown needs no watcher: it drains the HTTP requests itself
 (`exod.api.drain`).
 
 A stream yields bytes, one event or several: what is ready at the same moment is written as one chunk
@@ -20,6 +20,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 KEEPALIVE_S = 15.0  # what proxies commonly allow a quiet connection, with room to spare
+CLOSE_S = 5.0  # for a stream's `finally` (what its request held is released there)
 
 
 def event(data: str, name: str | None = None, id: str | None = None) -> bytes:
@@ -66,8 +67,8 @@ class EventStream(Response):
             raise group.exceptions[0] from None
         finally:
             aclose = getattr(self.events, "aclose", None)
-            if aclose is not None:
-                with trio.CancelScope(shield=True):
+            if aclose is not None:  # its `finally` runs now, even when the response was cancelled; bounded
+                with trio.CancelScope(shield=True, deadline=trio.current_time() + CLOSE_S):
                     await aclose()
 
     @staticmethod
