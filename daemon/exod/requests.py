@@ -117,6 +117,12 @@ class RequestStream:
         if self._first is None and not self._done:
             self._first = await self.__anext__()
 
+    @property
+    def ready(self) -> bool:
+        """Whether the next item (or the end) is here already. A response writes what it holds only when the
+        next must be waited for: a token and its `Done`, or tokens that came together, go out in one write."""
+        return self._first is not None or self._done or self._receive.statistics().current_buffer_used > 0
+
     async def __anext__(self) -> g.Said:
         if self._first is not None:
             item, self._first = self._first, None
@@ -124,7 +130,10 @@ class RequestStream:
         if self._done:
             raise StopAsyncIteration
         await self.wait_forwarded()
-        item = await self._receive.receive()
+        try:  # what is here already is taken without a checkpoint: the caller's write is one
+            item = self._receive.receive_nowait()
+        except trio.WouldBlock:
+            item = await self._receive.receive()
         self._last = item
         if isinstance(item, Exception):
             self._done = True

@@ -404,28 +404,36 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
 
         async def events() -> AsyncIterator[bytes]:
             dones: list[g.Done] = []
-            held = b""  # chunks with nothing to wait for go out with the next one: one write, not one each
+            # what is said goes out when the next must be waited for (`RequestStream.ready`): one write, not one
+            # each; a choice's role waits for its first token, its finish for what follows
+            held, said = b"", False
             try:
                 for index, stream in enumerate(streams):  # choice by choice; each chunk says its index
+                    if said and not stream.ready:
+                        yield held
+                        held, said = b"", False
                     held += chunk(index, {"role": "assistant", "content": ""})
                     calls = 0
                     async for item in generation.pieces(stream):
                         match item:
                             case g.Token(text=text) if text or item.chosen is not None:
                                 logprobs = {"content": openai_logprobs([item])} if item.chosen else None
-                                yield held + chunk(index, {"content": text}, logprobs=logprobs)
-                                held = b""
+                                held += chunk(index, {"content": text}, logprobs=logprobs)
+                                said = True
                             case ToolCall():
                                 function = {"name": item.name, "arguments": item.arguments}
                                 call = {"index": calls, "id": item.id, "type": "function", "function": function}
-                                yield held + chunk(
+                                held += chunk(
                                     index, {"function_call": function} if body.legacy else {"tool_calls": [call]}
                                 )
-                                held = b""
+                                said = True
                                 calls += 1
                             case g.Done():
                                 dones.append(item)
                                 held += chunk(index, {}, _finish_reason(item.finish_reason.value, body.legacy))
+                        if said and not stream.ready:
+                            yield held
+                            held, said = b"", False
                 generation.record("ok", sum(d.completion_tokens for d in dones))
                 if include_usage:
                     counted = Usage.of(dones).openai()

@@ -144,13 +144,15 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
         async def events() -> AsyncIterator[bytes]:
             counted: list[Usage] = []
             current = first
-            held = b""  # a choice's finish goes out with what follows it: the next text, or the usage and [DONE]
+            # what is said goes out when the next must be waited for (`RequestStream.ready`): one write, not one
+            # each; a choice's finish goes out with what follows it: the next text, or the usage and [DONE]
+            held, said = b"", False
             try:
                 for i in range(len(submits)):  # prompt by prompt, each started as the one before ends
                     if i:
                         if held:  # the next prompt may wait for a runner: what is done goes out first
                             yield held
-                            held = b""
+                            held, said = b"", False
                         current = generation()
                         streams = await current.start(body.n, **submits[i])
                     else:
@@ -158,19 +160,25 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                     dones: list[g.Done] = []
                     for j, stream in enumerate(streams):
                         index = i * body.n + j
+                        if said and not stream.ready:
+                            yield held
+                            held, said = b"", False
                         async for item in current.pieces(stream):
                             if isinstance(item, g.Prompt):
                                 text = body.prompt[i] if isinstance(body.prompt[i], str) else item.text
                                 logprobs = _prompt_logprobs(item, text) if body.logprobs is not None else None
-                                yield held + chunk(index, text, logprobs=logprobs)
-                                held = b""
+                                held += chunk(index, text, logprobs=logprobs)
+                                said = True
                             elif isinstance(item, g.Token) and (item.text or item.chosen is not None):
                                 logprobs = _legacy_logprobs([item], 0) if body.logprobs is not None else None
-                                yield held + chunk(index, item.text, logprobs=logprobs)
-                                held = b""
+                                held += chunk(index, item.text, logprobs=logprobs)
+                                said = True
                             elif isinstance(item, g.Done):
                                 dones.append(item)
                                 held += chunk(index, "", _finish(Output(done=item)))
+                            if said and not stream.ready:
+                                yield held
+                                held, said = b"", False
                     current.record("ok", sum(d.completion_tokens for d in dones))
                     counted.append(Usage.of(dones))
                 if include_usage:

@@ -169,13 +169,15 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
             text_open = False
             start = head | {"content": [], "stop_reason": None, "stop_sequence": None}
             start["usage"] = {"input_tokens": 0, "output_tokens": 0}
-            # what a piece of the output makes goes out in one write: the message's start with the first text,
-            # a block's start with its first delta, the last block's stop with the message's
-            held = [sse({"type": "message_start", "message": start}, "message_start")]
+            # what the output makes goes out when the next must be waited for (`RequestStream.ready`), in one
+            # write: the message's start with the first text, a block's start with its first delta, the last
+            # block's stop with the message's
+            held, said = [sse({"type": "message_start", "message": start}, "message_start")], False
             try:
                 async for item in generation.pieces(stream):
                     match item:
                         case g.Token(text=text) if text:
+                            said = True
                             if not text_open:
                                 block = {"type": "content_block_start", "index": index}
                                 held.append(sse(block | {"content_block": {"type": "text", "text": ""}}, block["type"]))
@@ -188,6 +190,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                                 )
                             )
                         case ToolCall():
+                            said = True
                             if text_open:
                                 held.append(sse({"type": "content_block_stop", "index": index}, "content_block_stop"))
                                 index, text_open = index + 1, False
@@ -215,10 +218,10 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                             )
                             held.append(sse({"type": "message_stop"}, "message_stop"))
                             generation.record("ok", item.completion_tokens)
-                        case _:
-                            continue
-                    yield b"".join(held)
-                    held.clear()
+                    if said and not stream.ready:
+                        yield b"".join(held)
+                        held.clear()
+                        said = False
             except RequestFailed as exc:
                 generation.record("error")
                 held.append(sse({"type": "error", "error": {"type": "api_error", "message": str(exc)}}, "error"))
