@@ -110,3 +110,32 @@ def test_a_text_completion_writes_each_token_when_it_comes_and_the_last_with_its
     last, finish, done = said[-1]
     assert last["choices"][0]["text"] == TOKENS[N - 1] and finish["choices"][0]["finish_reason"] == "length"
     assert done == "[DONE]"
+
+
+def test_a_response_writes_each_token_when_it_comes_the_first_with_the_starts_the_last_with_the_end(tmp_path):
+    """OpenAI's Responses: the response's and the message's starts go out with the first delta, then a delta a
+    write, the last with every event that closes the message and the response."""
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": N, "stream": True}
+    written = serve(tmp_path, "/v1/responses", body)
+    times = [t for t, _ in written]
+    assert times == [times[0] + k * TOKEN_S for k in range(N)]
+    kinds = [[e["type"] for e in events(chunk)] for _, chunk in written]
+    starts = ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    assert kinds[0] == [*starts, "response.output_text.delta"]
+    assert kinds[1:-1] == [["response.output_text.delta"]] * (N - 2)
+    ends = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert kinds[-1] == ["response.output_text.delta", *ends, "response.completed"]
+    numbers = [e["sequence_number"] for _, chunk in written for e in events(chunk)]
+    assert numbers == list(range(len(numbers)))
+
+
+def test_an_ollama_chat_writes_each_token_when_it_comes_and_the_last_with_the_counts(tmp_path):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "options": {"num_predict": N}}
+    written = serve(tmp_path, "/api/chat", body)
+    times = [t for t, _ in written]
+    assert times == [times[0] + k * TOKEN_S for k in range(N)]
+    said = [[json.loads(line) for line in chunk.splitlines()] for _, chunk in written]
+    assert [[m["message"]["content"] for m in chunk] for chunk in said[:-1]] == [[t] for t in TOKENS[: N - 1]]
+    last, final = said[-1]
+    assert last["message"]["content"] == TOKENS[N - 1] and not last["done"]
+    assert final["done"] and final["eval_count"] == N

@@ -431,20 +431,25 @@ def _streamed(
 
     async def lines() -> AsyncIterator[bytes]:
         output = Output()
+        held = b""  # what is said goes out when the next must be waited for (`RequestStream.ready`): one write
         try:
             async for item in generation.pieces(stream):
                 Generation.take(output, item)
                 if isinstance(item, g.Token) and item.text:
-                    yield _line(head | {"created_at": _now()} | said(item.text, []) | {"done": False})
+                    held += _line(head | {"created_at": _now()} | said(item.text, []) | {"done": False})
                 elif isinstance(item, ToolCall):
-                    yield _line(head | {"created_at": _now()} | said("", [item]) | {"done": False})
+                    held += _line(head | {"created_at": _now()} | said("", [item]) | {"done": False})
+                if held and not stream.ready:
+                    yield held
+                    held = b""
             generation.finished([output])
-            yield _line(head | {"created_at": _now()} | said("", []) | _final(output, generation))
+            held += _line(head | {"created_at": _now()} | said("", []) | _final(output, generation))
         except RequestFailed as exc:
             generation.record("error")
-            yield _line({"error": str(exc)})
+            held += _line({"error": str(exc)})
         finally:
             generation.close()
+        yield held
 
     return _ndjson(lines())
 

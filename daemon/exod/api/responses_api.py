@@ -191,9 +191,12 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
 
             output = Output()
             message_id, in_text, index = "", {}, 0
+            # what is said goes out when the next must be waited for (`RequestStream.ready`): one write, not one
+            # an event (a token's delta is one; the first's comes with the response's and the message's starts)
+            held: list[bytes] = []
             try:
-                yield event("response.created", response=shell | {"status": "in_progress"})
-                yield event("response.in_progress", response=shell | {"status": "in_progress"})
+                held.append(event("response.created", response=shell | {"status": "in_progress"}))
+                held.append(event("response.in_progress", response=shell | {"status": "in_progress"}))
                 text_open = False
                 async for item in generation.pieces(stream):
                     match item:
@@ -201,40 +204,44 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                             if not text_open:
                                 message_id = f"msg_{secrets.token_hex(12)}"
                                 message = _message_item(message_id, "", done=False)
-                                yield event("response.output_item.added", output_index=index, item=message)
+                                held.append(event("response.output_item.added", output_index=index, item=message))
                                 part = {"type": "output_text", "text": "", "annotations": []}
                                 in_text = {"item_id": message_id, "output_index": index, "content_index": 0}
-                                yield event("response.content_part.added", **in_text, part=part)
+                                held.append(event("response.content_part.added", **in_text, part=part))
                                 text_open = True
                             output.text += text
-                            yield event("response.output_text.delta", **in_text, delta=text, logprobs=[])
+                            held.append(event("response.output_text.delta", **in_text, delta=text, logprobs=[]))
                         case ToolCall():
                             if text_open:
-                                for line in _text_done(event, message_id, index, output.text):
-                                    yield line
+                                held += _text_done(event, message_id, index, output.text)
                                 index, text_open = index + 1, False
                             output.tool_calls.append(item)
                             call = _call_item(item, "in_progress") | {"arguments": ""}
-                            yield event("response.output_item.added", output_index=index, item=call)
                             in_call = {"item_id": call["id"], "output_index": index}
-                            yield event("response.function_call_arguments.delta", **in_call, delta=item.arguments)
-                            yield event("response.function_call_arguments.done", **in_call, arguments=item.arguments)
-                            yield event("response.output_item.done", output_index=index, item=_call_item(item))
+                            held += [
+                                event("response.output_item.added", output_index=index, item=call),
+                                event("response.function_call_arguments.delta", **in_call, delta=item.arguments),
+                                event("response.function_call_arguments.done", **in_call, arguments=item.arguments),
+                                event("response.output_item.done", output_index=index, item=_call_item(item)),
+                            ]
                             index += 1
                         case g.Done():
                             output.done = item
+                    if held and not stream.ready:
+                        yield b"".join(held)
+                        held.clear()
                 if text_open:
-                    for line in _text_done(event, message_id, index, output.text):
-                        yield line
+                    held += _text_done(event, message_id, index, output.text)
                 if output.done is not None:
                     generation.finished([output])
-                    yield event("response.completed", response=_finished(shell, output, message_id))
+                    held.append(event("response.completed", response=_finished(shell, output, message_id)))
             except RequestFailed as exc:
                 generation.record("error")
                 failed = shell | {"status": "failed", "error": {"code": "server_error", "message": str(exc)}}
-                yield event("response.failed", response=failed)
+                held.append(event("response.failed", response=failed))
             finally:
                 generation.close()
+            yield b"".join(held)
 
         return event_stream(events())
 
