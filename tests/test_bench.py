@@ -148,3 +148,19 @@ def test_a_chat_request_the_server_resets_before_answering_is_sent_again_and_cou
         server.join(10)
     assert served == ["reset", "answered"]
     assert result["retries"] == 1 and result["completion_tokens"] == 1 and result["text"] == "hi"
+
+
+def test_the_second_turn_is_compared_conversation_by_conversation(monkeypatch):
+    """Both servers hold the same conversations, of different lengths: each is a pair. The ratio of the two
+    servers' medians could set one server's long conversation against the other's short one."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import chat_throughput
+
+    def run(exod: list[float | None], mlx: list[float]) -> dict:
+        return {"exod": {"second_turn": {"ttfts_ms": exod}}, "mlx_lm": {"second_turn": {"ttfts_ms": mlx}}}
+
+    # exod is faster on every conversation, but its median falls on a long one and mlx_lm's on a short one
+    runs = [run([100.0, 400.0, 300.0], [125.0, 500.0, 150.0])]
+    assert chat_throughput.paired_ratio(runs) == 0.8
+    runs.append(run([None, 90.0, 50.0], [100.0, 100.0, 40.0]))  # a turn that streamed no content is left out
+    assert chat_throughput.paired_ratio(runs) == 0.9  # the median of 0.8, 0.8, 2.0, 0.9, 1.25
