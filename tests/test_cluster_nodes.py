@@ -492,11 +492,15 @@ def test_a_forward_whose_controller_dies_mid_stream_ends_with_an_error_event(tmp
 
 def test_make_cluster_starts_everything_and_ctrl_c_leaves_nothing_behind(tmp_path):
     """`make cluster` runs `exod cluster-demo`: ready with a rank on each node; Ctrl-C stops every node,
-    their runners and etcd."""
+    their runners and etcd, even where it was started with SIGINT ignored (a background job, a CI runner)."""
     log = (tmp_path / "demo.log").open("w+")
-    demo = subprocess.Popen(
-        [sys.executable, "-m", "exod", "cluster-demo"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a background job starts it: SIGINT ignored (POSIX)
+    try:
+        demo = subprocess.Popen(
+            [sys.executable, "-m", "exod", "cluster-demo"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         until(
             lambda: (tmp_path / "demo.log").read_text(), lambda text: "ready:" in text or demo.poll() is not None, 240

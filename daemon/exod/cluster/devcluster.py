@@ -200,6 +200,10 @@ def run(nodes: int = 3, layers: int = 8, ranks: int = 3, announce: Callable[[str
     """``make cluster``: start it all, place the model, say how to use it, and stop it all on Ctrl-C."""
     from exod.host.tiny_model import make_tiny_model
 
+    # SIGINT is what stops it, whoever started it: a background job inherits SIGINT ignored (POSIX) and python
+    # keeps it so; `exod serve` sets its own handler (trio's) for the same reason
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
     with tempfile.TemporaryDirectory(prefix="exod-cluster-") as scratch:
         root = Path(scratch)
         make_tiny_model(MODEL, layers=layers, hf_home=root / "hf")
