@@ -265,8 +265,10 @@ def test_what_users_see_last_used_when_it_will_be_parked_and_unparking_while_it_
     keep-alive later ``park_at``: /api/ps's ``expires_at`` and "parked in N s". Parked, then unparked: while
     its new generation comes up (held there by a hang while connecting), "unparking" in /instances, /api/ps
     and `exod status`."""
-    config = '[timeouts]\nstop_grace = 1.0\nterm_grace = 1.0\n\n[[fault]]\ngeneration = 2\nphase = "connecting"\n'
-    config += 'kind = "hang"\n'
+    # the hang holds generation 2 in "unparking" until the connect limit fails it: 10 min, not the default 60 s,
+    # which a loaded machine can spend between the unpark and the looks (generation 3 was then "loaded")
+    config = "[timeouts]\nconnect = 600.0\nstop_grace = 1.0\nterm_grace = 1.0\n\n"
+    config += '[[fault]]\ngeneration = 2\nphase = "connecting"\nkind = "hang"\n'
     with daemon(tmp_path, config) as (url, env):
         bad = exod("place", MODEL, "--keep-alive", "soon", "--url", url, env=env, check=False)
         assert bad.returncode != 0 and "keep_alive must be seconds or a duration" in bad.stderr, bad
