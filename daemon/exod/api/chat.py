@@ -14,7 +14,17 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from exod import generated as g
 from exod.api.errors import ApiError, responses
-from exod.api.generation import Generation, Output, ToolCall, Usage, event_stream, openai_logprobs, sse, usage
+from exod.api.generation import (
+    Generation,
+    Held,
+    Output,
+    ToolCall,
+    Usage,
+    event_stream,
+    openai_logprobs,
+    sse,
+    usage,
+)
 from exod.api.sse import EventStream
 from exod.controller import Controller
 from exod.host.models import ModelCard
@@ -404,46 +414,40 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
 
         async def events() -> AsyncIterator[bytes]:
             dones: list[g.Done] = []
-            # what is said goes out when the next must be waited for (`RequestStream.ready`): one write, not one
-            # each; a choice's role waits for its first token, its finish for what follows
-            held, said = b"", False
+            held = Held()  # a choice's role waits for its first token, its finish for what follows
             try:
                 for index, stream in enumerate(streams):  # choice by choice; each chunk says its index
-                    if said and not stream.ready:
-                        yield held
-                        held, said = b"", False
-                    held += chunk(index, {"role": "assistant", "content": ""})
+                    if due := held.due(stream):
+                        yield due
+                    held.add(chunk(index, {"role": "assistant", "content": ""}), said=False)
                     calls = 0
                     async for item in generation.pieces(stream):
                         match item:
                             case g.Token(text=text) if text or item.chosen is not None:
                                 logprobs = {"content": openai_logprobs([item])} if item.chosen else None
-                                held += chunk(index, {"content": text}, logprobs=logprobs)
-                                said = True
+                                held.add(chunk(index, {"content": text}, logprobs=logprobs))
                             case ToolCall():
                                 function = {"name": item.name, "arguments": item.arguments}
                                 call = {"index": calls, "id": item.id, "type": "function", "function": function}
-                                held += chunk(
-                                    index, {"function_call": function} if body.legacy else {"tool_calls": [call]}
-                                )
-                                said = True
+                                delta = {"function_call": function} if body.legacy else {"tool_calls": [call]}
+                                held.add(chunk(index, delta))
                                 calls += 1
                             case g.Done():
                                 dones.append(item)
-                                held += chunk(index, {}, _finish_reason(item.finish_reason.value, body.legacy))
-                        if said and not stream.ready:
-                            yield held
-                            held, said = b"", False
+                                finish = _finish_reason(item.finish_reason.value, body.legacy)
+                                held.add(chunk(index, {}, finish), said=False)
+                        if due := held.due(stream):
+                            yield due
                 generation.record("ok", sum(d.completion_tokens for d in dones))
                 if include_usage:
                     counted = Usage.of(dones).openai()
-                    held += sse(head | {"object": "chat.completion.chunk", "choices": [], "usage": counted})
+                    held.add(sse(head | {"object": "chat.completion.chunk", "choices": [], "usage": counted}))
             except RequestFailed as exc:
                 generation.record("error")
-                held += sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
+                held.add(sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}}))
             finally:
                 generation.close()  # the client went away mid-stream: cancelled (no-op when recorded)
-            yield held + sse("[DONE]")
+            yield held.take() + sse("[DONE]")
 
         return event_stream(events())
 

@@ -15,7 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from exod import generated as g
 from exod.api.chat import LENIENT, MAX_CHOICES, MAX_MESSAGE_CHARS, Guided, StreamOptions, Text, stop_list
 from exod.api.errors import ApiError, responses
-from exod.api.generation import Generation, Output, Usage, event_stream, gathered, sse, usage
+from exod.api.generation import Generation, Held, Output, Usage, event_stream, gathered, sse, usage
 from exod.api.sse import EventStream
 from exod.controller import Controller
 from exod.requests import RequestFailed
@@ -144,15 +144,12 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
         async def events() -> AsyncIterator[bytes]:
             counted: list[Usage] = []
             current = first
-            # what is said goes out when the next must be waited for (`RequestStream.ready`): one write, not one
-            # each; a choice's finish goes out with what follows it: the next text, or the usage and [DONE]
-            held, said = b"", False
+            held = Held()  # a choice's finish goes out with what follows it: the next text, or the usage and [DONE]
             try:
                 for i in range(len(submits)):  # prompt by prompt, each started as the one before ends
                     if i:
-                        if held:  # the next prompt may wait for a runner: what is done goes out first
-                            yield held
-                            held, said = b"", False
+                        if done := held.take():  # the next prompt may wait for a runner: what is done goes out first
+                            yield done
                         current = generation()
                         streams = await current.start(body.n, **submits[i])
                     else:
@@ -160,37 +157,33 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                     dones: list[g.Done] = []
                     for j, stream in enumerate(streams):
                         index = i * body.n + j
-                        if said and not stream.ready:
-                            yield held
-                            held, said = b"", False
+                        if due := held.due(stream):
+                            yield due
                         async for item in current.pieces(stream):
                             if isinstance(item, g.Prompt):
                                 text = body.prompt[i] if isinstance(body.prompt[i], str) else item.text
                                 logprobs = _prompt_logprobs(item, text) if body.logprobs is not None else None
-                                held += chunk(index, text, logprobs=logprobs)
-                                said = True
+                                held.add(chunk(index, text, logprobs=logprobs))
                             elif isinstance(item, g.Token) and (item.text or item.chosen is not None):
                                 logprobs = _legacy_logprobs([item], 0) if body.logprobs is not None else None
-                                held += chunk(index, item.text, logprobs=logprobs)
-                                said = True
+                                held.add(chunk(index, item.text, logprobs=logprobs))
                             elif isinstance(item, g.Done):
                                 dones.append(item)
-                                held += chunk(index, "", _finish(Output(done=item)))
-                            if said and not stream.ready:
-                                yield held
-                                held, said = b"", False
+                                held.add(chunk(index, "", _finish(Output(done=item))), said=False)
+                            if due := held.due(stream):
+                                yield due
                     current.record("ok", sum(d.completion_tokens for d in dones))
                     counted.append(Usage.of(dones))
                 if include_usage:
                     total = Usage(sum(u.prompt for u in counted), sum(u.completion for u in counted))
-                    held += sse(head | {"choices": [], "usage": total.openai()})
+                    held.add(sse(head | {"choices": [], "usage": total.openai()}))
             except (RequestFailed, ApiError) as exc:
                 current.record("error")
                 message = exc.message if isinstance(exc, ApiError) else str(exc)
-                held += sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
+                held.add(sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}}))
             finally:
                 current.close()
-            yield held + sse("[DONE]")
+            yield held.take() + sse("[DONE]")
 
         return event_stream(events())
 

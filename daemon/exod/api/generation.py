@@ -288,6 +288,30 @@ def sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
     return sse_event(data if isinstance(data, str) else json.dumps(data), event)
 
 
+class Held:
+    """What a streamed answer has made of the output and not written yet. It goes out when something was said
+    and the next piece must be waited for (`RequestStream.ready`): what came together (tokens, a last token
+    and its end) is one write, not one each. What says nothing alone (a chat's role, a message's start, a
+    choice's finish) waits for what follows it."""
+
+    def __init__(self, *parts: bytes) -> None:
+        self._parts = list(parts)
+        self._said = False
+
+    def add(self, *parts: bytes, said: bool = True) -> None:
+        self._parts += parts
+        self._said = self._said or said
+
+    def due(self, stream: RequestStream) -> bytes:
+        """All that is held if it is time to write it, else nothing."""
+        return self.take() if self._said and not stream.ready else b""
+
+    def take(self) -> bytes:
+        """All that is held, now (the answer's end, or a wait on something other than the stream)."""
+        parts, self._parts, self._said = self._parts, [], False
+        return b"".join(parts)
+
+
 def event_stream(events: AsyncIterator[bytes]) -> EventStream:
     """The response that streams ``events`` (the client going away closes the stream, whose ``finally``
     then counts the request as cancelled)."""

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, field_validator
 from exod import generated as g
 from exod.api.chat import LENIENT, MAX_MESSAGE_CHARS, MAX_MESSAGES, Text, stop_list, unicode_text
 from exod.api.errors import ApiError, responses
-from exod.api.generation import Generation, Output, ToolCall, event_stream, sse
+from exod.api.generation import Generation, Held, Output, ToolCall, event_stream, sse
 from exod.api.sse import EventStream
 from exod.controller import Controller
 from exod.requests import REQUIRED, RequestFailed
@@ -169,34 +169,31 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
             text_open = False
             start = head | {"content": [], "stop_reason": None, "stop_sequence": None}
             start["usage"] = {"input_tokens": 0, "output_tokens": 0}
-            # what the output makes goes out when the next must be waited for (`RequestStream.ready`), in one
-            # write: the message's start with the first text, a block's start with its first delta, the last
+            # the message's start goes out with the first text, a block's start with its first delta, the last
             # block's stop with the message's
-            held, said = [sse({"type": "message_start", "message": start}, "message_start")], False
+            held = Held(sse({"type": "message_start", "message": start}, "message_start"))
             try:
                 async for item in generation.pieces(stream):
                     match item:
                         case g.Token(text=text) if text:
-                            said = True
                             if not text_open:
                                 block = {"type": "content_block_start", "index": index}
-                                held.append(sse(block | {"content_block": {"type": "text", "text": ""}}, block["type"]))
+                                held.add(sse(block | {"content_block": {"type": "text", "text": ""}}, block["type"]))
                                 text_open = True
                             delta = {"type": "text_delta", "text": text}
-                            held.append(
+                            held.add(
                                 sse(
                                     {"type": "content_block_delta", "index": index, "delta": delta},
                                     "content_block_delta",
                                 )
                             )
                         case ToolCall():
-                            said = True
                             if text_open:
-                                held.append(sse({"type": "content_block_stop", "index": index}, "content_block_stop"))
+                                held.add(sse({"type": "content_block_stop", "index": index}, "content_block_stop"))
                                 index, text_open = index + 1, False
                             use = {"type": "tool_use", "id": _tool_use_id(item), "name": item.name, "input": {}}
                             delta = {"type": "input_json_delta", "partial_json": item.arguments}
-                            held += [
+                            held.add(
                                 sse(
                                     {"type": "content_block_start", "index": index, "content_block": use},
                                     "content_block_start",
@@ -206,29 +203,29 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                                     "content_block_delta",
                                 ),
                                 sse({"type": "content_block_stop", "index": index}, "content_block_stop"),
-                            ]
+                            )
                             index += 1
                         case g.Done():
                             if text_open:
-                                held.append(sse({"type": "content_block_stop", "index": index}, "content_block_stop"))
+                                block_stop = sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+                                held.add(block_stop, said=False)
                             stop = {"stop_reason": _stop_reason(item), "stop_sequence": item.stop_sequence}
                             counted = _usage(item)
-                            held.append(
-                                sse({"type": "message_delta", "delta": stop, "usage": counted}, "message_delta")
+                            held.add(
+                                sse({"type": "message_delta", "delta": stop, "usage": counted}, "message_delta"),
+                                sse({"type": "message_stop"}, "message_stop"),
+                                said=False,
                             )
-                            held.append(sse({"type": "message_stop"}, "message_stop"))
                             generation.record("ok", item.completion_tokens)
-                    if said and not stream.ready:
-                        yield b"".join(held)
-                        held.clear()
-                        said = False
+                    if due := held.due(stream):
+                        yield due
             except RequestFailed as exc:
                 generation.record("error")
-                held.append(sse({"type": "error", "error": {"type": "api_error", "message": str(exc)}}, "error"))
+                held.add(sse({"type": "error", "error": {"type": "api_error", "message": str(exc)}}, "error"))
             finally:
                 generation.close()
-            if held:
-                yield b"".join(held)
+            if rest := held.take():
+                yield rest
 
         return event_stream(events())
 

@@ -25,7 +25,7 @@ from exod import generated as g
 from exod.api.chat import LENIENT, MAX_MESSAGE_CHARS, MAX_MESSAGES, Text, stop_list
 from exod.api.embeddings import embed
 from exod.api.errors import ApiError, responses
-from exod.api.generation import Generation, Output, ToolCall
+from exod.api.generation import Generation, Held, Output, ToolCall
 from exod.api.instances import refused, unstored
 from exod.config import DEFAULT, Default, keep_alive
 from exod.controller import Controller, StoreUnavailable
@@ -431,25 +431,24 @@ def _streamed(
 
     async def lines() -> AsyncIterator[bytes]:
         output = Output()
-        held = b""  # what is said goes out when the next must be waited for (`RequestStream.ready`): one write
+        held = Held()
         try:
             async for item in generation.pieces(stream):
                 Generation.take(output, item)
                 if isinstance(item, g.Token) and item.text:
-                    held += _line(head | {"created_at": _now()} | said(item.text, []) | {"done": False})
+                    held.add(_line(head | {"created_at": _now()} | said(item.text, []) | {"done": False}))
                 elif isinstance(item, ToolCall):
-                    held += _line(head | {"created_at": _now()} | said("", [item]) | {"done": False})
-                if held and not stream.ready:
-                    yield held
-                    held = b""
+                    held.add(_line(head | {"created_at": _now()} | said("", [item]) | {"done": False}))
+                if due := held.due(stream):
+                    yield due
             generation.finished([output])
-            held += _line(head | {"created_at": _now()} | said("", []) | _final(output, generation))
+            held.add(_line(head | {"created_at": _now()} | said("", []) | _final(output, generation)))
         except RequestFailed as exc:
             generation.record("error")
-            held += _line({"error": str(exc)})
+            held.add(_line({"error": str(exc)}))
         finally:
             generation.close()
-        yield held
+        yield held.take()
 
     return _ndjson(lines())
 

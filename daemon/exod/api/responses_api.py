@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field, model_validator
 from exod import generated as g
 from exod.api.chat import LENIENT, MAX_MESSAGE_CHARS, MAX_MESSAGES, Text, format_grammar, text_of
 from exod.api.errors import ApiError, responses
-from exod.api.generation import Generation, Output, ToolCall, event_stream, sse
+from exod.api.generation import Generation, Held, Output, ToolCall, event_stream, sse
 from exod.api.sse import EventStream
 from exod.controller import Controller
 from exod.requests import REQUIRED, RequestFailed
@@ -191,12 +191,12 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
 
             output = Output()
             message_id, in_text, index = "", {}, 0
-            # what is said goes out when the next must be waited for (`RequestStream.ready`): one write, not one
-            # an event (a token's delta is one; the first's comes with the response's and the message's starts)
-            held: list[bytes] = []
+            held = Held()  # a token's delta is one event; the first's comes with the response's and message's starts
             try:
-                held.append(event("response.created", response=shell | {"status": "in_progress"}))
-                held.append(event("response.in_progress", response=shell | {"status": "in_progress"}))
+                held.add(
+                    event("response.created", response=shell | {"status": "in_progress"}),
+                    event("response.in_progress", response=shell | {"status": "in_progress"}),
+                )
                 text_open = False
                 async for item in generation.pieces(stream):
                     match item:
@@ -204,44 +204,43 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
                             if not text_open:
                                 message_id = f"msg_{secrets.token_hex(12)}"
                                 message = _message_item(message_id, "", done=False)
-                                held.append(event("response.output_item.added", output_index=index, item=message))
+                                held.add(event("response.output_item.added", output_index=index, item=message))
                                 part = {"type": "output_text", "text": "", "annotations": []}
                                 in_text = {"item_id": message_id, "output_index": index, "content_index": 0}
-                                held.append(event("response.content_part.added", **in_text, part=part))
+                                held.add(event("response.content_part.added", **in_text, part=part))
                                 text_open = True
                             output.text += text
-                            held.append(event("response.output_text.delta", **in_text, delta=text, logprobs=[]))
+                            held.add(event("response.output_text.delta", **in_text, delta=text, logprobs=[]))
                         case ToolCall():
                             if text_open:
-                                held += _text_done(event, message_id, index, output.text)
+                                held.add(*_text_done(event, message_id, index, output.text))
                                 index, text_open = index + 1, False
                             output.tool_calls.append(item)
                             call = _call_item(item, "in_progress") | {"arguments": ""}
                             in_call = {"item_id": call["id"], "output_index": index}
-                            held += [
+                            held.add(
                                 event("response.output_item.added", output_index=index, item=call),
                                 event("response.function_call_arguments.delta", **in_call, delta=item.arguments),
                                 event("response.function_call_arguments.done", **in_call, arguments=item.arguments),
                                 event("response.output_item.done", output_index=index, item=_call_item(item)),
-                            ]
+                            )
                             index += 1
                         case g.Done():
                             output.done = item
-                    if held and not stream.ready:
-                        yield b"".join(held)
-                        held.clear()
+                    if due := held.due(stream):
+                        yield due
                 if text_open:
-                    held += _text_done(event, message_id, index, output.text)
+                    held.add(*_text_done(event, message_id, index, output.text))
                 if output.done is not None:
                     generation.finished([output])
-                    held.append(event("response.completed", response=_finished(shell, output, message_id)))
+                    held.add(event("response.completed", response=_finished(shell, output, message_id)))
             except RequestFailed as exc:
                 generation.record("error")
                 failed = shell | {"status": "failed", "error": {"code": "server_error", "message": str(exc)}}
-                held.append(event("response.failed", response=failed))
+                held.add(event("response.failed", response=failed))
             finally:
                 generation.close()
-            yield b"".join(held)
+            yield held.take()
 
         return event_stream(events())
 
