@@ -7,6 +7,7 @@ each test takes about a second of real time.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
@@ -30,6 +31,12 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             await send({"type": "lifespan.startup.complete"})
         await send({"type": "lifespan.shutdown.complete"})
         return
+    if scope["path"] == "/boom":
+        raise RuntimeError("planted: fails before answering")
+    if scope["path"] == "/ignore-body":  # answers without reading what the client sends
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ignored"})
+        return
     if scope["path"] == "/lazy":
         await trio.sleep(1)
     body, more = b"", True
@@ -52,6 +59,17 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
                     await send({"type": "http.response.body", "body": b"x" * (1 << 20), "more_body": True})
         finally:
             FREED.append(trio.current_time())
+    if scope["path"] == "/half":
+        await send({"type": "http.response.body", "body": b"a part", "more_body": True})
+        raise RuntimeError("planted: fails midway through its answer")
+    if scope["path"] == "/two-writers":  # as a stream and its keepalive do: two tasks writing one answer
+        async with trio.open_nursery() as writers:
+            for who in (b"a", b"b"):
+                writers.start_soon(write_parts, send, who)
+    if scope["path"].startswith("/scope/"):
+        seen = {k: scope[k] for k in ("method", "path", "http_version")}
+        seen |= {"raw_path": scope["raw_path"].decode(), "query": scope["query_string"].decode()}
+        await send({"type": "http.response.body", "body": json.dumps(seen).encode() + b"\n", "more_body": True})
     if scope["path"] == "/slow":
         await trio.sleep(1.5)
     if scope["path"] == "/stream":
@@ -59,6 +77,11 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             await send({"type": "http.response.body", "body": b"tick\n", "more_body": True})
             await trio.sleep(0.25)
     await send({"type": "http.response.body", "body": b"got %d bytes" % len(body)})
+
+
+async def write_parts(send: Any, who: bytes) -> None:
+    for i in range(20):
+        await send({"type": "http.response.body", "body": b"%s%d;" % (who, i), "more_body": True})
 
 
 def serving(tmp_path: Path, body: Callable[[int], Awaitable[Any]], **limits: Any) -> Any:
@@ -242,3 +265,139 @@ def test_a_client_that_hangs_up_frees_its_slot_at_once(tmp_path):
         return trio.current_time() - started
 
     assert serving(tmp_path, body, keep_alive_timeout=10, max_connections=2) < 5
+
+
+END = b"\r\n0\r\n\r\n"  # a chunked body's last chunk
+
+
+async def answers(stream: trio.SocketStream, n: int) -> list[bytes]:
+    """The next ``n`` whole answers (chunked, as the test app's are) on ``stream``."""
+    data = b""
+    with trio.fail_after(10):
+        while data.count(END) < n:
+            chunk = await stream.receive_some()
+            assert chunk, f"closed before {n} answers: {data!r}"
+            data += chunk
+    return [answer + END for answer in data.split(END)[:n]]
+
+
+def test_pipelined_requests_are_answered_in_order_on_one_connection(tmp_path):
+    async def body(port: int) -> list[bytes]:
+        stream = await connect(port)
+        await stream.send_all(b"".join(b"GET /scope/%d HTTP/1.1\r\nHost: test\r\n\r\n" % i for i in range(3)))
+        return await answers(stream, 3)
+
+    got = serving(tmp_path, body)
+    assert [json.loads(a.split(b"\r\n\r\n", 1)[1].split(b"\r\n")[1])["path"] for a in got] == [
+        "/scope/0",
+        "/scope/1",
+        "/scope/2",
+    ]
+
+
+def test_what_the_app_is_told_of_a_request(tmp_path):
+    """The path decoded (and raw), the query, the version; an ``Upgrade: h2c`` is answered in HTTP/1.1."""
+
+    async def body(port: int) -> bytes:
+        stream = await connect(port)
+        await stream.send_all(
+            b"GET /scope/a%20b?x=1&y=%C3%A9 HTTP/1.1\r\nHost: test\r\n"
+            b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\n\r\n"
+        )
+        return (await answers(stream, 1))[0]
+
+    answer = serving(tmp_path, body)
+    head, _, chunked = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"\r\ndate: " in head.lower()
+    assert json.loads(chunked.split(b"\r\n")[1]) == {
+        "method": "GET",
+        "path": "/scope/a b",
+        "raw_path": "/scope/a%20b",
+        "query": "x=1&y=%C3%A9",
+        "http_version": "1.1",
+    }
+
+
+def test_a_client_that_expects_100_continue_is_told_to_send_its_body(tmp_path):
+    async def body(port: int) -> tuple[bytes | None, bytes]:
+        stream = await connect(port)
+        await stream.send_all(b"POST / HTTP/1.1\r\nHost: test\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
+        told = await answered_within(stream, 5)  # the body is not sent until then
+        await stream.send_all(b"hello")
+        return told, (await answers(stream, 1))[0]
+
+    told, answer = serving(tmp_path, body)
+    assert told is not None and told.startswith(b"HTTP/1.1 100 ")
+    assert answer.startswith(b"HTTP/1.1 200") and b"got 5 bytes" in answer
+
+
+def test_a_request_that_is_not_http_is_a_400_and_closed(tmp_path):
+    async def body(port: int) -> tuple[float, bytes]:
+        stream = await connect(port)
+        await stream.send_all(b"HELLO THERE\r\n\r\n")
+        return await until_closed(stream)
+
+    _, data = serving(tmp_path, body)
+    assert data.startswith(b"HTTP/1.1 400 ") and b"connection: close" in data.lower()
+
+
+def test_an_app_that_fails_is_a_500_before_its_answer_and_an_unfinished_answer_after(tmp_path, caplog):
+    async def body(port: int) -> list[bytes]:
+        seen = []
+        for path in (b"/boom", b"/half"):
+            stream = await connect(port)
+            await stream.send_all(b"GET %s HTTP/1.1\r\nHost: test\r\n\r\n" % path)
+            seen.append((await until_closed(stream))[1])
+        return seen
+
+    boom, half = serving(tmp_path, body)
+    assert boom.startswith(b"HTTP/1.1 500 ") and b"connection: close" in boom.lower()
+    assert half.startswith(b"HTTP/1.1 200 ") and b"a part" in half and not half.endswith(END)  # cut: not whole
+    assert [r.getMessage() for r in caplog.records if r.name == "exod.http"] == [
+        "the API failed on GET /boom",
+        "the API failed on GET /half",
+    ]
+
+
+def test_a_head_answer_has_no_body_and_the_connection_serves_on(tmp_path):
+    async def body(port: int) -> tuple[bytes, bytes]:
+        stream = await connect(port)
+        await stream.send_all(b"HEAD / HTTP/1.1\r\nHost: test\r\n\r\n")
+        with trio.fail_after(5):
+            head = b""
+            while not head.endswith(b"\r\n\r\n"):
+                head += await stream.receive_some()
+        await stream.send_all(b"GET /scope/after HTTP/1.1\r\nHost: test\r\n\r\n")
+        return head, (await answers(stream, 1))[0]
+
+    head, after = serving(tmp_path, body)
+    assert head.startswith(b"HTTP/1.1 200 ") and b"got" not in head
+    assert after.startswith(b"HTTP/1.1 200 ") and b"/scope/after" in after  # nothing of the HEAD's body before it
+
+
+def test_an_answer_to_a_request_whose_body_was_not_read_ends_the_connection(tmp_path, caplog):
+    """What is left of that body cannot be told from a next request: the connection is not used again."""
+
+    async def body(port: int) -> tuple[float, bytes, int]:
+        stream = await connect(port)
+        await stream.send_all(b"POST /ignore-body HTTP/1.1\r\nHost: test\r\nContent-Length: 10\r\n\r\n")
+        elapsed, data = await until_closed(stream)
+        async with httpx.AsyncClient() as client:
+            status = (await client.get(f"http://127.0.0.1:{port}/", timeout=5)).status_code
+        return elapsed, data, status
+
+    elapsed, data, status = serving(tmp_path, body, keep_alive_timeout=10)
+    assert data.startswith(b"HTTP/1.1 200 ") and data.endswith(b"ignored" + END) and elapsed < 5
+    assert status == 200 and not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_two_tasks_writing_one_answer_write_in_turn(tmp_path):
+    async def body(port: int) -> bytes:
+        async with httpx.AsyncClient() as client:
+            response = await client.get(f"http://127.0.0.1:{port}/two-writers", timeout=10)
+            assert response.status_code == 200
+            return response.content
+
+    content = serving(tmp_path, body)
+    parts = content.split(b";")[:-1]
+    assert sorted(parts) == sorted([b"a%d" % i for i in range(20)] + [b"b%d" % i for i in range(20)])

@@ -1,4 +1,5 @@
-"""The daemon's HTTP server: hypercorn's protocols behind limits on what a client can hold.
+"""The daemon's HTTP server: HTTP/1.1 by h11 (`exod.api.http11`), HTTP/2 by hypercorn, behind limits on what a
+client can hold.
 
 Why not ``hypercorn.trio.serve`` as it is: it accepts every connection it is offered (it has no limit of its
 own, hypercorn issue #81), and a request whose headers are in but whose body never comes is waited for
@@ -11,8 +12,8 @@ Theory of operation: a connection passes four gates, each with one limit.
   closes, at once when its client hangs up (`_Connection`). With every slot taken the next client waits in
   the kernel's backlog (connected, not accepted: no file descriptor here, nothing read) until a connection
   closes; once the backlog is full too, the kernel refuses.
-* **headers**: hypercorn's keep-alive timer runs from connect, and from the end of each response, until a
-  request's headers are complete; a client that has not sent them by then is closed.
+* **headers**: a keep-alive timer runs from connect, and from the end of each response, until a request's
+  headers are complete; a client that has not sent them by then is closed.
 * **body**: `RequestDeadline` lets the client keep the app waiting for its body ``read_timeout`` in all;
   late, the request is a 408 and the connection is closed. Only waiting on the client counts: an answer
   may take as long as it needs.
@@ -25,8 +26,11 @@ Theory of operation: a connection passes four gates, each with one limit.
 A client can still trickle its body a byte at a time for ``read_timeout``: the limits bound what it holds
 and for how long, not that it is served before others.
 
-Plain HTTP only (exod offers no TLS), so of hypercorn's ``worker_serve`` this keeps the lifespan and
-hypercorn's per-connection `TCPServer`, and serves them with `trio.serve_listeners` over limited listeners.
+Plain HTTP only (exod offers no TLS). A connection's first bytes say its protocol: HTTP/2's preface (a client
+with prior knowledge) goes to hypercorn's per-connection `TCPServer`, anything else is HTTP/1.1, served by
+`exod.api.http11` (a third of a short request's cost was hypercorn's, #30; an ``Upgrade: h2c`` is not taken).
+Of hypercorn's ``worker_serve`` this keeps the lifespan, and serves the connections with
+`trio.serve_listeners` over limited listeners.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from hypercorn.utils import repr_socket_addr, wrap_app
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from exod.api.errors import ApiError
+from exod.api.http11 import Http11
 from exod.config import ServeConfig
 
 log = logging.getLogger("exod.http")
@@ -112,8 +117,55 @@ class RequestDeadline:
             await error.response(scope["path"])(scope, receive, send)
 
 
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # how an HTTP/2 client with prior knowledge opens (RFC 9113 §3.4)
+
+
+async def _opening(stream: trio.SocketStream, timeout: float) -> bytes:
+    """The connection's first bytes, enough to tell HTTP/2's preface from an HTTP/1.1 request; b"" if the
+    client sent nothing within ``timeout`` (the headers gate) or closed."""
+    opening = b""
+    with trio.move_on_after(timeout):
+        while H2_PREFACE.startswith(opening[: len(H2_PREFACE)]) and len(opening) < len(H2_PREFACE):
+            try:
+                data = await stream.receive_some(65536)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return b""
+            if not data:
+                return b""
+            opening += data
+        return opening
+    return b""
+
+
+class _Replayed(trio.abc.HalfCloseableStream):
+    """``stream`` with the bytes already read of it put back in front, for hypercorn to read again."""
+
+    def __init__(self, stream: trio.SocketStream, read: bytes) -> None:
+        self.stream, self._read = stream, read
+        self.socket = stream.socket
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if self._read:
+            await trio.lowlevel.checkpoint()
+            data, self._read = self._read, b""
+            return data
+        return await self.stream.receive_some(max_bytes)
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.stream.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        await self.stream.send_eof()
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
 class _Connection(TCPServer):
-    """hypercorn's connection, letting go as soon as the client has gone.
+    """hypercorn's connection (HTTP/2 here), letting go as soon as the client has gone.
 
     hypercorn keeps a connection whose client closed it until its keep-alive timer ends, socket and all; with
     a limit on connections that would make every one-shot client hold a slot for ``keep_alive_timeout``.
@@ -229,7 +281,8 @@ async def serve_http(
     At most ``config.max_connections`` connections are open at a time; see the module docstring for the rest.
     """
     hc = hypercorn_config(config)
-    wrapped = wrap_app(RequestDeadline(app, config.read_timeout), hc.wsgi_max_body_size, "asgi")
+    limited = RequestDeadline(app, config.read_timeout)
+    wrapped = wrap_app(limited, hc.wsgi_max_body_size, "asgi")
     lifespan_state: dict[str, Any] = {}
     lifespan = Lifespan(wrapped, hc, lifespan_state)
     context = WorkerContext(None)
@@ -237,9 +290,24 @@ async def serve_http(
 
     async def connection(stream: trio.SocketStream) -> None:
         try:
-            connection = _Connection(wrapped, hc, context, ConnectionState(lifespan_state.copy()), stream)
-            connection.send_timeout = config.send_timeout
-            await connection
+            opening = await _opening(stream, config.keep_alive_timeout)
+            if not opening.startswith(H2_PREFACE):
+                http11 = Http11(
+                    limited,
+                    stream,
+                    keep_alive_timeout=config.keep_alive_timeout,
+                    send_timeout=config.send_timeout,
+                    state=lifespan_state,
+                )
+                try:
+                    await http11.serve(opening)  # closes the stream, at once if nothing came
+                except Exception:  # a bug of ours on one connection must not end the server's other ones
+                    log.exception("HTTP/1.1 connection failed")
+                return
+            replayed = _Replayed(stream, opening)
+            h2 = _Connection(wrapped, hc, context, ConnectionState(lifespan_state.copy()), replayed)
+            h2.send_timeout = config.send_timeout
+            await h2
         finally:
             slots.release()
 
