@@ -34,6 +34,7 @@ DAEMON_IMPORTS = frozenset(
         "trio",
         "fastapi",
         "hypercorn",
+        "h11",
         "httpx",
         "httpx_sse",
         "psutil",

@@ -4,7 +4,7 @@
 
     serve
     ├── controller.run      plan → act; one supervisor task per runner process
-    ├── exod.api.http_server    the HTTP API (hypercorn, with read timeouts and a connection limit)
+    ├── exod.api.http_server    the HTTP API (h11 and hypercorn, with read timeouts and a connection limit)
     ├── membership.run      with --cluster: the node's record and the election (exod.cluster.membership), and
     │   └── _lead           while elected, the controller's term: controller.run on etcd's state
     └── signal watcher      SIGINT/SIGTERM → drain the requests (exod.api.drain; a second signal: end them now),
