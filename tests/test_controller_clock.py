@@ -184,6 +184,29 @@ def test_a_requests_transitions_are_written_within_the_lazy_window_a_runners_dea
     assert death_written_after == 0.0  # the same (virtual) instant
 
 
+def test_a_request_reaches_its_runner_before_the_caller_yields(tmp_path):
+    """Waiting for the controller's turn to forward a request was a fifth of a millisecond of each short one
+    (bench/README.md, #30): it is planned and posted within `submit`, and the controller still plans what
+    follows (its answer comes, the runner is available again)."""
+
+    async def body(sim: Sim):
+        iid = await sim.controller.place(MODEL, 1)
+        await until(sim.controller, ready_at(iid, 1))
+        await settled()
+        posted: list[p.Command] = []
+        post = sim.controller.processes.post
+        sim.controller.processes.post = lambda rid, inc, command: (posted.append(command), post(rid, inc, command))
+        stream = sim.controller.requests.submit(iid, [{"role": "user", "content": "hi"}], max_tokens=2)
+        forwarded_at_once = [type(c).__name__ for c in posted]  # no checkpoint since `submit`
+        text = "".join([piece.text async for piece in stream if isinstance(piece, g.Token)])
+        runner = await until(sim.controller, lambda s: instance(s, iid)["runners"][0]["state"] == "ready")
+        return forwarded_at_once, text, instance(runner, iid)["runners"][0]
+
+    forwarded_at_once, text, runner = simulate(tmp_path, body)
+    assert forwarded_at_once == ["Generate"] and text == "".join(TOKENS[:2])
+    assert runner["state"] == "ready" and runner["in_flight"] == 0
+
+
 # -- the backoff and the budget ---------------------------------------------------------------------------
 
 

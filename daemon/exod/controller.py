@@ -128,7 +128,7 @@ class Controller:
         c = self.config
         return RequestBook(
             self.cluster,
-            wake=lambda: self._wake.set(),  # the event of the moment: `run` replaces it
+            wake=self._request_came,
             now=self.now,
             max_per_instance=c.max_requests_per_instance,
             queue_timeout=c.queue_timeout,
@@ -310,6 +310,13 @@ class Controller:
 
     def _view(self) -> fsm.ClusterView:
         return self.cluster.view(self.requests.pending())
+
+    def _request_came(self) -> None:
+        """Planned at once, in the caller's task: the request reaches its runner without waiting for the
+        controller's turn (a fifth of a millisecond, #30); it still wakes, for the deadlines the plan leaves."""
+        if self._nursery is not None:  # running (`run`); the event is the moment's: `run` replaces it
+            self._act()
+        self._wake.set()
 
     def _changed(self) -> None:
         self._commit()
