@@ -207,6 +207,41 @@ def test_a_request_reaches_its_runner_before_the_caller_yields(tmp_path):
     assert runner["state"] == "ready" and runner["in_flight"] == 0
 
 
+def test_a_request_planned_inline_is_written_before_the_controllers_own_round(tmp_path):
+    """The controller, woken by the same request, lets the command go out first (trio runs what woke together
+    in any order: without that, half the requests waited for a round that had nothing to do for them)."""
+
+    async def body(sim: Sim):
+        iid = await sim.controller.place(MODEL, 1)
+        await until(sim.controller, ready_at(iid, 1))
+        await settled()
+        seen: list[str] = []
+        act = sim.controller._act
+
+        def traced_act() -> None:
+            seen.append("inline round" if trio.lowlevel.current_task() is this else "controller round")
+            act()
+
+        runner = sim.fleet.runner(0, 1)
+        take = runner._work_send.send_nowait
+        runner._work_send.send_nowait = lambda command: (seen.append(type(command).__name__), take(command))
+        sim.controller._act = traced_act
+        this = trio.lowlevel.current_task()
+        orders = []
+        for _ in range(20):
+            await settled()  # the daemon at rest when each comes (the last one's end planned)
+            seen.clear()
+            stream = sim.controller.requests.submit(iid, [{"role": "user", "content": "hi"}], max_tokens=1)
+            async for _piece in stream:
+                pass
+            stream.close()
+            orders.append(seen[:3])
+        return orders
+
+    orders = simulate(tmp_path, body)
+    assert orders == [["inline round", "Generate", "controller round"]] * 20
+
+
 # -- the backoff and the budget ---------------------------------------------------------------------------
 
 

@@ -186,6 +186,7 @@ class Controller:
                 with trio.move_on_at(math.inf if deadline is None else deadline - self._wall_offset):
                     await self._wake.wait()
                 self._wake = trio.Event()
+                await trio.sleep(0)  # what woke with it goes first: a request planned inline is on its way out
 
     async def shutdown(self) -> None:
         """Stop every runner the graceful way (ask → grace → SIGTERM → SIGKILL), wait for them all, and log it.
