@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
+import struct
 from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
@@ -401,3 +403,20 @@ def test_two_tasks_writing_one_answer_write_in_turn(tmp_path):
     content = serving(tmp_path, body)
     parts = content.split(b";")[:-1]
     assert sorted(parts) == sorted([b"a%d" % i for i in range(20)] + [b"b%d" % i for i in range(20)])
+
+
+def test_a_client_that_resets_before_it_is_accepted_costs_nothing(tmp_path, caplog):
+    """Its address can no longer be asked for: the connection is over before it began, quietly."""
+
+    async def body(port: int) -> int:
+        holder = await connect(port)  # the only slot: the next connection waits in the backlog
+        await trio.sleep(0.2)
+        reset = await connect(port)
+        reset.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await reset.aclose()  # a reset, while it is still in the backlog
+        await holder.aclose()  # the slot is free: the reset connection is accepted now
+        async with httpx.AsyncClient() as client:
+            return (await client.get(f"http://127.0.0.1:{port}/", timeout=5)).status_code
+
+    assert serving(tmp_path, body, max_connections=1) == 200
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -69,8 +69,10 @@ class Http11:
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
         self._writing = trio.Lock()  # an app may write from two tasks (a stream, its keepalive)
         self._gone = False
-        sock = stream.socket
-        self._client, self._server = sock.getpeername()[:2], sock.getsockname()[:2]
+        try:
+            self._client, self._server = stream.socket.getpeername()[:2], stream.socket.getsockname()[:2]
+        except OSError:  # reset before it was accepted: `serve` reads that it is over
+            self._client = self._server = None
 
     async def serve(self, first: bytes = b"") -> None:
         """Answer requests until the connection ends; ``first``: what was read of it already."""

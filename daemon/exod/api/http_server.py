@@ -292,16 +292,16 @@ async def serve_http(
         try:
             opening = await _opening(stream, config.keep_alive_timeout)
             if not opening.startswith(H2_PREFACE):
-                http11 = Http11(
-                    limited,
-                    stream,
-                    keep_alive_timeout=config.keep_alive_timeout,
-                    send_timeout=config.send_timeout,
-                    state=lifespan_state,
-                )
-                try:
+                try:  # a bug of ours on one connection must not end the server's other ones
+                    http11 = Http11(
+                        limited,
+                        stream,
+                        keep_alive_timeout=config.keep_alive_timeout,
+                        send_timeout=config.send_timeout,
+                        state=lifespan_state,
+                    )
                     await http11.serve(opening)  # closes the stream, at once if nothing came
-                except Exception:  # a bug of ours on one connection must not end the server's other ones
+                except Exception:
                     log.exception("HTTP/1.1 connection failed")
                 return
             replayed = _Replayed(stream, opening)
