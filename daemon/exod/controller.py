@@ -176,17 +176,20 @@ class Controller:
         """Plan and act until cancelled; cancelling stops and reaps every runner."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            await nursery.start(self.journal.run)
-            if self.fleet is not None:
-                await nursery.start(self.fleet.run)
-            task_status.started()
-            while True:
-                self._act()
-                deadline = self._driver().next_wakeup()
-                with trio.move_on_at(math.inf if deadline is None else deadline - self._wall_offset):
-                    await self._wake.wait()
-                self._wake = trio.Event()
-                await trio.sleep(0)  # what woke with it goes first: a request planned inline is on its way out
+            try:
+                await nursery.start(self.journal.run)
+                if self.fleet is not None:
+                    await nursery.start(self.fleet.run)
+                task_status.started()
+                while True:
+                    self._act()
+                    deadline = self._driver().next_wakeup()
+                    with trio.move_on_at(math.inf if deadline is None else deadline - self._wall_offset):
+                        await self._wake.wait()
+                    self._wake = trio.Event()
+                    await trio.sleep(0)  # what woke with it goes first: a request planned inline is on its way
+            finally:
+                self._nursery = None  # a term ended (deposed): nothing is planned outside `run` (`_request_came`)
 
     async def shutdown(self) -> None:
         """Stop every runner the graceful way (ask → grace → SIGTERM → SIGKILL), wait for them all, and log it.
@@ -222,9 +225,8 @@ class Controller:
         `PlacementRefused` (and stores nothing) if not. ``keep_alive``: seconds it stays loaded unused (None:
         forever; by default ``[models] keep_alive``)."""
         if not self.models.placeable(model_id):
-            raise fsm.InvalidConfig(
-                f"{model_id}: local model directories are placed from the config file or `exod serve --place` only"
-            )
+            only = "are placed from the config file or `exod serve --place` only"
+            raise fsm.InvalidConfig(f"{model_id}: local model directories {only}")
         self.journal.writable("new placements")  # the caller would be told of a placement a crash could lose
         if self.fleet is not None:
             await self.fleet.refresh()
@@ -313,9 +315,8 @@ class Controller:
         return self.cluster.view(self.requests.pending())
 
     def _request_came(self) -> None:
-        """Planned at once, in the caller's task: the request reaches its runner without waiting for the
-        controller's turn (a fifth of a millisecond, #30); it still wakes, for the deadlines the plan leaves."""
-        if self._nursery is not None:  # running (`run`); the event is the moment's: `run` replaces it
+        """Planned in the caller's task, not at the controller's turn (0.2 ms, #30); it wakes for the deadlines."""
+        if self._nursery is not None:  # while `run` runs; the event is the moment's: `run` replaces it
             self._act()
         self._wake.set()
 
@@ -350,9 +351,8 @@ class Controller:
         if self._stopping:
             return
         done = self._driver().reconcile()
-        for skipped in done.skipped:
-            if skipped.error is not None:  # the view moved under a later action of the same batch
-                log.warning("action %s not taken: %s", skipped.action, skipped.reason)
+        for skipped in (s for s in done.skipped if s.error is not None):  # the view moved under a later action
+            log.warning("action %s not taken: %s", skipped.action, skipped.reason)
         if not done.settled:
             log.error("plan did not settle after %d rounds; will retry on the next change", MAX_PLAN_ROUNDS)
         self.requests.fail_orphaned()
