@@ -138,6 +138,21 @@ def test_half_sent_headers_are_closed_at_the_keep_alive_timeout(tmp_path):
     assert 0.4 <= elapsed < 3 and data == b""
 
 
+def test_the_head_is_due_a_keep_alive_timeout_after_connecting_however_its_first_bytes_came(tmp_path):
+    """Reading the first bytes (to tell HTTP/2 from HTTP/1.1) does not restart the clock: no twice the timeout."""
+
+    async def body(port: int) -> tuple[float, bytes]:
+        stream = await connect(port)
+        connected = trio.current_time()
+        await trio.sleep(0.7)
+        await stream.send_all(b"POST / HTTP/1.1\r\n")  # the first bytes late, the rest never
+        _, data = await until_closed(stream)
+        return trio.current_time() - connected, data
+
+    elapsed, data = serving(tmp_path, body, keep_alive_timeout=1.0, read_timeout=5)
+    assert 0.9 <= elapsed < 1.5 and data == b""
+
+
 def test_a_kept_alive_connection_serves_again_and_is_closed_a_keep_alive_timeout_after_its_last_answer(tmp_path):
     """The keep-alive timer runs again from each answer's end, and stops while a request is served."""
 

@@ -74,21 +74,25 @@ class Http11:
         except OSError:  # reset before it was accepted: `serve` reads that it is over
             self._client = self._server = None
 
-    async def serve(self, first: bytes = b"") -> None:
-        """Answer requests until the connection ends; ``first``: what was read of it already."""
+    async def serve(self, first: bytes = b"", *, opened: float | None = None) -> None:
+        """Answer requests until the connection ends; ``first``: what was read of it already, since ``opened``
+        (trio time; now if not given): the first request's head is due ``keep_alive_timeout`` after it."""
         self.h11.receive_data(first)
+        since = trio.current_time() if opened is None else opened
         try:
-            while (request := await self._next_request()) is not None:
+            while (request := await self._next_request(since)) is not None:
                 await self._answer(request)
                 if self._gone or self.h11.our_state is not h11.DONE or self.h11.their_state is not h11.DONE:
                     return  # an answer cut short, a body left unread, or `Connection: close`
                 self.h11.start_next_cycle()
+                since = trio.current_time()
         finally:
             await self._close()
 
-    async def _next_request(self) -> h11.Request | None:
-        """The next request's head, or None once the client closes, errs, or sends none in time."""
-        with trio.move_on_after(self.keep_alive_timeout):
+    async def _next_request(self, since: float) -> h11.Request | None:
+        """The next request's head, or None once the client closes, errs, or sends none within
+        ``keep_alive_timeout`` of ``since`` (the connection's opening, or the last answer's end)."""
+        with trio.move_on_at(since + self.keep_alive_timeout):
             while True:
                 try:
                     event = self.h11.next_event()

@@ -290,6 +290,7 @@ async def serve_http(
 
     async def connection(stream: trio.SocketStream) -> None:
         try:
+            opened = trio.current_time()
             opening = await _opening(stream, config.keep_alive_timeout)
             if not opening.startswith(H2_PREFACE):
                 try:  # a bug of ours on one connection must not end the server's other ones
@@ -300,7 +301,7 @@ async def serve_http(
                         send_timeout=config.send_timeout,
                         state=lifespan_state,
                     )
-                    await http11.serve(opening)  # closes the stream, at once if nothing came
+                    await http11.serve(opening, opened=opened)  # closes the stream, at once if nothing came
                 except Exception:
                     log.exception("HTTP/1.1 connection failed")
                 return
