@@ -34,6 +34,7 @@ from exod.requests import QueueTimeout, RequestFailed
 from exod.runner import protocol as p
 from exod.runner.faults import Fault, FaultKind, FaultPhase, FaultSpec
 from exod.state.journal import LAZY_WRITE_S
+from exod.state.sqlite import Store
 from fsm.cluster import LogEntry
 
 WALL = 1_000_000.0  # the wall time the controller's clock starts at; trio's MockClock starts at 0
@@ -240,6 +241,46 @@ def test_a_request_planned_inline_is_written_before_the_controllers_own_round(tm
 
     orders = simulate(tmp_path, body)
     assert orders == [["inline round", "Generate", "controller round"]] * 20
+
+
+def test_a_request_to_a_deposed_controller_is_not_planned_in_its_callers_task(tmp_path):
+    """A controller whose term ended (its `run` cancelled, the daemon serving on until `fail_all`) plans
+    nothing for a request that still reaches its book: no command to a runner it no longer runs, no runner
+    started on a nursery that is closed, no error in the caller's task; the request waits, as it did before
+    requests were planned inline, and the book's `fail_all` ends it."""
+    fleet = FakeFleet(FakeModels())
+
+    async def main() -> tuple[list[str], int, str]:
+        cfg = config(tmp_path, None, timeouts=TIMEOUTS, policy=POLICY, queue_timeout=QUEUE_TIMEOUT)
+        store = Store.open(cfg.db_path, retention=cfg.retention)
+        try:
+            controller = Controller(cfg, store, spawn=fleet, models=FakeModels(), wall=lambda: WALL)
+            await controller.restore()
+            with trio.fail_after(LIMIT):
+                async with trio.open_nursery() as term:
+                    await term.start(controller.run)
+                    iid = await controller.place(MODEL, 1)
+                    await until(controller, ready_at(iid, 1))
+                    term.cancel_scope.cancel()  # deposed: `run` ends, its runners are reaped
+                await settled()
+                posted: list[str] = []
+                post = controller.processes.post
+                controller.processes.post = lambda rid, inc, c: (posted.append(type(c).__name__), post(rid, inc, c))
+                spawned = len(fleet.generation(1)) + len(fleet.generation(2))
+                stream = controller.requests.submit(iid, MESSAGES, max_tokens=2)  # must not raise
+                await settled()
+                controller.requests.fail_all("this node is no longer the cluster's controller")
+                with pytest.raises(RequestFailed) as failed:
+                    async for _piece in stream:
+                        pass
+                spawned_after = len(fleet.generation(1)) + len(fleet.generation(2)) - spawned
+                return posted, spawned_after, str(failed.value)
+        finally:
+            store.close()
+
+    posted, spawned, failure = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert posted == [] and spawned == 0
+    assert "no longer the cluster's controller" in failure
 
 
 # -- the backoff and the budget ---------------------------------------------------------------------------
