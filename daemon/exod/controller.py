@@ -75,11 +75,9 @@ class Controller:
         models: ModelFiles | None = None,
         wall: Callable[[], float] = time.time,
     ) -> None:
-        self.config = config
-        self.store = store
-        self.models = models or ModelFiles(
-            hf_home=config.hf_home, offline=config.offline, timeout=config.download_timeout
-        )
+        self.config, self.store = config, store
+        c = config
+        self.models = models or ModelFiles(hf_home=c.hf_home, offline=c.offline, timeout=c.download_timeout)
         self._wall_offset = wall() - trio.current_time()  # trio time + offset = wall time, for what is stored
         self.cluster = self._new_cluster()
         self._reports = Reports(self)
@@ -150,8 +148,7 @@ class Controller:
         self.reaped_orphans = reap_orphans(self.store.processes())
         for record in self.store.processes():
             self.journal.forget_process(record.runner_id, record.incarnation)
-        now = self.now()
-        self.cluster.recover(now)
+        self.cluster.recover(now := self.now())
         if self.fleet is not None:  # what resumes, resumes on live nodes
             await self.fleet.refresh()
             for instance_id in self.cluster.instances:
@@ -163,9 +160,8 @@ class Controller:
         await self.journal.durable()
 
     async def take_over(self, state: StateStore) -> None:
-        """Become the controller of the cluster whose state is in ``state`` (a new term, in a cluster): forget
-        what an earlier term left in memory, once its last write has ended; `restore` then reads what is
-        stored."""
+        """Become the controller of the cluster whose state is in ``state`` (a new term): forget what an earlier
+        term left in memory, once its last write has ended; `restore` then reads what is stored."""
         await self.journal.retire("this node's earlier term as the controller is over")
         self.journal = Journal(state, self.store)
         self.cluster = self._new_cluster()
@@ -262,8 +258,7 @@ class Controller:
             raise fsm.InvalidConfig(str(exc)) from exc
 
     async def delete(self, instance_id: str) -> None:
-        if instance_id not in self.cluster.instances:
-            raise InstanceNotFound(f"no instance {instance_id!r}; `exod status` lists them")
+        self.instance(instance_id)
         await self._change("deletes", lambda: self.cluster.delete(instance_id, self.now()), f"{instance_id} is deleted")
 
     async def _change(self, what: str, change: Callable[[], object], done: str) -> None:
@@ -289,7 +284,7 @@ class Controller:
         """The instance's retry machine (read it; only the controller feeds it events)."""
         placement = self.cluster.instances.get(instance_id)
         if placement is None:
-            raise InstanceNotFound(f"no instance {instance_id!r}")
+            raise InstanceNotFound(f"no instance {instance_id!r}; `exod status` lists them")
         return placement.machine
 
     async def transitions(self, after: int = 0, limit: int | None = None) -> list[tuple[int, LogEntry]]:
@@ -305,6 +300,11 @@ class Controller:
         await self.journal.read(self.journal.state.changed(after))
 
     @property
+    def running(self) -> bool:
+        """`run` runs: in a cluster, this node's term is taken over and restored (until then it answers nothing)."""
+        return self._nursery is not None
+
+    @property
     def log_written(self) -> trio.Event:
         """Set (and replaced) at every write of the state by this controller."""
         return self.journal.written
@@ -316,7 +316,7 @@ class Controller:
 
     def _request_came(self) -> None:
         """Planned in the caller's task, not at the controller's turn (0.2 ms, #30); it wakes for the deadlines."""
-        if self._nursery is not None:  # while `run` runs; the event is the moment's: `run` replaces it
+        if self.running:  # the event is the moment's: `run` replaces it
             self._act()
         self._wake.set()
 

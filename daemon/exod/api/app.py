@@ -85,5 +85,5 @@ def create_app(
     app.include_router(events.router(controller), dependencies=authenticated)
     app.include_router(docs.router(app), dependencies=authenticated)
     dashboard.install(app, api_key=bool(api_key))
-    served: ASGIApp = app if membership is None else Follower(app, membership, api_key)
+    served: ASGIApp = app if membership is None else Follower(app, membership, controller, api_key)
     return RequestId(HeadAsGet(cors(BodyCap(served, max_body_bytes), cors_origins)))

@@ -8,14 +8,16 @@ caller's own headers but its credentials: the node checks the client's API key i
 no one; the controller takes the cluster's token in its place (`exod.cluster.token`).
 
 The hop keeps the API's promises: the controller's status codes and error shapes come back as they are;
-a controller that cannot be reached is a 502 (503 while none is elected); one that dies mid-stream ends
-a server-sent-event stream with an error event and ``data: [DONE]``, never a hang.
+a controller that cannot be reached is a 502 (503 while none is elected, and while the node elected is
+taking over: its machines are the last term's until it has restored the cluster's); one that dies mid-stream
+ends a server-sent-event stream with an error event and ``data: [DONE]``, never a hang.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from typing import TYPE_CHECKING
 
 import httpx
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -25,6 +27,9 @@ from exod.api.errors import ANTHROPIC_PATHS, ApiError
 from exod.cluster.etcd import EtcdUnavailable
 from exod.cluster.membership import Membership
 from exod.cluster.token import HEADER
+
+if TYPE_CHECKING:
+    from exod.controller import Controller
 
 log = logging.getLogger("exod.forward")
 
@@ -46,19 +51,31 @@ FORWARDED = b"x-exod-forwarded-by"
 CREDENTIALS = frozenset({b"authorization", b"x-api-key", HEADER.lower().encode()})  # never sent on
 
 
+def controlling(membership: Membership, controller: Controller) -> bool:
+    """This node answers as the cluster's controller: elected, and its controller runs that term. Between the
+    two (`exod.serve`'s take-over: the last state read from etcd, the runners it names recovered) its machines
+    are another term's or none, and a request given to its book then would be lost with that book."""
+    return membership.term is not None and controller.running
+
+
 class Follower:
     """ASGI middleware of a cluster node: answer here, or forward to the controller."""
 
-    def __init__(self, app: ASGIApp, membership: Membership, api_key: str | None = None) -> None:
-        self.app, self.membership, self.api_key = app, membership, api_key
+    def __init__(self, app: ASGIApp, membership: Membership, controller: Controller, api_key: str | None = None):
+        self.app, self.membership, self.controller, self.api_key = app, membership, controller, api_key
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=None, write=None))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.membership.term is not None or scope["type"] != "http" or answered_here(scope):
+        if scope["type"] != "http" or answered_here(scope) or controlling(self.membership, self.controller):
             await self.app(scope, receive, send)
             return
         if self.api_key and not holds_key(scope["headers"], self.api_key):
             error = ApiError(401, WRONG_KEY, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            await error.response(scope["path"])(scope, receive, send)
+            return
+        if self.membership.term is not None:  # elected, not serving yet: forwarded, it would come back here
+            message = f"node {self.membership.node_id} is taking over as the cluster's controller: try again shortly"
+            error = ApiError(503, message, code="controller_unavailable", headers={"Retry-After": "1"})
             await error.response(scope["path"])(scope, receive, send)
             return
         try:

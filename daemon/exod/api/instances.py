@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import fsm
 from exod.api.errors import ApiError, responses
+from exod.api.forward import controlling
 from exod.cluster.etcd import EtcdUnavailable
 from exod.cluster.etcd_state import MalformedState, stored_cluster
 from exod.cluster.membership import Membership
@@ -119,7 +120,7 @@ def router(controller: Controller, membership: Membership | None) -> APIRouter:
         """The instances: the controller's own, or on another node of a cluster what etcd holds of them, as
         its controller last wrote it; while that controller does not answer, what may have changed since is
         said to be unknown (a dead controller's instances are not Ready, whatever it wrote last)."""
-        if membership is None or membership.term is not None:
+        if membership is None or controlling(membership, controller):
             return controller.status()
         try:
             cluster = await stored_cluster(membership.etcd, membership.prefix)
@@ -130,7 +131,9 @@ def router(controller: Controller, membership: Membership | None) -> APIRouter:
             membership.malformed["snapshot"] += 1
             raise ApiError(503, str(exc), headers={"Retry-After": "1"}) from exc
         doc = {**status_of(cluster), "degraded": None}
-        if url is None or not await _answers(url):
+        if membership.term is not None:  # this node is taking over: what is still true, its restore decides
+            doc = unvouched(doc, f"the last state written, which node {membership.node_id} is taking over now")
+        elif url is None or not await _answers(url):
             doc = unvouched(
                 doc,
                 f"the last state written by the controller ({node_id or 'none elected'}), which does not answer now",
