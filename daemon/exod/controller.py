@@ -301,7 +301,7 @@ class Controller:
 
     @property
     def running(self) -> bool:
-        """`run` runs: in a cluster, this node's term is taken over and restored (until then it answers nothing)."""
+        """`run` runs: in a cluster, its term is taken over and restored (`exod.api.forward.controlling`)."""
         return self._nursery is not None
 
     @property
