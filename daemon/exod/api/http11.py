@@ -48,6 +48,20 @@ class _Date:
         return cls.value
 
 
+async def send_whole(stream: trio.abc.SendStream, data: bytes, timeout: float) -> bool:
+    """Send ``data`` whole or not at all, within ``timeout``: a write cut midway would garble the stream, so it
+    is shielded, but a shielded scope's own deadline still ends it (a client that takes nothing for that long is
+    gone). Whether the client took it; both protocols' writes (HTTP/2's in `exod.api.http_server`)."""
+    try:
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + timeout) as waited:
+            await stream.send_all(data)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        return False
+    if waited.cancelled_caught:
+        log.warning("a client took nothing for %g s: its connection is closed", timeout)
+    return not waited.cancelled_caught
+
+
 class _Gone(Exception):
     """The client went, or took nothing for ``send_timeout``: the connection is over."""
 
@@ -154,8 +168,7 @@ class Http11:
         self._gone = True
 
     async def write(self, data: bytes) -> None:
-        """Send ``data``, whole or not at all: a write cut midway would garble the stream, so it is shielded,
-        but with ``send_timeout`` as its deadline (a client that takes nothing for that long is gone)."""
+        """Send ``data`` (`send_whole`); a client that did not take it is gone (`_Gone`)."""
         if self._gone:
             await trio.lowlevel.checkpoint()  # an app writing on and on to a client that left must let others run
             raise _Gone
@@ -164,13 +177,7 @@ class Http11:
         except trio.WouldBlock:
             await self._writing.acquire()
         try:
-            with trio.CancelScope(shield=True, deadline=trio.current_time() + self.send_timeout) as waited:
-                await self.stream.send_all(data)
-            if waited.cancelled_caught:
-                log.warning("a client took nothing for %g s: its connection is closed", self.send_timeout)
-            taken = not waited.cancelled_caught
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            taken = False
+            taken = await send_whole(self.stream, data, self.send_timeout)
         finally:
             self._writing.release()
         if not taken:

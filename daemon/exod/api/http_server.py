@@ -53,7 +53,7 @@ from hypercorn.utils import repr_socket_addr, wrap_app
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from exod.api.errors import ApiError
-from exod.api.http11 import Http11
+from exod.api.http11 import Http11, send_whole
 from exod.config import ServeConfig
 
 log = logging.getLogger("exod.http")
@@ -185,16 +185,7 @@ class _Connection(TCPServer):
             await super().protocol_send(event)
             return
         async with self.send_lock:
-            try:
-                # hypercorn shields the write (one cut midway breaks the stream), which is what is wanted when
-                # the client takes nothing for ``send_timeout``: a shielded scope's own deadline still ends it
-                deadline = trio.current_time() + self.send_timeout
-                with trio.CancelScope(shield=True, deadline=deadline) as waited:
-                    await self.stream.send_all(event.data)
-                if waited.cancelled_caught:
-                    log.warning("a client took nothing for %g s: its connection is closed", self.send_timeout)
-                    raise trio.BrokenResourceError("the client stopped reading")
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
+            if not await send_whole(self.stream, event.data, self.send_timeout):
                 await self.protocol.handle(Closed())
 
     async def _read_data(self) -> None:
