@@ -61,7 +61,9 @@ def controlling(membership: Membership, controller: Controller) -> bool:
 class Follower:
     """ASGI middleware of a cluster node: answer here, or forward to the controller."""
 
-    def __init__(self, app: ASGIApp, membership: Membership, controller: Controller, api_key: str | None = None):
+    def __init__(
+        self, app: ASGIApp, membership: Membership, controller: Controller, api_key: str | None = None
+    ) -> None:
         self.app, self.membership, self.controller, self.api_key = app, membership, controller, api_key
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=None, write=None))
 
