@@ -58,6 +58,11 @@ def controlling(membership: Membership, controller: Controller) -> bool:
     return membership.term is not None and controller.running
 
 
+def _unavailable(message: str) -> ApiError:
+    """No controller to forward to now, for a moment: the client should try again shortly."""
+    return ApiError(503, message, code="controller_unavailable", headers={"Retry-After": "1"})
+
+
 class Follower:
     """ASGI middleware of a cluster node: answer here, or forward to the controller."""
 
@@ -71,36 +76,33 @@ class Follower:
         if scope["type"] != "http" or answered_here(scope) or controlling(self.membership, self.controller):
             await self.app(scope, receive, send)
             return
+        target = await self._controller_for(scope)
+        if isinstance(target, ApiError):
+            await target.response(scope["path"])(scope, receive, send)
+            return
+        await self._forward(*target, scope, receive, send)
+
+    async def _controller_for(self, scope: Scope) -> tuple[str, str] | ApiError:
+        """The controller's node and API address to forward ``scope`` to, or the error to answer instead."""
         if self.api_key and not holds_key(scope["headers"], self.api_key):
-            error = ApiError(401, WRONG_KEY, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-            await error.response(scope["path"])(scope, receive, send)
-            return
+            return ApiError(401, WRONG_KEY, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        me = self.membership.node_id
         if self.membership.term is not None:  # elected, not serving yet: forwarded, it would come back here
-            message = f"node {self.membership.node_id} is taking over as the cluster's controller: try again shortly"
-            error = ApiError(503, message, code="controller_unavailable", headers={"Retry-After": "1"})
-            await error.response(scope["path"])(scope, receive, send)
-            return
+            return _unavailable(f"node {me} is taking over as the cluster's controller: try again shortly")
         try:
             node_id, url = await self.membership.controller()
         except EtcdUnavailable as exc:
             reason = f"degraded: the cluster's etcd cannot be reached: {exc}"
-            await ApiError(503, reason, headers={"Retry-After": "1"}).response(scope["path"])(scope, receive, send)
-            return
+            return ApiError(503, reason, headers={"Retry-After": "1"})
         if any(k.lower() == FORWARDED for k, _ in scope["headers"]):  # one hop only: never a loop mid-election
-            message = f"forwarded to node {self.membership.node_id}, which is not the controller either: try again"
-            error = ApiError(503, message, code="controller_unavailable", headers={"Retry-After": "1"})
-            await error.response(scope["path"])(scope, receive, send)
-            return
-        if node_id is None or not url:
-            message = (
+            return _unavailable(f"forwarded to node {me}, which is not the controller either: try again")
+        if node_id is None:
+            return _unavailable(
                 "no node of the cluster is its controller yet (an election is under way): try again shortly"
-                if node_id is None
-                else f"the cluster's controller, node {node_id}, has no API address yet: try again shortly"
             )
-            error = ApiError(503, message, code="controller_unavailable", headers={"Retry-After": "1"})
-            await error.response(scope["path"])(scope, receive, send)
-            return
-        await self._forward(node_id, url, scope, receive, send)
+        if not url:
+            return _unavailable(f"the cluster's controller, node {node_id}, has no API address yet: try again shortly")
+        return node_id, url
 
     async def _forward(self, node_id: str, url: str, scope: Scope, receive: Receive, send: Send) -> None:
         body = b""

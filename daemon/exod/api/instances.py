@@ -131,8 +131,9 @@ def router(controller: Controller, membership: Membership | None) -> APIRouter:
             membership.malformed["snapshot"] += 1
             raise ApiError(503, str(exc), headers={"Retry-After": "1"}) from exc
         doc = {**status_of(cluster), "degraded": None}
-        if membership.term is not None:  # this node is taking over: what is still true, its restore decides
-            doc = unvouched(doc, f"the last state written, which node {membership.node_id} is taking over now")
+        if membership.term is not None or node_id == membership.node_id:  # its own /health would vouch for it
+            why = "stepping down or taking over: what is still true, its restore decides"
+            doc = unvouched(doc, f"the last state written; node {membership.node_id} is not the controller now ({why})")
         elif url is None or not await _answers(url):
             doc = unvouched(
                 doc,
