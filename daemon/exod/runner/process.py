@@ -46,6 +46,7 @@ from exod.runner.batch import Batch, BatchLimits, Lockstep, prompt_tokens
 from exod.runner.faults import Fault, FaultPhase, Injector
 from exod.runner.mlx_import import import_mlx_lm
 from exod.runner.protocol import HOST_ERRNOS
+from exod.runner.tool_prompt import JSON_TOOLS, takes_tools
 
 log = logging.getLogger("exod.runner")
 
@@ -356,6 +357,8 @@ class Runner:
         # lazy: nothing is read until evaluated, so each rank reads only its shard, layer by layer
         model, config = load_model(model_path, lazy=True, strict=True)
         tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
+        if not tokenizer.has_tool_calling and not takes_tools(tokenizer.chat_template):  # exod writes the tools
+            tokenizer = load_tokenizer(model_path, JSON_TOOLS, eos_token_ids=config.get("eos_token_id"))
         layers = self._shard(model)
         for index, layer in enumerate(layers, start=1):
             mx.eval(layer.parameters())
