@@ -27,6 +27,7 @@ from browser_harness import browser  # noqa: E402, F401 - headless Chromium, for
 
 # Modules that start runner processes opt in with `pytestmark = pytest.mark.usefixtures("no_runner_left_behind")`.
 from daemon_harness import no_runner_left_behind  # noqa: E402, F401
+from real_model_harness import real_model_home  # noqa: E402, F401 - the real instruct model, imported once per run
 
 
 def pytest_sessionfinish(session, exitstatus):
