@@ -62,7 +62,7 @@ reliability: $(STAMP)
 ## screenshots: the dashboard's browser tests, writing docs/dashboard*.png (shown in the README); needs chromium and chromium-driver
 .PHONY: screenshots
 screenshots: $(STAMP)
-	EXOD_WRITE_SCREENSHOTS=1 $(BIN)/python -m pytest -q tests/test_dashboard.py
+	EXOD_WRITE_SCREENSHOTS=1 $(BIN)/python -m pytest -q tests/test_dashboard.py tests/test_real_model.py -k "dashboard"
 
 ## mutation: mutation testing of fsm's machines and planner with the fast unit tests (by hand, not in CI; ~20 min on 2 cores)
 ##           MUTATION_ARGS="backoff download" for some modules; see tools/mutation.py

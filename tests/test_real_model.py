@@ -214,3 +214,28 @@ def test_three_ranks_over_the_ring_answer_the_same_greedy_text_as_one(tmp_path, 
         instance = httpx.get(f"{url}/instances", timeout=30).json()["instances"][0]
         assert [r["state"] for r in instance["runners"]] == ["ready"] * 3
     assert three.choices[0].message.content == one.choices[0].message.content
+
+
+def test_the_dashboards_chat_shows_the_models_answer(browser, daemon, client):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    from browser_harness import console_errors, open_page, screenshot, until
+
+    open_page(browser, daemon + "/")
+    until(lambda: Select(browser.find_element(By.ID, "chat-model")).select_by_value(REAL_MODEL) or True, what="model")
+    for field, value in (("chat-temperature", "0"), ("chat-max-tokens", "24")):
+        browser.find_element(By.ID, field).clear()
+        browser.find_element(By.ID, field).send_keys(value)
+    browser.find_element(By.ID, "chat-input").send_keys(CAPITAL[0]["content"])
+    browser.find_element(By.ID, "chat-send").click()
+    answer = until(
+        lambda: browser.find_element(By.CSS_SELECTOR, '#chat-log .assistant[data-done="true"]'),
+        timeout=120,
+        what="the answer",
+    )
+    shown = answer.get_attribute("textContent")
+    expected = client.chat.completions.create(model=REAL_MODEL, messages=CAPITAL, temperature=0, max_tokens=24)
+    assert "Paris" in shown and shown == expected.choices[0].message.content
+    assert console_errors(browser) == []
+    screenshot(browser, "dashboard-chat")
