@@ -199,6 +199,7 @@ def test_the_ollama_client_lists_and_shows_the_model_with_its_context(daemon):
     llama = ollama.Client(host=daemon, timeout=60)
     assert REAL_MODEL in {m.model for m in llama.list().models}
     shown = llama.show(REAL_MODEL)
+    assert "tools" in shown.capabilities  # its template has no place for them: exod writes them
     assert shown.modelinfo.get("llama.context_length") == 8192 or "8192" in json.dumps(shown.model_dump(), default=str)
     models = httpx.get(f"{daemon}/v1/models", timeout=30).json()["data"]
     assert any(m["id"] == REAL_MODEL for m in models)

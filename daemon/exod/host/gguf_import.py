@@ -445,7 +445,7 @@ def _write_tokenizer(header: _Header, architecture: str, directory: Path) -> Non
         "model_max_length": header.get(f"{architecture}.context_length", 4096),
     }
     if isinstance(template, str) and template:
-        pass
+        config["chat_template"] = template
     _write_json(directory / "tokenizer_config.json", config)
     ids = {key: header.get(f"tokenizer.ggml.{key}") for key in ("bos_token_id", "eos_token_id")}
     _write_json(directory / "generation_config.json", ids)

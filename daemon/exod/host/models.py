@@ -261,7 +261,7 @@ class ModelCard:
     model_type: str | None = None  # the architecture (config.json's model_type)
     size_bytes: int = 0  # the weights'
     revision: str = ""  # the snapshot's commit (the cache's directory name)
-    tools: bool = False  # whether its chat template takes tools
+    tools: bool = False  # whether it takes tools: any chat template does (exod writes them where it has no place)
 
 
 def read_card(directory: Path) -> ModelCard:
@@ -285,18 +285,18 @@ def read_card(directory: Path) -> ModelCard:
         model_type=model_type if isinstance(model_type, str) else None,
         size_bytes=size,
         revision=directory.name,
-        tools=_template_takes_tools(directory),
+        tools=_has_chat_template(directory),
     )
 
 
-def _template_takes_tools(directory: Path) -> bool:
-    """Whether the chat template mentions tools: those that do render them (the runner's own check is
-    mlx-lm's, on the tokenizer; this one is for describing a model without loading it)."""
+def _has_chat_template(directory: Path) -> bool:
+    """Whether the model has a chat template, and so takes tools: those that mention them render them, the others
+    get exod's own (`exod.runner.tool_prompt`). For describing a model without loading it."""
     try:
-        template = json.loads((directory / "tokenizer_config.json").read_text()).get("chat_template") or ""
+        template = json.loads((directory / "tokenizer_config.json").read_text()).get("chat_template")
     except (OSError, ValueError, AttributeError):
         return False
-    return "tools" in json.dumps(template)
+    return bool(template) or (directory / "chat_template.jinja").is_file()
 
 
 def _dangling(path: str) -> bool:
