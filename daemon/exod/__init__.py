@@ -35,6 +35,8 @@ DAEMON_IMPORTS = frozenset(
         "fastapi",
         "hypercorn",
         "h11",
+        "gguf",
+        "transformers",
         "httpx",
         "httpx_sse",
         "psutil",
