@@ -369,10 +369,13 @@ def _read_exactly(path: Path, names: set[str]) -> dict[str, Any]:
         if tensor.tensor_type == gguf.GGMLQuantizationType.BF16:
             bits = np.ascontiguousarray(tensor.data).view(np.uint16)
             arrays[tensor.name] = mx.array(bits).view(mx.bfloat16).reshape(shape)
-        else:
+        else:  # a few hundred rows at a time: a whole tensor in float32 would double the import's peak memory
+            blocks = tensor.data.reshape(-1, tensor.data.shape[-1])
+            values = np.empty((len(blocks), math.prod(shape) // len(blocks)), dtype=np.float16)
             with np.errstate(all="ignore"):  # a damaged block's inf and nan stay what they are, as MLX's would
-                values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float16)
-            arrays[tensor.name] = mx.array(values.reshape(shape))
+                for row in range(0, len(blocks), 256):
+                    values[row : row + 256] = gguf.quants.dequantize(blocks[row : row + 256], tensor.tensor_type)
+            arrays[tensor.name] = mx.array(values).reshape(shape)
     return arrays
 
 
