@@ -73,6 +73,7 @@ def gguf_from_tiny_model(
     architecture: str | None = None,
     permute_qk: bool = True,
     metadata: dict[str, Any] | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """Write ``model_dir`` (a tiny llama or qwen2) to the GGUF file ``out`` as llama.cpp would, and return ``out``.
 
@@ -81,7 +82,7 @@ def gguf_from_tiny_model(
     are then random blocks of the right size (a K-quant's with small scales; its rows must be 256 long).
     ``architecture`` writes another ``general.architecture`` (its keys named after it); ``permute_qk=False`` skips
     llama.cpp's Q/K permutation (a wrong file, to prove a test notices). ``metadata`` adds or replaces
-    string/int/float/bool keys, after all the others.
+    string/int/float/bool keys, after all the others; ``extra_tensors`` are written as they are (F32), after them.
     """
     config = json.loads((model_dir / "config.json").read_text())
     weights = _load_weights(model_dir)
@@ -90,6 +91,8 @@ def gguf_from_tiny_model(
     _add_bpe_tokenizer(writer, model_dir)
     _add_metadata(writer, metadata or {})
     _add_tensors(writer, weights, config, tensor_type=tensor_type, permute_qk=permute_qk and arch == "llama")
+    for name, data in (extra_tensors or {}).items():
+        writer.add_tensor(name, data.astype(np.float32))
     _finish(writer)
     return out
 

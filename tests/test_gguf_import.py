@@ -145,6 +145,52 @@ def test_a_wrong_rope_or_a_missing_permutation_moves_llama_logits_far_past_the_t
         assert np.abs(wrong[1:] - reference[1:]).max(axis=-1).min() > 20 * TOLERANCE
 
 
+def _llama3_divisors(base: float, dims: int, factor: float) -> np.ndarray:
+    """convert_hf_to_gguf's ``rope_freqs`` for Llama 3.1 (low 1, high 4, an original context of 8192), as it writes
+    them: each frequency's divisor."""
+    divisors = []
+    for period in base ** (np.arange(0, dims, 2) / dims):
+        wavelength = 2 * np.pi * period
+        if wavelength < 8192 / 4:
+            divisors.append(1.0)
+        elif wavelength > 8192 / 1:
+            divisors.append(factor)
+        else:
+            smooth = (8192 / wavelength - 1) / (4 - 1)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)
+
+
+def test_llama_3s_scaled_rope_imports_as_the_scaling_it_was_written_from(tmp_path: Path) -> None:
+    """Llama 3.1 and later store their RoPE scaling as a tensor of divisors (``rope_freqs``): imported as the
+    ``rope_scaling`` mlx-lm computes them from, the logits are the original's. Heads of 16 at base 10000 put one
+    frequency past the original context's wavelength (divided by the factor) and one in the smoothed band; 500
+    positions turn them far enough for a wrong scaling to show. Divisors that are not Llama 3's are refused."""
+    original = make_tiny_model("exod/tiny-llama3", arch="llama", hf_home=tmp_path / "made")
+    config = json.loads((original / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    (original / "config.json").write_text(json.dumps(config))
+    divisors = _llama3_divisors(config["rope_theta"], config["head_dim"], 32.0)
+    assert 1.0 < divisors[-2] < 32.0 == divisors[-1]  # one frequency smoothed, one scaled whole
+    made = gguf_from_tiny_model(original, tmp_path / "llama3.gguf", extra_tensors={"rope_freqs.weight": divisors})
+    imported = import_gguf(made, hf_home=tmp_path)
+    assert json.loads((imported.path / "config.json").read_text())["rope_scaling"]["factor"] == 32.0
+    tokens = list(range(3, 503))
+    reference = _logits(original, tokens)
+    np.testing.assert_allclose(_logits(imported.path, tokens), reference, atol=TOLERANCE, rtol=0)
+    unscaled = _logits(imported.path, tokens, {"rope_scaling": None})
+    assert np.abs(unscaled - reference).max() > 10 * TOLERANCE  # measured: 3.6e-4
+
+    odd = divisors.copy()
+    odd[-2] *= 1.5
+    with pytest.raises(UnsupportedGGUF, match="Llama 3's"):
+        import_gguf(
+            gguf_from_tiny_model(original, tmp_path / "odd.gguf", extra_tensors={"rope_freqs.weight": odd}),
+            hf_home=tmp_path / "odd",
+        )
+    assert _left_in(tmp_path / "odd") == []
+
+
 def test_a_sentencepiece_vocabulary_becomes_a_tokenizer_that_round_trips_text(
     tiny: dict[str, Path], tmp_path: Path
 ) -> None:

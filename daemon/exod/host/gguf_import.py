@@ -52,6 +52,7 @@ ARCHITECTURES = ("llama", "qwen2")  # and what llama.cpp files as llama: Llama 2
 TOKENIZERS = ("gpt2", "llama")  # byte-level BPE, SentencePiece
 KEPT = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")  # stored as the file has them
 DEQUANTIZED = ("Q2_K", "Q4_K", "Q6_K")  # MLX's reader turns these into float16
+_ROPE_FREQS = "rope_freqs.weight"
 _GROUP_SIZE = 32  # llama.cpp's block of Q4_0, Q4_1 and Q8_0
 _MAX_DIM = 1 << 31  # no real tensor has a side this long; a header that says so is corrupt
 _MAX_ELEMENTS = 1 << 40
@@ -108,6 +109,7 @@ class _Header:
     metadata: dict[str, Any]
     tensors: tuple[_Tensor, ...]
     digest: str  # of the header's bytes and the file's size: the snapshot's revision
+    rope_freqs: tuple[float, ...] = ()  # Llama 3.1's RoPE scaling, as llama.cpp stores it: each frequency's divisor
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
@@ -200,7 +202,11 @@ def _read_header(path: Path) -> _Header:
     with path.open("rb") as f:
         digest = hashlib.sha256(f.read(data_start))
     digest.update(str(path.stat().st_size).encode())
-    return _Header(metadata=metadata, tensors=tensors, digest=digest.hexdigest()[:40])
+    rope = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
+    if rope is not None and rope.tensor_type.name != "F32":
+        raise CorruptGGUF(f"{path}: its RoPE frequency factors are {rope.tensor_type.name}, not F32")
+    rope_freqs = () if rope is None else tuple(float(x) for x in rope.data.ravel())
+    return _Header(metadata=metadata, tensors=tensors, digest=digest.hexdigest()[:40], rope_freqs=rope_freqs)
 
 
 def _tensor(t: Any) -> _Tensor:
@@ -233,12 +239,9 @@ def _check_supported(path: Path, header: _Header) -> str:
             f"are and {', '.join(DEQUANTIZED)} dequantized to float16. Pick a Q4_0, Q4_1, Q8_0 or Q4_K_M file "
             "of the model instead"
         )
-    if "rope_freqs.weight" in {t.name for t in header.tensors}:
-        raise UnsupportedGGUF(
-            f"{path.name} scales its RoPE frequencies (Llama 3.1 and later): exod does not import those yet; "
-            "convert the model with mlx_lm.convert from its Hugging Face repository"
-        )
-    unknown = [t.name for t in header.tensors if _hf_name(t.name) is None]
+    unknown = [t.name for t in header.tensors if _hf_name(t.name) is None and t.name != _ROPE_FREQS]
+    if header.rope_freqs and architecture != "llama":
+        unknown.append(_ROPE_FREQS)
     if unknown:
         raise UnsupportedGGUF(f"{path.name} has tensors exod does not know for {architecture}: {unknown[:5]}")
     return architecture
@@ -283,7 +286,37 @@ def _config(header: _Header, architecture: str) -> dict[str, Any]:
     }
     if architecture == "llama":
         config["head_dim"] = size("rope.dimension_count", default=hidden // heads)
+    if header.rope_freqs:
+        config["rope_scaling"] = _llama3_scaling(header.rope_freqs, float(theta), config["head_dim"])
     return config
+
+
+def _llama3_scaling(divisors: tuple[float, ...], base: float, dims: int) -> dict[str, Any]:
+    """Llama 3.1's scaled RoPE (Llama 3.2 and 3.3 too), which llama.cpp stores as each frequency's divisor, back as
+    the parameters mlx-lm computes it from: the largest divisor is the factor, the rest is Llama 3's constants.
+    Refused unless those parameters give back the file's divisors."""
+    import numpy as np
+
+    factor, low, high, original = max(divisors), 1.0, 4.0, 8192
+    wavelengths = 2 * math.pi * base ** (np.arange(0, dims, 2) / dims)
+    smooth = (original / wavelengths - low) / (high - low)
+    expected = np.where(
+        wavelengths > original / low,
+        factor,
+        np.where(wavelengths < original / high, 1.0, 1 / ((1 - smooth) / factor + smooth)),
+    )
+    if len(divisors) != len(expected) or not np.allclose(divisors, expected, rtol=1e-3):
+        raise UnsupportedGGUF(
+            "the file scales its RoPE frequencies in a way other than Llama 3's (rope_freqs): exod cannot import "
+            "it; convert the model with mlx_lm.convert from its Hugging Face repository"
+        )
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": original,
+    }
 
 
 # --- weights ------------------------------------------------------------------------------------------------------
@@ -325,6 +358,7 @@ def _write_weights(
     except (RuntimeError, ValueError) as exc:
         raise CorruptGGUF(f"MLX cannot read the tensors of {path.name} ({exc}): download it again") from None
     kinds = {t.name: t.kind for t in header.tensors}
+    arrays.pop(_ROPE_FREQS, None)  # in config.json's rope_scaling now (`_llama3_scaling`)
     arrays |= _read_exactly(path, {t.name for t in header.tensors if t.kind in {"BF16", "Q4_K"}})
     weights = {_hf_name(name): array for name, array in arrays.items()}
     if None in weights:
