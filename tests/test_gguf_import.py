@@ -277,12 +277,11 @@ def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model("exod/tiny-wide", arch="llama", layers=1, hidden=256, intermediate=256, hf_home=home)
 
 
-@pytest.mark.parametrize("kind", K_QUANTS)
+@pytest.mark.parametrize("kind", [k for k in K_QUANTS if k != "Q4_K"])
 def test_k_quants_are_dequantized_to_float16_as_llama_cpp_does_and_said_so(
     wide: Path, tmp_path: Path, kind: str
 ) -> None:
-    """Every value as llama.cpp's reference dequantization gives it (MLX's own reader gets Q4_K's odd
-    sub-blocks wrong), and the notes say what the memory costs."""
+    """Every value as llama.cpp's reference dequantization gives it, and the notes say what the memory costs."""
     import gguf
     import mlx.core as mx
 
@@ -303,6 +302,41 @@ def test_k_quants_are_dequantized_to_float16_as_llama_cpp_does_and_said_so(
             checked += 1
     assert checked == 8  # the embedding and 7 matrices of the one layer
     assert imported.weight_bytes == sum(a.nbytes for a in weights.values()) > path.stat().st_size
+
+
+def test_q4_k_stays_4_bit_in_mlxs_layout_holding_the_values_llama_cpp_reads(
+    wide: Path, ids: list[int], tmp_path: Path
+) -> None:
+    """Q4_K, most of every Q4_K_M file, maps onto MLX's affine 4-bit groups of 32: kept so, not dequantized (MLX's
+    own reader would dequantize it, and give half its sub-blocks their neighbour's scale). Dequantized by MLX, each
+    value is llama.cpp's reference but for the float16 rounding of a sub-block's scale and bias."""
+    import gguf
+    import mlx.core as mx
+
+    path = gguf_from_tiny_model(wide, tmp_path / "wide-Q4_K.gguf", tensor_type="Q4_K")
+    imported = import_gguf(path, hf_home=tmp_path)
+    assert imported.dequantized == () and imported.notes == ()
+    assert json.loads((imported.path / "config.json").read_text())["quantization"] == {"group_size": 32, "bits": 4}
+    weights = _weights(imported.path)
+    hf_names = {gguf_name(name): name for name in _weights(wide)}
+    checked = 0
+    for tensor in _file_tensors(path).values():
+        if tensor.tensor_type.name != "Q4_K":
+            continue
+        base = hf_names[tensor.name].removesuffix(".weight")
+        packed, scales, biases = (weights[f"{base}.{part}"] for part in ("weight", "scales", "biases"))
+        assert packed.dtype == mx.uint32 and scales.dtype == biases.dtype == mx.float16
+        ours = np.array(mx.dequantize(packed, scales, biases, group_size=32, bits=4).astype(mx.float32))
+        theirs = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        # a scale and a bias rounded to float16 (11 bits) move a value by a little of its sub-block's range
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-3 * np.abs(theirs).max(), err_msg=tensor.name)
+        checked += 1
+    assert checked == 8  # the embedding and 7 matrices of the one layer
+    assert imported.weight_bytes < path.stat().st_size * 1.2  # 4-bit still: no float16 copy
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(imported.path)  # mlx-lm quantizes the layers as the file has them, and runs them
+    assert np.isfinite(np.array(model(mx.array([ids[:4]])).astype(mx.float32))).all()
 
 
 # --- what the import reports ----------------------------------------------------------------------------------
@@ -376,7 +410,7 @@ def _respell_bos(data: bytes) -> bytes:
     ("write", "patch", "match"),
     [
         ({"architecture": "gemma"}, None, r"'gemma' model; exod imports llama, qwen2"),
-        ({"tensor_type": "Q5_0"}, None, r"type Q5_0; exod imports F32, F16, BF16, Q4_0, Q4_1, Q8_0 as they are"),
+        ({"tensor_type": "Q5_0"}, None, r"type Q5_0; exod imports F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K as they are"),
         ({"metadata": {"tokenizer.ggml.model": "bert"}}, None, r"'bert' tokenizer; exod builds gpt2-style BPE"),
         ({}, _respell_bos, r"special tokens \['<\|end ftext\|>'\] are not in its vocabulary"),
     ],

@@ -8,8 +8,8 @@ one file. Three libraries each read the part they know best:
   a corrupt one can crash the process rather than raise (measured: 38 of 112 randomly corrupted headers did).
 * ``mlx.core.load`` reads the tensors. Q4_0, Q4_1 and Q8_0 arrive already in MLX's quantized layout (weight,
   scales, biases; group 32), so they stay quantized; Q2_K and Q6_K arrive dequantized to float16 (said so, with
-  the memory it costs); F32 and F16 as they are. BF16 is read raw (MLX's reader would make it float16) and Q4_K
-  dequantized by ``gguf`` (MLX's reader gives half its sub-blocks their neighbour's scale).
+  the memory it costs); F32 and F16 as they are. BF16 and Q4_K, which MLX's reader gets wrong, are read by
+  ``gguf`` (`exod.host.gguf_tensors`): BF16 raw, Q4_K repacked into MLX's 4-bit layout, which it maps onto exactly.
 * transformers builds the tokenizer from the vocabulary, merges and token types (gpt2-style byte-level BPE and
   llama's SentencePiece), as its own ``from_pretrained(gguf_file=…)`` does.
 
@@ -36,6 +36,7 @@ from typing import Any
 
 import attrs
 
+from exod.host.gguf_tensors import EXACT, read_exactly
 from exod.host.models import hub_cache_dir, validate_model_id
 
 __all__ = [
@@ -50,8 +51,9 @@ __all__ = [
 
 ARCHITECTURES = ("llama", "qwen2")  # and what llama.cpp files as llama: Llama 2/3, Mistral, SmolLM
 TOKENIZERS = ("gpt2", "llama")  # byte-level BPE, SentencePiece
-KEPT = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")  # stored as the file has them
-DEQUANTIZED = ("Q2_K", "Q4_K", "Q6_K")  # MLX's reader turns these into float16
+KEPT = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K")  # stored as the file has them (Q4_K: as MLX's 4-bit)
+QUANTIZED = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K"})  # kept in MLX's quantized layout, groups of 32
+DEQUANTIZED = ("Q2_K", "Q6_K")  # MLX's reader turns these into float16
 _ROPE_FREQS = "rope_freqs.weight"
 _GROUP_SIZE = 32  # llama.cpp's block of Q4_0, Q4_1 and Q8_0
 _MAX_DIM = 1 << 31  # no real tensor has a side this long; a header that says so is corrupt
@@ -140,7 +142,7 @@ def import_gguf(
     try:
         staging.mkdir(parents=True)
         weight_bytes, counts, dequantized = _write_weights(path, header, staging, progress or _quiet)
-        if any(kind in {"Q4_0", "Q4_1", "Q8_0"} for kind, _ in counts):
+        if any(kind in QUANTIZED for kind, _ in counts):
             config["quantization"] = {"group_size": _GROUP_SIZE, "bits": 4}  # mlx-lm infers 8-bit layers from shapes
         _write_json(staging / "config.json", config)
         _write_tokenizer(header, architecture, staging)
@@ -359,7 +361,7 @@ def _write_weights(
         raise CorruptGGUF(f"MLX cannot read the tensors of {path.name} ({exc}): download it again") from None
     kinds = {t.name: t.kind for t in header.tensors}
     arrays.pop(_ROPE_FREQS, None)  # in config.json's rope_scaling now (`_llama3_scaling`)
-    arrays |= _read_exactly(path, {t.name for t in header.tensors if t.kind in {"BF16", "Q4_K"}})
+    arrays |= read_exactly(path, {t.name for t in header.tensors if t.kind in EXACT})
     weights = {_hf_name(name): array for name, array in arrays.items()}
     if None in weights:
         raise CorruptGGUF(f"{path.name}: MLX read tensors its header does not list")
@@ -380,37 +382,6 @@ def _write_weights(
         counts[kind] = counts.get(kind, 0) + 1
     ordered = tuple(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
     return total, ordered, tuple(k for k in DEQUANTIZED if k in counts)
-
-
-def _read_exactly(path: Path, names: set[str]) -> dict[str, Any]:
-    """The tensors MLX's reader gets wrong, read with llama.cpp's (one pass: a header is slow to parse).
-
-    BF16: MLX would hand it over as float16; the raw bits are kept instead. Q4_K: MLX's reader (gguflib) scales
-    the high nibbles of every pair of sub-blocks with the low ones' scale and min; llama.cpp's dequantization is
-    used instead (in numpy: slower, but right).
-    """
-    if not names:
-        return {}
-    import gguf
-    import mlx.core as mx
-    import numpy as np
-
-    arrays = {}
-    for tensor in gguf.GGUFReader(path).tensors:
-        if tensor.name not in names:
-            continue
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        if tensor.tensor_type == gguf.GGMLQuantizationType.BF16:
-            bits = np.ascontiguousarray(tensor.data).view(np.uint16)
-            arrays[tensor.name] = mx.array(bits).view(mx.bfloat16).reshape(shape)
-        else:  # a few hundred rows at a time: a whole tensor in float32 would double the import's peak memory
-            blocks = tensor.data.reshape(-1, tensor.data.shape[-1])
-            values = np.empty((len(blocks), math.prod(shape) // len(blocks)), dtype=np.float16)
-            with np.errstate(all="ignore"):  # a damaged block's inf and nan stay what they are, as MLX's would
-                for row in range(0, len(blocks), 256):
-                    values[row : row + 256] = gguf.quants.dequantize(blocks[row : row + 256], tensor.tensor_type)
-            arrays[tensor.name] = mx.array(values).reshape(shape)
-    return arrays
 
 
 def _shards(weights: dict[str, Any]) -> Iterator[list[str]]:
