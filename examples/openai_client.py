@@ -2,9 +2,9 @@
 
 Start a daemon first (``make run``), then::
 
-    python examples/openai_client.py [--url http://127.0.0.1:8420] [--model exod/tiny-qwen2]
+    python examples/openai_client.py [--url http://127.0.0.1:8420] [--model gguf/smollm2-135m-instruct-q4_1]
 
-The tiny model's weights are random: expect word salad, at full speed.
+``make run`` serves SmolLM2-135M-Instruct, a real (small) instruct model: on a laptop's CPU, a few words a second.
 """
 
 from __future__ import annotations
@@ -19,18 +19,18 @@ import openai
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="http://127.0.0.1:8420")
-    parser.add_argument("--model", default="exod/tiny-qwen2")
+    parser.add_argument("--model", default="gguf/smollm2-135m-instruct-q4_1")
     args = parser.parse_args()
 
     client = openai.OpenAI(base_url=f"{args.url}/v1", api_key=os.environ.get("EXOD_API_KEY", "unused"), max_retries=0)
     print("models:", [m.id for m in client.models.list().data])
 
-    messages = [{"role": "user", "content": "What does a runner do when its peer fails?"}]
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
     reply = client.chat.completions.create(model=args.model, messages=messages, max_tokens=16, temperature=0)
     print("reply:", repr(reply.choices[0].message.content), f"({reply.usage.completion_tokens} tokens)")
 
     print("stream: ", end="", flush=True)
-    stream = client.chat.completions.create(model=args.model, messages=messages, max_tokens=16, seed=7, stream=True)
+    stream = client.chat.completions.create(model=args.model, messages=messages, max_tokens=16, temperature=0, stream=True)
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             print(repr(chunk.choices[0].delta.content), end=" ", flush=True)
