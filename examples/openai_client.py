@@ -30,7 +30,9 @@ def main() -> None:
     print("reply:", repr(reply.choices[0].message.content), f"({reply.usage.completion_tokens} tokens)")
 
     print("stream: ", end="", flush=True)
-    stream = client.chat.completions.create(model=args.model, messages=messages, max_tokens=16, temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model=args.model, messages=messages, max_tokens=16, temperature=0, stream=True
+    )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             print(repr(chunk.choices[0].delta.content), end=" ", flush=True)
