@@ -360,8 +360,9 @@ def test_the_import_reports_its_id_place_tensor_types_and_sizes(tiny: dict[str, 
     index = json.loads((imported.path / "model.safetensors.index.json").read_text())
     assert imported.weight_bytes == on_disk == index["metadata"]["total_size"]
     assert imported.weight_bytes < (tiny["qwen2"] / "model.safetensors").stat().st_size / 4  # 4-bit, from F32
-    assert seen[0] == (0, imported.weight_bytes) and seen[-1] == (imported.weight_bytes,) * 2
-    assert [done for done, _ in seen] == sorted(done for done, _ in seen)
+    tensor_bytes = sum(int(t.n_bytes) for t in _file_tensors(path).values())  # progress counts the file's tensors
+    assert seen[0] == (0, tensor_bytes) and seen[-1] == (tensor_bytes,) * 2
+    assert len(seen) == 1 + 26 and [done for done, _ in seen] == sorted(done for done, _ in seen)  # one a tensor
     assert resolve_model(imported.model_id, hf_home=tmp_path / "hf", offline=True) == imported.path
 
     chosen = import_gguf(path, model_id="me/my-qwen", hf_home=tmp_path / "hf")

@@ -36,7 +36,7 @@ from typing import Any
 
 import attrs
 
-from exod.host.gguf_tensors import EXACT, read_exactly
+from exod.host.gguf_tensors import EXACT, ExactReader
 from exod.host.models import hub_cache_dir, validate_model_id
 
 __all__ = [
@@ -59,9 +59,9 @@ _GROUP_SIZE = 32  # llama.cpp's block of Q4_0, Q4_1 and Q8_0
 _MAX_DIM = 1 << 31  # no real tensor has a side this long; a header that says so is corrupt
 _MAX_ELEMENTS = 1 << 40
 _MAX_LAYERS = 1024
-_SHARD_BYTES = 2 << 30  # safetensors files of at most ~2 GiB: progress per shard, and no single huge file
+_SHARD_BYTES = 2 << 30  # safetensors files of ~2 GiB of the GGUF at most: no single huge file
 
-Progress = Callable[[int, int], None]  # (bytes written, bytes in all)
+Progress = Callable[[int, int], None]  # (bytes of the file's tensors done, bytes of them in all)
 
 
 class GGUFImportError(ValueError):
@@ -104,6 +104,7 @@ class _Tensor:
     kind: str  # the GGUF type's name
     shape: tuple[int, ...]  # rows first, as MLX and safetensors have it
     elements: int
+    nbytes: int  # in the file
 
 
 @attrs.frozen
@@ -218,7 +219,7 @@ def _tensor(t: Any) -> _Tensor:
     elements = math.prod(shape)
     if elements > _MAX_ELEMENTS:
         raise CorruptGGUF(f"tensor {t.name!r} claims {elements} elements")
-    return _Tensor(name=str(t.name), kind=t.tensor_type.name, shape=shape, elements=elements)
+    return _Tensor(name=str(t.name), kind=t.tensor_type.name, shape=shape, elements=elements, nbytes=int(t.n_bytes))
 
 
 def _check_supported(path: Path, header: _Header) -> str:
@@ -353,53 +354,68 @@ def _hf_name(name: str) -> str | None:
 def _write_weights(
     path: Path, header: _Header, directory: Path, progress: Progress
 ) -> tuple[int, tuple[tuple[str, int], ...], tuple[str, ...]]:
+    """Tensor by tensor, in layer order: each read (and repacked where `ExactReader` reads it), renamed, and
+    written in shards; ``progress`` counts the file's tensor bytes done. Returns the bytes written, the count of
+    each GGUF type and the types dequantized."""
     import mlx.core as mx
 
     try:
         arrays = mx.load(str(path), format="gguf")  # not from the name: an Ollama blob has no extension
     except (RuntimeError, ValueError) as exc:
         raise CorruptGGUF(f"MLX cannot read the tensors of {path.name} ({exc}): download it again") from None
-    kinds = {t.name: t.kind for t in header.tensors}
     arrays.pop(_ROPE_FREQS, None)  # in config.json's rope_scaling now (`_llama3_scaling`)
-    arrays |= read_exactly(path, {t.name for t in header.tensors if t.kind in EXACT})
-    weights = {_hf_name(name): array for name, array in arrays.items()}
-    if None in weights:
-        raise CorruptGGUF(f"{path.name}: MLX read tensors its header does not list")
-    total = sum(a.nbytes for a in weights.values())
-    index: dict[str, str] = {}
-    shards = list(_shards(weights))
-    done = 0
+    tensors = [t for t in header.tensors if t.name != _ROPE_FREQS]
+    exact = ExactReader(path) if any(t.kind in EXACT for t in tensors) else None
+    shards = list(_shards(tensors))
+    total, done, written, index = sum(t.nbytes for t in tensors), 0, 0, {}
     progress(0, total)
-    for number, names in enumerate(shards, start=1):
+    for number, group in enumerate(shards, start=1):
         file = "model.safetensors" if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        mx.save_safetensors(str(directory / file), {n: weights[n] for n in names}, metadata={"format": "mlx"})
-        index |= dict.fromkeys(names, file)
-        done += sum(weights[n].nbytes for n in names)
-        progress(done, total)
-    _write_json(directory / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": index})
+        shard: dict[str, Any] = {}
+        for t in group:
+            parts = exact.read(t.name) if exact and t.kind in EXACT else {n: arrays[n] for n in _parts(t.name, arrays)}
+            mx.eval(list(parts.values()))
+            shard |= {_hf_name(name): array for name, array in parts.items()}
+            for name in parts:
+                arrays.pop(name, None)
+            done += t.nbytes
+            progress(done, total)
+        mx.save_safetensors(str(directory / file), shard, metadata={"format": "mlx"})
+        written += sum(a.nbytes for a in shard.values())
+        index |= dict.fromkeys(shard, file)
+    if arrays:
+        raise CorruptGGUF(f"{path.name}: MLX read tensors its header does not list ({sorted(arrays)[:3]})")
+    _write_json(directory / "model.safetensors.index.json", {"metadata": {"total_size": written}, "weight_map": index})
     counts: dict[str, int] = {}
-    for kind in kinds.values():
-        counts[kind] = counts.get(kind, 0) + 1
+    for t in header.tensors:
+        counts[t.kind] = counts.get(t.kind, 0) + 1
     ordered = tuple(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
-    return total, ordered, tuple(k for k in DEQUANTIZED if k in counts)
+    return written, ordered, tuple(k for k in DEQUANTIZED if k in counts)
 
 
-def _shards(weights: dict[str, Any]) -> Iterator[list[str]]:
-    """Names in order, cut into groups of at most ~_SHARD_BYTES (a layer's parts may straddle two: mlx-lm minds not)."""
-    group: list[str] = []
+def _parts(name: str, arrays: dict[str, Any]) -> list[str]:
+    """The arrays MLX's reader made of the GGUF tensor ``name``: itself, and a quantized one's scales and biases."""
+    base = name.removesuffix(".weight")
+    return [name, *(f"{base}.{part}" for part in ("scales", "biases") if name != base and f"{base}.{part}" in arrays)]
+
+
+def _shards(tensors: list[_Tensor]) -> Iterator[list[_Tensor]]:
+    """The tensors in layer order, cut into groups of at most ~_SHARD_BYTES of the file (a layer may straddle two:
+    mlx-lm minds not)."""
+    group: list[_Tensor] = []
     size = 0
-    for name in sorted(weights, key=_layer_order):
-        if group and size + weights[name].nbytes > _SHARD_BYTES:
+    for t in sorted(tensors, key=lambda t: _layer_order(t.name)):
+        if group and size + t.nbytes > _SHARD_BYTES:
             yield group
             group, size = [], 0
-        group.append(name)
-        size += weights[name].nbytes
+        group.append(t)
+        size += t.nbytes
     if group:
         yield group
 
 
 def _layer_order(name: str) -> tuple[int, str]:
-    match = re.match(r"model\.layers\.(\d+)\.", name)
+    match = re.match(r"blk\.(\d+)\.", name)
     return (int(match[1]) if match else -1, name)
 
 

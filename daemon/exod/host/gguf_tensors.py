@@ -12,36 +12,34 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EXACT", "read_exactly"]
+__all__ = ["EXACT", "ExactReader", "q4_k_as_affine"]
 
 EXACT = frozenset({"BF16", "Q4_K"})  # the GGUF types this module reads
 _Q4_K_BLOCK = 256  # weights in a super-block
 
 
-def read_exactly(path: Path, names: set[str]) -> dict[str, Any]:
-    """MLX arrays under MLX's reader's names (a Q4_K tensor's ``…weight``, ``…scales``, ``…biases``) for the
-    tensors ``names`` of the file, each of a type in `EXACT`; one pass over the header, which is slow to parse."""
-    if not names:
-        return {}
-    import gguf
-    import mlx.core as mx
-    import numpy as np
+class ExactReader:
+    """The file's tensors of the types in `EXACT`, each read when asked (the header, slow to parse, parsed once)."""
 
-    arrays: dict[str, Any] = {}
-    for tensor in gguf.GGUFReader(path).tensors:
-        if tensor.name not in names:
-            continue
+    def __init__(self, path: Path) -> None:
+        import gguf
+
+        self._tensors = {t.name: t for t in gguf.GGUFReader(path).tensors if t.tensor_type.name in EXACT}
+
+    def read(self, name: str) -> dict[str, Any]:
+        """The tensor ``name`` as MLX arrays under MLX's reader's names (a Q4_K one's ``…weight``, ``…scales``,
+        ``…biases``)."""
+        import mlx.core as mx
+        import numpy as np
+
+        tensor = self._tensors[name]
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        if tensor.tensor_type == gguf.GGMLQuantizationType.BF16:
+        if tensor.tensor_type.name == "BF16":
             bits = np.ascontiguousarray(tensor.data).view(np.uint16)
-            arrays[tensor.name] = mx.array(bits).view(mx.bfloat16).reshape(shape)
-        elif tensor.tensor_type == gguf.GGMLQuantizationType.Q4_K:
-            base = tensor.name.removesuffix(".weight")
-            weight, scales, biases = q4_k_as_affine(np.asarray(tensor.data).reshape(-1, 144), shape)
-            arrays |= {f"{base}.weight": weight, f"{base}.scales": scales, f"{base}.biases": biases}
-        else:
-            raise ValueError(f"{tensor.name} is {tensor.tensor_type.name}, not one of {sorted(EXACT)}")
-    return arrays
+            return {name: mx.array(bits).view(mx.bfloat16).reshape(shape)}
+        base = name.removesuffix(".weight")
+        weight, scales, biases = q4_k_as_affine(np.asarray(tensor.data).reshape(-1, 144), shape)
+        return {f"{base}.weight": weight, f"{base}.scales": scales, f"{base}.biases": biases}
 
 
 def q4_k_as_affine(blocks: Any, shape: tuple[int, ...]) -> tuple[Any, Any, Any]:
@@ -63,8 +61,8 @@ def q4_k_as_affine(blocks: Any, shape: tuple[int, ...]) -> tuple[Any, Any, Any]:
         scales = (d * sc.astype(np.float32)).astype(np.float16)  # (n, 8): one per sub-block of 32
         biases = (-(dmin * m.astype(np.float32))).astype(np.float16)
     nibbles = blocks[:, 16:].reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    values = (nibbles & 0x0F).reshape(-1, 8).astype(np.uint32)  # weights in order, 8 to a word
-    words = np.bitwise_or.reduce(values << (np.arange(8, dtype=np.uint32) * 4), axis=1)
+    pairs = (nibbles & 0x0F).reshape(-1, 2)  # the weights in order, two by two
+    words = (pairs[:, 0] | (pairs[:, 1] << 4)).view("<u4")  # a little-endian word holds 8, the first lowest
     cols = shape[-1]
     return (
         mx.array(words.reshape(*shape[:-1], cols // 8)),
