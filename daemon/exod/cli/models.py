@@ -76,8 +76,8 @@ def pull(model_id: str, hf_home: Path | None, offline: bool | None, stall_timeou
 def import_(file: Path, model_id: str | None, hf_home: Path | None) -> None:
     """Import a GGUF file (llama.cpp, Ollama, LM Studio) into the cache as a model exod can place.
 
-    llama (Llama 2 and 3, Mistral, SmolLM) and qwen2 models; Q4_0, Q4_1, Q8_0, F16, BF16 and F32 tensors as they
-    are, Q2_K, Q4_K and Q6_K dequantized to float16. Prints the model id, then what it holds.
+    llama (Llama 2 and 3, Mistral, SmolLM) and qwen2 models; Q4_0, Q4_1, Q8_0 and Q4_K tensors kept quantized,
+    F16, BF16 and F32 as they are, Q2_K and Q6_K dequantized to float16. Prints the model id, then what it holds.
     """
     from exod.host.gguf_import import GGUFImportError, import_gguf
     from exod.host.models import InvalidModelId
