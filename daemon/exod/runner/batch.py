@@ -220,9 +220,10 @@ def kv_bytes_per_token(model: Any) -> int:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    params = tree_flatten(model.parameters())
-    itemsize = params[0][1].dtype.size if params else mx.float16.size
-    return 2 * layers * kv_heads * head_dim * itemsize
+    # Activations, and so keys and values, take the widest floating type they meet: a quantized model's packed
+    # integers are not one (a GGUF's float16 scales with its float32 norms give a float32 cache).
+    floats = [a.dtype.size for _, a in tree_flatten(model.parameters()) if mx.issubdtype(a.dtype, mx.floating)]
+    return 2 * layers * kv_heads * head_dim * max(floats, default=mx.float16.size)
 
 
 @attrs.frozen
