@@ -641,7 +641,7 @@ def test_openai_client_example_and_exod_chat_run_against_the_daemon(daemon):
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "HF_HOME": str(daemon["hf"])}
     example = subprocess.run(
-        [sys.executable, str(root / "examples" / "openai_client.py"), "--url", daemon["url"]],
+        [sys.executable, str(root / "examples" / "openai_client.py"), "--url", daemon["url"], "--model", MODEL],
         capture_output=True,
         text=True,
         timeout=60,

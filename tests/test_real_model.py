@@ -161,7 +161,7 @@ def test_embeddings_of_paraphrases_are_closer_than_of_unrelated_sentences(client
 def test_a_second_turn_reuses_the_first_turns_cache_and_its_first_token_comes_sooner(daemon, client):
     """The same second-turn prompt twice: after its first turn (cached) and as a stranger (a first turn that
     differs from its first token on, so nothing of it is cached). The long system turn makes prefill the cost."""
-    system = "You answer in one short sentence. " + " ".join(f"Rule {i}: be brief and precise." for i in range(40))
+    system = "You answer in one short sentence. " + " ".join(f"Rule {i}: be brief and precise." for i in range(8))
 
     def conversation(opening: str) -> list[dict[str, str]]:
         return [{"role": "system", "content": opening + system}, *CAPITAL]
@@ -191,8 +191,8 @@ def test_a_second_turn_reuses_the_first_turns_cache_and_its_first_token_comes_so
     cached_wait, cached = first_token(second)
     stranger = [*conversation("B. "), *second[1:]]
     fresh_wait, fresh_cached = first_token(stranger)
-    assert cached > 300 and fresh_cached < 10, (cached, fresh_cached)
-    assert cached_wait < fresh_wait, (cached_wait, fresh_wait)
+    assert cached > 80 and fresh_cached < 10, (cached, fresh_cached)
+    assert cached_wait < fresh_wait, (cached_wait, fresh_wait, cached)
 
 
 def test_the_ollama_client_lists_and_shows_the_model_with_its_context(daemon):
