@@ -55,7 +55,7 @@ KEPT = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K")  # stored as the f
 QUANTIZED = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K"})  # kept in MLX's quantized layout, groups of 32
 DEQUANTIZED = ("Q2_K", "Q6_K")  # MLX's reader turns these into float16
 _ROPE_FREQS = "rope_freqs.weight"
-_GROUP_SIZE = 32  # llama.cpp's block of Q4_0, Q4_1 and Q8_0
+_GROUP_SIZE = 32  # llama.cpp's block of Q4_0, Q4_1 and Q8_0, and Q4_K's sub-block
 _MAX_DIM = 1 << 31  # no real tensor has a side this long; a header that says so is corrupt
 _MAX_ELEMENTS = 1 << 40
 _MAX_LAYERS = 1024
@@ -113,6 +113,7 @@ class _Header:
     tensors: tuple[_Tensor, ...]
     digest: str  # of the header's bytes and the file's size: the snapshot's revision
     rope_freqs: tuple[float, ...] = ()  # Llama 3.1's RoPE scaling, as llama.cpp stores it: each frequency's divisor
+    reader: Any = attrs.field(default=None, eq=False, repr=False)  # gguf's, kept: a header is slow to parse
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
@@ -209,7 +210,7 @@ def _read_header(path: Path) -> _Header:
     if rope is not None and rope.tensor_type.name != "F32":
         raise CorruptGGUF(f"{path}: its RoPE frequency factors are {rope.tensor_type.name}, not F32")
     rope_freqs = () if rope is None else tuple(float(x) for x in rope.data.ravel())
-    return _Header(metadata=metadata, tensors=tensors, digest=digest.hexdigest()[:40], rope_freqs=rope_freqs)
+    return _Header(metadata, tensors, digest.hexdigest()[:40], rope_freqs, reader)
 
 
 def _tensor(t: Any) -> _Tensor:
@@ -365,7 +366,7 @@ def _write_weights(
         raise CorruptGGUF(f"MLX cannot read the tensors of {path.name} ({exc}): download it again") from None
     arrays.pop(_ROPE_FREQS, None)  # in config.json's rope_scaling now (`_llama3_scaling`)
     tensors = [t for t in header.tensors if t.name != _ROPE_FREQS]
-    exact = ExactReader(path) if any(t.kind in EXACT for t in tensors) else None
+    exact = ExactReader(header.reader) if any(t.kind in EXACT for t in tensors) else None
     shards = list(_shards(tensors))
     total, done, written, index = sum(t.nbytes for t in tensors), 0, 0, {}
     progress(0, total)

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 __all__ = ["EXACT", "ExactReader", "q4_k_as_affine"]
@@ -19,12 +18,10 @@ _Q4_K_BLOCK = 256  # weights in a super-block
 
 
 class ExactReader:
-    """The file's tensors of the types in `EXACT`, each read when asked (the header, slow to parse, parsed once)."""
+    """A file's tensors of the types in `EXACT`, each read when asked, from the file's `gguf.GGUFReader`."""
 
-    def __init__(self, path: Path) -> None:
-        import gguf
-
-        self._tensors = {t.name: t for t in gguf.GGUFReader(path).tensors if t.tensor_type.name in EXACT}
+    def __init__(self, reader: Any) -> None:
+        self._tensors = {t.name: t for t in reader.tensors if t.tensor_type.name in EXACT}
 
     def read(self, name: str) -> dict[str, Any]:
         """The tensor ``name`` as MLX arrays under MLX's reader's names (a Q4_K one's ``…weight``, ``…scales``,
