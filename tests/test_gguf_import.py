@@ -8,7 +8,9 @@ import makes with the directory the file was written from.
 from __future__ import annotations
 
 import json
+import os
 import queue
+import signal
 import struct
 import subprocess
 import sys
@@ -18,12 +20,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from daemon_harness import runner_pids, start_daemon
 from exod.cli import main
 from exod.host.gguf_import import (
     CorruptGGUF,
@@ -670,3 +674,36 @@ def test_cli_import_prints_the_model_id_first_and_refuses_a_damaged_file(tiny: d
     assert refused.exit_code == 1
     assert "not a readable GGUF file" in refused.output and "download it again" in refused.output
     assert _left_in(tmp_path / "other") == []
+
+
+# --- served like any other model ------------------------------------------------------------------------------
+
+
+def test_an_imported_model_is_placed_on_demand_and_through_the_api_like_any_other(
+    tiny: dict[str, Path], tmp_path: Path
+) -> None:
+    """`exod serve` places an imported id when a request names it (on demand) and when a client places it (the
+    dashboard's and `exod place`'s POST /instances), and answers from it."""
+    hf = tmp_path / "hf"
+    asked = import_gguf(
+        gguf_from_tiny_model(tiny["qwen2"], tmp_path / "Asked-Q8_0.gguf", tensor_type="Q8_0"), hf_home=hf
+    )
+    placed = import_gguf(
+        gguf_from_tiny_model(tiny["llama"], tmp_path / "Placed-Q4_0.gguf", tensor_type="Q4_0"), hf_home=hf
+    )
+    (tmp_path / "exod.toml").write_text("[daemon]\nport = 0\noffline = true\n\n[models]\non_demand = true\n")
+    process, url = start_daemon(tmp_path, {**os.environ, "HF_HOME": str(hf), "HF_HUB_OFFLINE": "1"})
+    try:
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+        answer = httpx.post(f"{url}/v1/chat/completions", json={"model": asked.model_id, **chat}, timeout=120)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] > 0, answer.text
+        made = httpx.post(f"{url}/instances", json={"model": placed.model_id, "ranks": 1}, timeout=60)
+        assert made.status_code == 201, made.text
+        listed = httpx.get(f"{url}/instances", timeout=30).json()["instances"]
+        assert {i["model_id"] for i in listed} == {asked.model_id, placed.model_id}
+        answer = httpx.post(f"{url}/v1/chat/completions", json={"model": placed.model_id, **chat}, timeout=120)
+        assert answer.status_code == 200, answer.text
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    assert runner_pids() == []
