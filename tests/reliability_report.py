@@ -35,6 +35,19 @@ ATTACKS: dict[str, str] = {
     "runners stopped and their shutdown logged; exit 0",
     "growth over a crash loop": "at least 20 generations of real processes; log rows, runner logs and "
     "hostfiles stay within the retention setting",
+    # issue #45: no request can hurt a runner, nor anyone else's request
+    "token ids outside the vocabulary": "prompt ids, embedding ids, logit_bias keys (huge and negative), with "
+    "echo, through each dialect: 400 naming the field and the bound; no runner fails, no retry charged",
+    "constraint bombs": "a recursive required $ref and a regex of 10^9 repetitions, through OpenAI's "
+    "response_format, Ollama's format and Anthropic's tool_choice any: 400 at admission; no runner fails, "
+    "no retry charged, the batch beside it goes on",
+    "poison request": "a request present at two runner deaths is refused from then on, its error says why; "
+    "those deaths are not charged to the instance",
+    "DNS rebinding": "a request naming a Host the daemon is not reachable by (an attacker's name rebound to "
+    "127.0.0.1) is refused before any route: nothing placed, deleted or generated",
+    "unbounded durations": "keep_alive 1e18 or '99999999999999999h' per request, stop_grace = 1e308 or '5m5m' "
+    "in the configuration: refused with the ceiling named; GET /api/ps never answers 500",
+    "ranks beyond the layers": "the 422 names the limit that binds (the model's layers, not ranks_per_instance)",
 }
 OBSERVED: dict[str, str] = {}
 
@@ -64,6 +77,13 @@ CLUSTER: dict[str, str] = {
     "etcd outage shorter than the lease": "degraded, the instance serves throughout, no new generation",
     "etcd outage longer than the lease": "every node fences itself (its runners stop before a lease could "
     "expire); all converges when etcd returns, no retry charged",
+    # issue #45: no record can kill a cluster, no stale command can start a generation
+    "unrestorable snapshot in etcd": "garbage at the snapshot key: every node stays up, degraded (/health and "
+    "`exod status` say why and what to do), serving nothing it cannot vouch for; `exod repair` moves the "
+    "value aside and the cluster resumes",
+    "replayed spawn": "a spawn of an earlier generation replayed with the cluster token (the term and stream "
+    "of a 409): refused by the agent itself while etcd holds a key of an earlier generation or the term is "
+    "not etcd's now; refusals reveal no term or stream; never two generations alive, watched from outside",
 }
 CLUSTER_OBSERVED: dict[str, str] = {}
 
