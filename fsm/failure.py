@@ -23,6 +23,7 @@ class FailureKind(enum.Enum):
     PEER = "peer_failed"  #: another rank of the same generation failed
     SPAWN = "spawn"  #: the process could not be started at all
     HOST = "host"  #: the host, not the model: no fds or disk to spawn, a ring port taken, a lost node (uncharged)
+    POISON = "poison_request"  #: a request in the batch was at an earlier death too: the request's doing (uncharged)
 
 
 @attrs.frozen
@@ -82,13 +83,20 @@ class Failure:
         A host failure still ends the generation and waits out the backoff (no tight loop), but a squatted
         port or a full fd table says nothing about the model, so it never uses up the budget.
         """
-        return self.kind is not FailureKind.HOST
+        return self.kind not in (FailureKind.HOST, FailureKind.POISON)
 
     @classmethod
     def host(cls, message: str, detail: str = "", exception_type: str | None = None) -> Failure:
         """The host failed, not the model (no fds or disk to spawn, a ring port taken, a lost node): retried
         after the backoff but never charged to the retry budget."""
         return cls(FailureKind.HOST, message, detail=detail, exception_type=exception_type)
+
+    @classmethod
+    def poisoned(cls, message: str, detail: str = "") -> Failure:
+        """A death with a request in the batch that was in the batch at an earlier death of the same instance:
+        the request kills runners, not the model. Retried after the backoff, never charged, and it gives back
+        the retry the earlier death was charged (`InstanceRetry`, "Poison")."""
+        return cls(FailureKind.POISON, message, detail=detail)
 
     @classmethod
     def peer_failed(cls, rank: int) -> Failure:

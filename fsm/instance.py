@@ -40,6 +40,11 @@ snapshots); a leaf's own transitions are tried before its compound's.
   False) is counted in ``uncharged``, never in ``attempts``: it waits out the
   backoff like any other (its delay grows with both counts, so there is no
   tight loop) but never brings the instance closer to giving up.
+* Poison: a generation ended with a request in its batch that was in the batch
+  at an earlier death too (``FailureKind.POISON``, found by the daemon) is
+  uncharged like the host's, and gives back one retry: the one that earlier
+  death was charged, where the budget still holds it. The request, not the
+  model, killed both; the daemon refuses it from then on.
 * Reset: the count returns to 0 once the instance has been Ready continuously
   for ``reset_after``. Every event's ``now`` is observed before the event is
   handled, so a failure long after Ready counts against a fresh budget even if
@@ -637,8 +642,15 @@ class InstanceRetry(Lifecycle):
             self.attempts += 1
         else:
             self.uncharged += 1
+        self._give_back_poisoned(failure)
         self.last_failure = failure
         self.ready_since = None
+
+    def _give_back_poisoned(self, failure: Failure) -> None:
+        """A poison request's second death: the retry its first death was charged is given back, if still held."""
+        if failure.kind is FailureKind.POISON and self.attempts > 0:
+            self.attempts -= 1
+            self.uncharged += 1
 
     def _another_failure(self, failure: Failure) -> None:
         """The generation has failed already: this failure costs nothing more. But the first report may be a
@@ -648,6 +660,7 @@ class InstanceRetry(Lifecycle):
             if not failure.charged:  # the host's failure after all (found by the fault campaign, #26)
                 self.attempts -= 1
                 self.uncharged += 1
+                self._give_back_poisoned(failure)
             self.last_failure = failure
 
     def _rank_gone(self, rank: int) -> None:

@@ -1036,6 +1036,38 @@ def test_a_ready_streak_refills_both_counts():
     assert (i.attempts, i.uncharged) == (0, 0)
 
 
+POISONED = fsm.Failure.poisoned("runner killed by SIGSEGV; a poison request: it was in the batch twice")
+
+
+def test_a_poison_requests_second_death_is_uncharged_and_gives_back_the_first():
+    i = started(world_size=1, policy=RetryPolicy(max_retries=2))
+    i.apply(RankFailed("inst", 1.0, 1, 0, failure=CRASH))  # its first death: nobody knew yet
+    fail_generation(i, 1.0, failures=())
+    next_generation(i)
+    assert (i.attempts, i.uncharged) == (1, 0)
+    i.apply(RankFailed("inst", 10.0, 2, 0, failure=POISONED))  # max_retries=2: a charged one would be the last
+    fail_generation(i, 10.0, failures=())
+    assert (i.leaf, i.attempts, i.uncharged, i.last_failure) == ("backing_off", 0, 2, POISONED)
+    assert not POISONED.charged and not i.budget_spent
+
+
+def test_a_poison_death_reported_after_its_consequence_gives_back_both_charges():
+    i = started(world_size=2, policy=RetryPolicy(max_retries=3))
+    i.apply(RankFailed("inst", 1.0, 1, 0, failure=CRASH))
+    fail_generation(i, 1.0, failures=())
+    next_generation(i)
+    i.apply(RankFailed("inst", 10.0, 2, 0, failure=fsm.Failure.peer_lost("ring: connection reset")))
+    assert (i.attempts, i.uncharged) == (2, 0)  # the consequence is charged until its cause is known
+    i.apply(RankFailed("inst", 10.0, 2, 1, failure=POISONED))
+    assert (i.attempts, i.uncharged, i.last_failure) == (0, 2, POISONED)
+
+
+def test_a_poison_death_with_no_charge_left_to_give_back_is_only_uncharged():
+    i = started(world_size=1)
+    i.apply(RankFailed("inst", 1.0, 1, 0, failure=POISONED))  # its first death was another instance's
+    assert (i.attempts, i.uncharged) == (0, 1)
+
+
 def test_a_version_1_snapshot_is_read_as_charging_every_failure():
     i = started(world_size=1)
     i.apply(RankFailed("inst", 1.0, 1, 0, failure=CRASH))
