@@ -36,7 +36,7 @@ from typing import Any
 import attrs
 
 from exod.runner import protocol as p
-from exod.runner.grammar import GrammarError, Grammars
+from exod.runner.grammar import ConstraintFailed, GrammarError, Grammars
 from exod.runner.output import Output, Send, forced_call
 from exod.runner.tool_prompt import takes_tools, with_tools
 
@@ -250,6 +250,7 @@ class _Sequence:
     cached: int = 0  # prompt tokens whose KV came from the prompt cache
     steps: int = 0
     widest: int = 0  # the most sequences decoded together while this one ran
+    fault: Exception | None = None  # what failed it alone (`Batch._fail`): one of its processors raised
 
     @property
     def reserved(self) -> int:
@@ -277,6 +278,22 @@ class _Solo:
     in_cache: list[int]  # the tokens whose keys and values ``cache`` holds
     next: Any = None  # the token being computed (an mx.array), once the prompt is in
     next_logprobs: Any = None
+
+
+class _Guarded:
+    """A sequence's logits processor whose failure is the sequence's alone: noted on it, the logits passed on
+    as they are, so that the generator's step goes on for the others; the batch then ends it (`Batch._fail`)."""
+
+    def __init__(self, seq: _Sequence, processor: Callable[[Any, Any], Any]) -> None:
+        self.seq, self.processor = seq, processor
+
+    def __call__(self, tokens: Any, logits: Any) -> Any:
+        if self.seq.fault is None:
+            try:
+                return self.processor(tokens, logits)
+            except Exception as exc:  # a constraint at a limit (`ConstraintFailed`), a defect: this request's
+                self.seq.fault = exc
+        return logits
 
 
 class Batch:
@@ -314,6 +331,8 @@ class Batch:
         self.cache = LRUPromptCache(max_size=1 << 30, max_bytes=limits.prompt_cache_bytes)
         self.context: int | None = getattr(getattr(model, "args", None), "max_position_embeddings", None)
         width = getattr(getattr(model, "args", None), "vocab_size", None) or len(tokenizer._tokenizer)
+        # the ids a request may name: rows of the embeddings the tokenizer can also say (echo decodes them)
+        self.vocabulary: int = min(width, len(tokenizer._tokenizer))
         self.grammars = Grammars(tokenizer, width)  # constrained decoding, compiled per request
         self.waiting: deque[_Sequence] = deque()
         self.running: dict[int, _Sequence] = {}
@@ -414,9 +433,16 @@ class Batch:
         width = len(self.running)
         for response in responses:
             seq = self.running.get(response.uid)
-            if seq is not None:
-                seq.widest = max(seq.widest, width)
-                self._advance(seq, response)
+            if seq is None:
+                continue
+            seq.widest = max(seq.widest, width)
+            try:
+                if seq.fault is None:  # its token came from logits its processors could not make: not its own
+                    self._advance(seq, response)
+            except Exception as exc:  # making its output failed: this request's failure, not the batch's
+                seq.fault = exc
+            if seq.fault is not None:
+                self._fail(seq, seq.fault)
 
     def _start_waiting(self) -> None:
         reserved = sum(s.reserved for s in self.running.values()) * self.token_bytes
@@ -481,6 +507,16 @@ class Batch:
             cache, tokens = kept
             self._keep(tokens, cache)
         self._done(seq, reason)
+
+    def _fail(self, seq: _Sequence, exc: Exception) -> None:
+        """One sequence failed: it alone ends, with the error, and the batch goes on. Every rank fails it at the
+        same step: each runs the same processors over the same tokens."""
+        if self.running.pop(seq.uid, None) is not None:
+            self.generator.remove([seq.uid])
+        constraint = isinstance(exc, ConstraintFailed)
+        message = str(exc) if constraint else f"this request failed in the runner: {type(exc).__name__}: {exc}"
+        log.warning("request %s failed alone: %s", seq.request.request_id, message)
+        self.send(p.RequestError, request_id=seq.request.request_id, message=message, invalid=constraint)
 
     def _done(self, seq: _Sequence, reason: p.FinishReason) -> None:
         seq.output.flush()
@@ -670,7 +706,9 @@ class Batch:
         if constraint is not None and self.script is None:  # last: what it forbids stays forbidden (a script,
             processors.append(constraint)  # for tests, is the output whatever a constraint says)
         output = Output(self.tokenizer, request, self.send, speaks=self.rank == 0)
-        return _Sequence(request, prompt, output, self.tokenizer.detokenizer, sampler, processors, max_tokens)
+        seq = _Sequence(request, prompt, output, self.tokenizer.detokenizer, sampler, [], max_tokens)
+        seq.processors = [_Guarded(seq, processor) for processor in processors]
+        return seq
 
 
 def embeddings(model: Any, prompts: list[list[int]]) -> list[list[float]]:

@@ -7,6 +7,11 @@ of the sequence's own. Every rank builds the same matcher from the same request 
 so every rank masks alike and samples the same token. (xgrammar needs torch; outlines-core compiles
 through a regex automaton that takes seconds on a real vocabulary: see the README.)
 
+A constraint is a program a client hands the engine, so it is sized before it runs: compiled under explicit
+limits (`LIMITS`) and walked for a few hundred bytes by `vet`, at admission in the daemon and again in the
+runner, which refuses one that blows a limit (a schema that requires itself, a pattern repeated 10^9 times)
+as the caller's 400. One that still fails mid-decode fails its own sequence alone (`ConstraintFailed`).
+
 Forced tool calls are constrained too, where the model writes calls as JSON (``{"name": …, "arguments":
 …}``, mlx-lm's ``json_tools`` parsers): the arguments are held to the tool's schema and the call is closed
 with the tokenizer's end marker, so a forced call always parses. Other call formats stay unconstrained.
@@ -14,6 +19,7 @@ with the tokenizer's end marker, so a forced call always parses. Other call form
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -23,10 +29,88 @@ from exod.runner import protocol as p
 
 # compact JSON: no runaway whitespace from a model that has not learned where to stop
 _JSON_OPTIONS = {"whitespace_flexible": False}
+# llguidance's defaults but for the lexer's states (1-2 kB each): 50,000 of them bound one request's memory
+_MAX_LEXER_STATES = 50_000
+PROBE_BYTES = 256  # how far `vet` walks a constraint: past where the bombs found so far go off (the first byte)
 
 
 class GrammarError(ValueError):
     """The request's constraint cannot be compiled; the message names the part (the request's 400)."""
+
+
+class ConstraintFailed(RuntimeError):
+    """A constraint hit a limit mid-decode: its sequence ends with this error, the batch goes on."""
+
+
+def limits() -> Any:
+    """The limits every matcher of exod is compiled under: the admission's walk (`vet`) and the runner's alike."""
+    import llguidance as llg
+
+    return llg.LLParserLimits(max_lexer_states=_MAX_LEXER_STATES)
+
+
+def vet(request: p.Generate) -> None:
+    """Size the request's constraints before any runner decodes them: its ``grammar``, and the schema of each tool
+    a forced call may take. Each is compiled under `limits` and walked for `PROBE_BYTES` over a tokenizer of
+    single bytes, where what the model's tokens can reach, single bytes reach too. `GrammarError` (the caller's
+    400) for one that cannot compile or blows a limit; needs no model, so any node can do it."""
+    if request.grammar is not None:
+        _walk(request.grammar, source(request.grammar))
+    if request.tool_choice and request.tools:
+        for tool in request.tools:
+            function = tool.get("function") or {}
+            if request.tool_choice in (p.REQUIRED, function.get("name")):
+                schema = function.get("parameters") or {"type": "object"}
+                _walk({"json_schema": schema}, source({"json_schema": schema}), f"tool {function.get('name')!r}: ")
+
+
+def _walk(constraint: dict[str, Any], grammar: str, where: str = "") -> None:
+    import llguidance as llg
+    import llguidance.numpy as llnp
+    import numpy as np
+
+    tokenizer = _bytes_tokenizer()
+    ((kind, _),) = constraint.items()
+    failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer, limits=limits())
+    if failed:
+        raise GrammarError(f"{where}{kind}: {messages[0] if messages else 'the constraint cannot be compiled'}")
+    matcher = llg.LLMatcher(tokenizer, grammar, log_level=0, limits=limits())
+    mask = llnp.allocate_token_bitmask(1, tokenizer.vocab_size)
+    for _ in range(PROBE_BYTES):
+        llnp.fill_next_token_bitmask(matcher, mask)
+        if matcher.is_error() or matcher.is_stopped():
+            break
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[: tokenizer.vocab_size])
+        choices = [int(b) for b in allowed if b != tokenizer.eos_token]
+        if not choices:
+            break
+        closing = [b for b in _CLOSING if b in choices]  # ends strings, objects and arrays where it can
+        if not matcher.consume_token(closing[0] if closing else choices[0]):
+            break
+    if matcher.is_error():
+        error = matcher.get_error().split("\n", 1)[0]
+        raise GrammarError(f"{where}{kind} is beyond what exod decodes (it exceeds a limit of the engine: {error})")
+
+
+_CLOSING = b'"}]0'
+
+
+@functools.cache
+def _bytes_tokenizer() -> Any:
+    """An LLTokenizer whose tokens are the 256 bytes and an end: the walk's, the same on every node."""
+    import llguidance as llg
+
+    return llg.LLTokenizer(llg.TokenizerWrapper(_Bytes()), n_vocab=257)
+
+
+class _Bytes:
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([i]) for i in range(256)] + [b""]
+    special_token_ids = [256]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return list(text.encode() if isinstance(text, str) else text)
 
 
 def source(constraint: dict[str, Any]) -> str:
@@ -98,10 +182,12 @@ class Grammars:
         if request.grammar is not None and forced is not None:
             raise GrammarError("a forced tool call and a response format at once: ask for one of them")
         grammar = forced if forced is not None else source(request.grammar)  # type: ignore[arg-type]
-        failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer())
+        vet(request)  # sized again here: a command that did not come through a daemon's admission
+        failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer(), limits=limits())
         if failed:
             raise GrammarError(messages[0] if messages else "the constraint cannot be compiled")
-        return GrammarProcessor(llg.LLMatcher(self._tokenizer(), grammar, log_level=0), self.width)
+        matcher = llg.LLMatcher(self._tokenizer(), grammar, log_level=0, limits=limits())
+        return GrammarProcessor(matcher, self.width)
 
     def _tokenizer(self) -> Any:
         if self._engine is None:
@@ -138,9 +224,14 @@ class GrammarProcessor:
         import numpy as np
 
         if self.started and not self.matcher.consume_token(int(tokens[-1].item())):
-            raise RuntimeError(f"the constraint refused a token it allowed: {self.matcher.get_error()}")
+            raise ConstraintFailed(f"the constraint failed at this token: {self._error()}")
         self.started = True
         llnp.fill_next_token_bitmask(self.matcher, self.mask)
+        if self.matcher.is_error():
+            raise ConstraintFailed(f"the constraint failed after {len(tokens)} tokens: {self._error()}")
         columns = logits.shape[-1]
         allowed = np.unpackbits(self.mask.view(np.uint8), axis=-1, count=columns, bitorder="little").view(np.bool_)
         return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+    def _error(self) -> str:
+        return self.matcher.get_error().split("\n", 1)[0]

@@ -408,7 +408,9 @@ class Runner:
         batch.send, batch.script = self.channel.send, self.script  # from now on, for the callers
         batch.on_token = lambda: self.faults.at(FaultPhase.BUSY)
         self.batch = batch
-        self.channel.send(p.Batching, max_sequences=batch.limits.max_sequences, why=batch.sizing)
+        self.channel.send(
+            p.Batching, max_sequences=batch.limits.max_sequences, why=batch.sizing, vocabulary=batch.vocabulary
+        )
         self.channel.send(p.Status, phase=p.Phase.READY)
         self.faults.at_ready_soon()
 
@@ -418,6 +420,9 @@ class Runner:
     def generate(self, request: p.Generate) -> None:
         if self.batch is None:
             self.channel.send(p.RequestError, request_id=request.request_id, message="runner is not ready")
+            return
+        if outside := request.outside(self.batch.vocabulary):  # read out of bounds, an id beyond would kill us
+            self.channel.send(p.RequestError, request_id=request.request_id, message=outside[1], invalid=True)
             return
         try:
             prompt = prompt_tokens(self.tokenizer, request)

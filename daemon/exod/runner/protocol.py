@@ -158,6 +158,27 @@ class Generate(Command):
                 f"max_tokens must be >= 0 (0: the prompt only, nothing generated), got {self.max_tokens}"
             )
 
+    def outside(self, vocabulary: int) -> tuple[str, str] | None:
+        """The first token id this request names that is no row of the model's ``vocabulary`` embeddings, as
+        (field, message); None if every one is a row. An id beyond the table is read out of bounds, which
+        kills the process: the daemon checks before a runner sees the request, the runner again before it runs."""
+        bound = f"this model's token ids are 0 to {vocabulary - 1}"
+        for token in self.prompt_tokens or ():
+            if not 0 <= token < vocabulary:
+                return "prompt_tokens", f"token id {token} is not in the vocabulary: {bound}"
+        for key in self.logit_bias or {}:
+            token = _token_id(key)
+            if token is None or not 0 <= token < vocabulary:
+                return "logit_bias", f"logit_bias key {key!r} is not a token id of this model: {bound}"
+        return None
+
+
+def _token_id(key: str) -> int | None:
+    try:
+        return int(key)
+    except ValueError:
+        return None
+
 
 @attrs.frozen
 class Cancel(Command):
@@ -189,6 +210,7 @@ class Batching(Report):
     type = "batching"
     max_sequences: int
     why: str
+    vocabulary: int = 0  # the model's embedding rows, which every token id must be below (0: not said)
 
 
 @attrs.frozen
