@@ -66,6 +66,7 @@ class Reports:
         match report:
             case p.Batching(max_sequences=sequences, why=why):
                 self.batching[rid] = (sequences, why)
+                self.sink.requests.learned(rid, report.vocabulary)
             case p.Status(phase=p.Phase.JOINED):
                 event(rn.Connected(rid, inc))
             case p.Status(phase=p.Phase.LOADED):
@@ -80,12 +81,13 @@ class Reports:
                 event(rn.Fail(rid, inc, failure=failure))
             case p.Failed(peer=True):
                 message = f"{report.exception_type}: {report.message}"
-                event(rn.Fail(rid, inc, failure=fsm.Failure.peer_lost(message, detail=report.traceback)))
+                failure = fsm.Failure.peer_lost(message, detail=report.traceback)
+                event(rn.Fail(rid, inc, failure=self._poisoned(spec, failure)))
             case p.Failed():
                 failure = fsm.Failure.exception(
                     report.exception_type, report.message, retryable=report.retryable, detail=report.traceback
                 )
-                event(rn.Fail(rid, inc, failure=failure))
+                event(rn.Fail(rid, inc, failure=self._poisoned(spec, failure)))
             case p.Token() | p.ToolCall() | p.Done() | p.Prompt() | p.Embedding():
                 self.sink.requests.deliver(rid, report)
                 if isinstance(report, p.Done):
@@ -104,13 +106,26 @@ class Reports:
                 event(rn.RequestFinished(rid, inc))
 
     def on_stall(self, spec: RunnerSpec, phase: str, seconds: float) -> None:
-        failure = fsm.Failure.stalled(phase, seconds)
+        failure = self._poisoned(spec, fsm.Failure.stalled(phase, seconds))
         self.sink.runner_event(rn.Fail(spec.runner_id, spec.incarnation, failure=failure))
 
     def on_exit(self, spec: RunnerSpec, exit_code: int, stderr_tail: str, stop_delivered: bool) -> None:
         self.sink.process_ended(spec)
+        if not stop_delivered:  # a death: a poison request in its batch makes it the request's, said first
+            failure = fsm.Failure.exited(exit_code, stderr_tail)
+            if (poisoned := self._poisoned(spec, failure)) is not failure:
+                self.sink.runner_event(rn.Fail(spec.runner_id, spec.incarnation, failure=poisoned))
         self.sink.runner_event(
             rn.Exited(
                 spec.runner_id, spec.incarnation, exit_code=exit_code, detail=stderr_tail, stop_delivered=stop_delivered
             )
         )
+
+    def _poisoned(self, spec: RunnerSpec, failure: fsm.Failure) -> fsm.Failure:
+        """``failure``, a runner's death; or, when a request in its batch has now been at two deaths of its
+        instance (`RequestBook.died`), the poison request's failure: uncharged, and it gives back the first's."""
+        why = self.sink.requests.died(spec.runner_id, spec.incarnation)
+        if why is None:
+            return failure
+        log.warning("runner %s/%d: %s: %s", spec.runner_id, spec.incarnation, failure.message, why)
+        return fsm.Failure.poisoned(f"{failure.message}; a poison request: {why}", detail=failure.detail)

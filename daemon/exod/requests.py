@@ -13,6 +13,8 @@ new needs planning.
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import math
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -25,6 +27,7 @@ import fsm
 from exod import generated as g
 from exod.config import DEFAULT, Default
 from exod.host.models import validate_model_id
+from exod.runner import grammar as grammars
 from exod.runner import protocol as p
 from fsm.cluster import Cluster
 
@@ -40,11 +43,25 @@ class RequestFailed(Exception):
 
 
 class InvalidRequest(ValueError):
-    """A request the runner could not decode (caught before it is sent)."""
+    """A request the runner could not decode, or must not see (caught before it is sent); ``param`` names the
+    field at fault, in the runner's words (``prompt_tokens``, ``logit_bias``; None: the request)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class PoisonRequest(InvalidRequest):
+    """A request that was in the batch at `POISON_AT` deaths of its instance's runners: refused from then on."""
 
 
 class PromptRejected(RequestFailed):
-    """The runner refused the request itself (its prompt is over the model's context): the caller's mistake."""
+    """The runner refused the request itself (its prompt is over the model's context): the caller's mistake.
+    ``param``: the field at fault, as `InvalidRequest`'s (None: the prompt)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ContextExceeded(PromptRejected):
@@ -57,6 +74,10 @@ class ContextExceeded(PromptRejected):
 
 class ConstraintRejected(PromptRejected):
     """The output's constraint (a JSON schema, a pattern, a grammar) cannot be compiled: the caller's to fix."""
+
+
+POISON_AT = 2  # deaths of its instance's runners a request may be present at: at this many it is a poison
+_DEATHS_KEPT = 1024  # requests whose deaths are remembered, the oldest forgotten first
 
 
 class QueueTimeout(RequestFailed):
@@ -93,6 +114,8 @@ class _Request:
     answered: trio.Event = attrs.Factory(trio.Event)  # forwarded, or failed: the caller's wait is over
     abandoned: bool = False  # the caller went away; still counted until the runners are done with it
     failed: bool = False  # ended with an error; its caller has been told
+    done: bool = False  # rank 0 said it is done: no longer in any batch
+    fingerprint: str = ""  # what it asks, whatever its id: the same request sent again has the same one
 
 
 class RequestStream:
@@ -189,6 +212,12 @@ class RequestBook:
         self._max_per_instance = max_per_instance
         self._requests: dict[str, _Request] = {}
         self._closed: str | None = None  # why, once `fail_all` ended the book: every later submit is refused
+        self._vocabulary: dict[str, int] = {}  # by model: its embedding rows, as its runners said (`learned`)
+        self._vetting = trio.CapacityLimiter(1)  # constraints sized one at a time, off the event loop (`vet`)
+        # crash attribution: by fingerprint and instance, the generations that died with the request in their
+        # batch; a fingerprint at `POISON_AT` of them is a poison, and why
+        self._deaths: collections.OrderedDict[tuple[str, str], set[int]] = collections.OrderedDict()
+        self._poison: collections.OrderedDict[str, str] = collections.OrderedDict()
 
     # -- callers -----------------------------------------------------------------------------
 
@@ -288,11 +317,28 @@ class RequestBook:
             p.from_json(command.to_line())  # what the runner will decode: refuse it here, not there
         except p.ProtocolError as exc:
             raise InvalidRequest(f"invalid request: {exc}") from exc
+        vocabulary = self._vocabulary.get(placement.model_id)
+        if vocabulary is not None and (outside := command.outside(vocabulary)):
+            raise InvalidRequest(outside[1], param=outside[0])
+        fingerprint = _fingerprint(command)
+        if fingerprint in self._poison:
+            raise PoisonRequest(self._poison[fingerprint])
         send, receive = trio.open_memory_channel[Any](math.inf)
-        request = _Request(instance_id, command, send, keep_alive)
+        request = _Request(instance_id, command, send, keep_alive, fingerprint=fingerprint)
         self._requests[request_id] = request
         self._wake()
         return RequestStream(self, request_id, request, receive)
+
+    async def vet(self, grammar: dict[str, Any] | None, tools: list[dict[str, Any]] | None, tool_choice: Any) -> None:
+        """Size a request's constraints before it is submitted (`exod.runner.grammar.vet`), on a worker thread: a
+        pattern built to be slow stalls no one else. `ConstraintRejected` for one beyond what runners decode."""
+        if grammar is None and not (tools and tool_choice):
+            return
+        command = p.Generate(request_id="", prompt_text="", grammar=grammar, tools=tools, tool_choice=tool_choice)
+        try:
+            await trio.to_thread.run_sync(grammars.vet, command, limiter=self._vetting)
+        except grammars.GrammarError as exc:
+            raise ConstraintRejected(str(exc)) from None
 
     async def generate(self, instance_id: str, messages: list[dict[str, str]], **params: Any) -> AsyncIterator[Any]:
         """`submit`, then iterate: tokens, then one `Done`; `RequestFailed` on error."""
@@ -325,6 +371,48 @@ class RequestBook:
         request.forwarded.set()
         request.answered.set()
         return request.command
+
+    def learned(self, runner_id: str, vocabulary: int) -> None:
+        """A runner said its model's vocabulary (before Ready: before any request reaches it). Requests of that
+        model naming a token id beyond it are refused from now on, and those queued already end now."""
+        entry = self.cluster.runners.get(runner_id)
+        placement = None if entry is None else self.cluster.instances.get(entry.instance_id)
+        if placement is None or vocabulary <= 0:
+            return
+        self._vocabulary[placement.model_id] = vocabulary
+        for request_id, request in list(self._requests.items()):
+            model = self.cluster.instances.get(request.instance_id)
+            queued = model is not None and model.model_id == placement.model_id and not request.forwarded.is_set()
+            if queued and (outside := request.command.outside(vocabulary)):
+                self._fail(request_id, PromptRejected(outside[1], param=outside[0]))
+
+    def died(self, runner_id: str, incarnation: int) -> str | None:
+        """A runner died (not stopped): every request in its batch was there. Returns why this death is a poison
+        request's, if one of them has now been in the batch at `POISON_AT` deaths of its instance (that request
+        is refused from then on); else None. The ranks of one generation are one death, said by the first of
+        their reports: the others return None."""
+        poison = None
+        for request in self._requests.values():
+            if (runner_id, incarnation) not in request.runners or request.done or not request.fingerprint:
+                continue
+            key = (request.fingerprint, request.instance_id)
+            deaths = self._deaths.setdefault(key, set())
+            self._deaths.move_to_end(key)
+            if incarnation in deaths:  # another rank of a death counted already
+                continue
+            deaths.add(incarnation)
+            if len(deaths) >= POISON_AT:
+                poison = (
+                    f"this request was in the batch each time runners of instance {request.instance_id} died, "
+                    f"{len(deaths)} times (generations {', '.join(map(str, sorted(deaths)))}): it is refused from "
+                    "now on, so that it cannot take the instance down again; change it, or report it as a bug"
+                )
+                self._poison[request.fingerprint] = poison
+                self._poison.move_to_end(request.fingerprint)
+        for kept in (self._deaths, self._poison):
+            while len(kept) > _DEATHS_KEPT:
+                kept.popitem(last=False)
+        return poison
 
     def keep_alive(self, request_id: str) -> float | Default | None:
         """The keep-alive the request asked for its instance (`DEFAULT`: none of its own)."""
@@ -383,6 +471,8 @@ class RequestBook:
         request = self._requests.get(report.request_id)
         if request is None or request.leader != runner_id:
             return
+        if isinstance(report, p.Done):
+            request.done = True
         if request.abandoned:
             if isinstance(report, p.Done):
                 self.forget(report.request_id)
@@ -411,6 +501,11 @@ class RequestBook:
             return f"instance was deleted ({reason.value if reason else 'gone'})"
         cause = machine.failure.message if machine is not None and machine.failure else "runner stopped"
         return f"the runner serving this request failed: {cause}"
+
+
+def _fingerprint(command: p.Generate) -> str:
+    """What a request asks, whatever its id: a client that sends it again sends the same one."""
+    return hashlib.sha256(attrs.evolve(command, request_id="").to_line()).hexdigest()
 
 
 def _is_model_id(text: str) -> bool:

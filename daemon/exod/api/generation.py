@@ -34,6 +34,7 @@ from exod.requests import (
     InvalidRequest,
     ModelNotReady,
     Overloaded,
+    PoisonRequest,
     PromptRejected,
     QueueTimeout,
     RequestFailed,
@@ -108,6 +109,7 @@ class Generation:
         runners took them. Errors before the first token are HTTP errors, streaming or not."""
         self.embedding = bool(submit.get("embed"))
         try:
+            await self.controller.requests.vet(submit.get("grammar"), submit.get("tools"), submit.get("tool_choice"))
             instance_id = await self.controller.requests.serving(self.model)  # placed now, if on demand
             cold = self.controller.residency(instance_id) is not fsm.Residency.LOADED
             seed = submit.pop("seed", None)
@@ -122,8 +124,12 @@ class Generation:
             raise self.rejected(unstored(exc)) from exc
         except ModelNotReady as exc:
             raise self.rejected(ApiError(503, str(exc), headers={"Retry-After": str(exc.retry_after)})) from exc
+        except ConstraintRejected as exc:
+            raise self.rejected(ApiError(400, str(exc), param=self.constraint or None)) from exc
+        except PoisonRequest as exc:
+            raise self.rejected(ApiError(400, str(exc), param=self.param(exc.param), code="poison_request")) from exc
         except InvalidRequest as exc:
-            raise self.rejected(ApiError(400, str(exc), param=self.prompt)) from exc
+            raise self.rejected(ApiError(400, str(exc), param=self.param(exc.param))) from exc
         except Overloaded as exc:
             busy = ApiError(429, str(exc), headers={"Retry-After": "1"}, code="rate_limit_exceeded")
             raise self.rejected(busy) from exc
@@ -146,7 +152,7 @@ class Generation:
             raise self.rejected(ApiError(400, str(exc), param=self.constraint or None)) from exc
         except PromptRejected as exc:
             self.close()
-            raise self.rejected(ApiError(400, str(exc), param=self.prompt)) from exc
+            raise self.rejected(ApiError(400, str(exc), param=self.param(exc.param))) from exc
         except ShuttingDown as exc:
             self.close()
             raise self.rejected(unavailable(str(exc))) from exc
@@ -159,6 +165,11 @@ class Generation:
         if cold:  # it waited for its instance to load (placed on demand, or unparked)
             self.metrics.cold_starts.labels(self.metrics.label(self.model)).observe(self.elapsed)
         return self.streams
+
+    def param(self, field: str | None) -> str:
+        """The request's field at fault, in the dialect's words: the runner's ``prompt_tokens`` is what the
+        dialect calls the prompt (``prompt``, ``input``, ``messages``)."""
+        return field if field is not None and field != "prompt_tokens" else self.prompt
 
     async def collect(self, stream: RequestStream) -> Output:
         """The whole output of one generation; `ApiError` (502, or 503 when shutting down) if it failed."""
