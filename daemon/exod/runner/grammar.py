@@ -29,8 +29,11 @@ from exod.runner import protocol as p
 
 # compact JSON: no runaway whitespace from a model that has not learned where to stop
 _JSON_OPTIONS = {"whitespace_flexible": False}
-# llguidance's defaults but for the lexer's states (1-2 kB each): 50,000 of them bound one request's memory
+# llguidance's defaults but for two: the lexer's states (1-2 kB each), 50,000 of which bound one request's
+# memory; and the fuel of its first analysis (~50 per µs), a fifth of the default: a 300-property schema or a
+# 5,000-value enum take under a tenth of it, and a pattern built to exhaust it costs 0.2 s, not 1-2 s
 _MAX_LEXER_STATES = 50_000
+_INITIAL_LEXER_FUEL = 200_000
 PROBE_BYTES = 256  # how far `vet` walks a constraint: past where the bombs found so far go off (the first byte)
 
 
@@ -46,7 +49,7 @@ def limits() -> Any:
     """The limits every matcher of exod is compiled under: the admission's walk (`vet`) and the runner's alike."""
     import llguidance as llg
 
-    return llg.LLParserLimits(max_lexer_states=_MAX_LEXER_STATES)
+    return llg.LLParserLimits(max_lexer_states=_MAX_LEXER_STATES, initial_lexer_fuel=_INITIAL_LEXER_FUEL)
 
 
 def vet(request: p.Generate) -> None:
