@@ -109,6 +109,25 @@ def test_a_strict_json_schema_is_valid_on_the_real_vocabulary(client):
     assert answer.choices[0].finish_reason == "stop"
 
 
+def test_ids_beyond_the_real_vocabulary_and_a_constraint_bomb_are_the_callers_400_and_the_runner_lives(client):
+    pids = runner_pids()
+    with pytest.raises(openai.BadRequestError, match="0 to 49151") as refused:
+        client.completions.create(model=REAL_MODEL, prompt=[1, 49152], max_tokens=2)
+    assert refused.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError, match="0 to 49151"):
+        client.embeddings.create(model=REAL_MODEL, input=[[10**9]])
+    node = {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}
+    bomb = {"$defs": {"n": node}, "$ref": "#/$defs/n"}  # requires itself: no finite value
+    with pytest.raises(openai.BadRequestError, match="Too many items"):
+        client.chat.completions.create(
+            model=REAL_MODEL,
+            messages=CAPITAL,
+            max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": bomb}},
+        )
+    assert runner_pids() == pids
+
+
 def test_a_forced_tool_call_is_valid_though_the_template_takes_no_tools(daemon, client):
     """SmolLM2's template has no place for tools: exod writes them into the system turn itself
     (`exod.runner.tool_prompt`), and a forced call is held to the tool's schema by the grammar."""
