@@ -7,13 +7,16 @@
     ├── exod.api.http_server    the HTTP API (h11 and hypercorn, with read timeouts and a connection limit)
     ├── membership.run      with --cluster: the node's record and the election (exod.cluster.membership), and
     │   └── _lead           while elected, the controller's term: controller.run on etcd's state
+    ├── check.run           with --cluster: whether etcd's state can be restored (exod.cluster.repair)
     └── signal watcher      SIGINT/SIGTERM → drain the requests (exod.api.drain; a second signal: end them now),
                             then stop and reap every runner, then cancel all
 
 One daemon per state directory, which is private to its user (`exod.state.statedir`); the
 daemon's address is written to ``daemon.json`` there so the CLI finds it. With ``--cluster`` the
 cluster's state is in etcd and only the elected controller runs the controller, as a one-host daemon
-would after a restart: it resumes from what the last controller wrote (`Controller.take_over`).
+would after a restart: it resumes from what the last controller wrote (`Controller.take_over`). A state there
+that cannot be restored ends no daemon: the node elected holds its term degraded, restoring nothing, until an
+operator has moved the value aside (`exod repair`), then takes over (`_lead`).
 """
 
 from __future__ import annotations
@@ -38,12 +41,14 @@ from exod.api.app import create_app
 from exod.api.drain import Drain, Gate
 from exod.api.http_server import bind, serve_http
 from exod.cluster.agent import Agent
+from exod.cluster.damage import Damage, Unrestorable
 from exod.cluster.election import Deposed, Term
 from exod.cluster.etcd import Etcd, EtcdError
 from exod.cluster.etcd_state import EtcdState
 from exod.cluster.membership import Membership
 from exod.cluster.nodes import NodeRecord, list_nodes, live_runners
 from exod.cluster.remote import Fleet
+from exod.cluster.repair import Guarded, StateCheck
 from exod.config import DEFAULT, Default, ServeConfig
 from exod.controller import Controller, StoreUnavailable
 from exod.host.memory import free_memory
@@ -83,8 +88,12 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
             models = ModelFiles(hf_home=c.hf_home, offline=c.offline, timeout=c.download_timeout)  # the node's
             agent = None if config.cluster is None else _agent(config, store, models)
             membership = await _join(config, agent)
-            # in a cluster, a follower until elected: nothing to write (`_lead` gives it etcd's state, guarded)
-            state = SqliteState(store) if membership is None else _cluster_state(membership, config, None)
+            check = None if membership is None else StateCheck(membership.etcd, membership.prefix)
+            # in a cluster, a follower until elected: nothing to write (`_lead` gives it etcd's state, guarded),
+            # degraded while the check finds that state cannot be restored
+            state: StateStore = SqliteState(store)
+            if membership is not None and check is not None:
+                state = Guarded(_cluster_state(membership, config, None), lambda: check.why)
             fleet = None if membership is None else _fleet(membership, config)
             controller = Controller(config.daemon, store, state=state, fleet=fleet, models=models)
             named = [(p.model or controller.register_local_model(p.path), p) for p in config.placements]
@@ -123,10 +132,11 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                         log.error("cannot write %s (%s): pass --url %s to the CLI", state_dir / "daemon.json", exc, url)
                     if membership is not None:  # the record gets the API's address once it is bound
                         await membership.presence.update(attrs.evolve(membership.presence.record, api_url=url))
+                        assert agent is not None and check is not None
+                        await nursery.start(check.run)
                         await nursery.start(membership.run)
-                        assert agent is not None
                         await nursery.start(agent.run, membership.presence)
-                        nursery.start_soon(_lead, controller, membership, config, wanted, kept)
+                        nursery.start_soon(_lead, controller, membership, config, wanted, kept, check)
                         announce(f"exod: node {membership.node_id} of the cluster at {membership.config.url}")
                     announce(f"exod serving on {url} (state in {state_dir})")
                     exod = _command()
@@ -177,7 +187,7 @@ def _command() -> str:
 async def _restore(controller: Controller, state: StateStore) -> None:
     try:
         await controller.restore()
-    except fsm.SnapshotError as exc:
+    except (fsm.SnapshotError, RecursionError) as exc:  # RecursionError: nested deeper than the machines read
         raise state.snapshot_error(str(exc)) from exc
     if controller.reaped_orphans:
         log.warning("reaped %d runner(s) left by a previous daemon", len(controller.reaped_orphans))
@@ -222,33 +232,95 @@ def _cluster_state(membership: Membership, config: ServeConfig, term: Term | Non
     return EtcdState(membership.etcd, membership.prefix, term, retention=config.daemon.retention)
 
 
-async def _lead(controller: Controller, membership: Membership, config: ServeConfig, wanted, kept) -> None:
+async def _lead(
+    controller: Controller, membership: Membership, config: ServeConfig, wanted, kept, check: StateCheck
+) -> None:
     """Each time this node is elected: the controller's term, on etcd's state, until the term ends. Then
     its runners are stopped (cancelling `controller.run` kills and reaps them): the next controller
-    resumes the instances from etcd, as a restarted one-host daemon resumes from SQLite."""
+    resumes the instances from etcd, as a restarted one-host daemon resumes from SQLite.
+
+    A snapshot or a meta in etcd that cannot be restored (`Unrestorable`) does not end the term: were it
+    given up, the next node elected would find the same value, and so on round the cluster. It is held,
+    degraded (`_degraded`), until the check finds the state restorable again (an operator moved the value
+    aside), and then taken over afresh in the same term."""
     while True:
         term = await membership.elected()
-        state = _cluster_state(membership, config, term)
+        state: StateStore = _cluster_state(membership, config, term)
         await controller.take_over(state)
-        unreachable = False
+        unreachable = deposed = repaired = False
+        damage: Damage | None = None
         try:
-            await _restore(controller, state)
-            await _place_configured(controller, wanted, kept)
+            try:
+                await _restore(controller, state)
+            except Unrestorable as exc:
+                damage = exc.damage
+                state = await _degraded(controller, membership, term, state, damage, check)
+            await _place_configured(controller, wanted, kept)  # while degraded, each is refused: said in the log
             async with trio.open_nursery() as leading:
                 await leading.start(controller.run)
+                if damage is None:
+                    leading.start_soon(_heal, state, check)
+                else:
+
+                    async def restorable() -> None:
+                        nonlocal repaired
+                        await check.until(lambda found: not found)
+                        repaired = True
+                        leading.cancel_scope.cancel()
+
+                    leading.start_soon(restorable)
                 await membership.deposed(term)
                 leading.cancel_scope.cancel()
         except* StateUnavailable as lost:  # etcd went away while taking over: again, once it is back
             log.error("cannot take over as the controller: %s", lost.exceptions[0])
             unreachable = True
-        except* Deposed as deposed:  # etcd refused a write: another node holds the election key
-            log.error("%s", deposed.exceptions[0])
+        except* Deposed as refused:  # etcd refused a write: another node holds the election key, or this turn ended
+            log.error("%s", refused.exceptions[0])
+            deposed = True
+        if repaired and membership.term is term:
+            log.warning("node %s resumes as the controller: the cluster's state can be restored", membership.node_id)
+            continue
         if unreachable and membership.term is term:
             await trio.sleep(1.0)
             continue
         controller.requests.fail_all(f"node {membership.node_id} is no longer the cluster's controller")
         log.warning("node %s is no longer the controller: its runners were stopped", membership.node_id)
+        if deposed:  # a turn refused while the election key is still this node's (its meta written by another):
+            await trio.sleep(1.0)  # a new turn reads the state afresh, once the election has had its say
+            if membership.term is term:
+                continue
         await membership.deposed(term)
+
+
+async def _degraded(
+    controller: Controller, membership: Membership, term: Term, state: StateStore, damage: Damage, check: StateCheck
+) -> Guarded:
+    """Take over on ``state`` guarded: nothing restored from it (no instance resumed, no runner of an earlier term
+    kept), nothing written over it, and the journal degraded saying why, so that a placement is refused (503)
+    with the key and the command; as long as the term is this node's, or until the check finds it repaired."""
+    log.error(
+        "node %s is the controller but cannot restore the cluster's state: %s. It holds the term, serving nothing "
+        "from that state, until the state can be restored",
+        membership.node_id,
+        damage,
+    )
+    guarded = Guarded(state, lambda: check.why or (str(damage) if membership.term is term else None))
+    await controller.take_over(guarded)
+    await _restore(controller, guarded)  # an empty cluster: what recovering one does (the fleet read), no more
+    return guarded
+
+
+async def _heal(state: StateStore, check: StateCheck) -> None:
+    """While this node is the controller (and has the state): whatever the check finds that no successor could
+    restore, the controller writes back over (`EtcdState.heal`)."""
+    assert isinstance(state, EtcdState)
+    while True:
+        await check.until(bool)
+        try:
+            if await state.heal():
+                await check.check()
+        except StateUnavailable as exc:  # etcd away: the membership says it; the next check tries again
+            log.warning("cannot write the state back: %s", exc)
 
 
 async def _join(config: ServeConfig, agent: Agent | None) -> Membership | None:

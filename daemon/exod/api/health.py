@@ -28,7 +28,8 @@ def router(
 
     def degraded() -> str | None:
         """Why the daemon cannot write its state now (its store, or in a cluster etcd, or the record of its
-        agent's runners), if it cannot."""
+        agent's runners), if it cannot; in a cluster whose state in etcd cannot be restored, which key, why,
+        and the command that repairs it (`exod.cluster.repair`: the controller's journal says it)."""
         if membership is not None and membership.presence.lost is not None:
             return f"the cluster's etcd cannot be reached: {membership.presence.lost}"
         if agent is not None and agent.book.error is not None:

@@ -24,6 +24,13 @@ The log is bounded like the one host's (`exod.state.retention.Retention`): a sav
 or finds its oldest batch older than ``max_log_age_days`` deletes the oldest batches in the same
 transaction, down to nine tenths of the bound; and every `COMPACT_EVERY` revisions etcd's own history
 (each save rewrites the snapshot key) is compacted.
+
+What is read back is untrusted input (anyone who can write to etcd can write any value at any key): a snapshot
+or a meta that cannot be restored raises `exod.cluster.damage.Unrestorable`, which names the key and what to
+do, and is never written over by a controller that has not read it (`exod.serve` holds the term, degraded); a
+log batch that is not exod's is skipped by every reader. A controller that *has* the state, and finds a value
+it cannot read where it wrote one, writes back what it wrote (`heal`, `save`), keeping a copy under
+``damaged/``: a successor could not take over from what is there.
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import trio
 
+from exod.cluster.damage import Damage, Kind, Unrestorable, aside_key
 from exod.cluster.election import Deposed, Term, guarded_write
 from exod.cluster.etcd import Compare, Delete, Etcd, EtcdError, EtcdUnavailable, KeyValue, Put
 from exod.state.retention import Retention
@@ -53,6 +62,8 @@ class MalformedState(Exception):
 
 COMPACT_EVERY = 10_000  # revisions of history etcd keeps before we compact it
 _SEQ_DIGITS = 20  # log keys sort by key as by sequence number
+SNAPSHOT, META, LOG = b"state/snapshot", b"state/meta", b"log/"  # under the cluster's prefix
+LOG_END = b"log0"  # b"/" + 1: the first key after every log key
 
 
 @attrs.frozen
@@ -60,6 +71,61 @@ class _Meta:
     last_seq: int = 0
     log_start: int = 1
     oldest_time: float | None = None  # of the entry at log_start
+
+
+# -- reading a value: what exod wrote, or why it is not ------------------------------------------------------
+
+
+def parse_snapshot(value: bytes) -> dict[str, Any]:
+    """The snapshot as `load` returns it (a JSON object); `ValueError` saying what else it is."""
+    try:
+        snapshot = json.loads(value)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser goes
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(snapshot, dict):
+        raise ValueError(f"expected a JSON object, got {type(snapshot).__name__}")
+    return snapshot
+
+
+def restorable(value: bytes) -> str | None:
+    """Why no controller can restore the snapshot ``value`` (the machines refuse it too), or None if one can."""
+    try:
+        Cluster.from_dict(parse_snapshot(value))
+    except (ValueError, RecursionError) as exc:  # SnapshotError is a ValueError
+        return str(exc)
+    return None
+
+
+def parse_meta(value: bytes) -> _Meta:
+    """``state/meta`` as exod writes it; `ValueError` saying what is wrong with it."""
+    try:
+        fields = json.loads(value)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(fields, dict) or set(fields) != {"last_seq", "log_start", "oldest_time"}:
+        raise ValueError("expected a JSON object of last_seq, log_start and oldest_time, and nothing else")
+    meta = _Meta(**fields)
+    counts = (meta.last_seq, meta.log_start)
+    if any(isinstance(n, bool) or not isinstance(n, int) for n in counts) or meta.last_seq < 0 or meta.log_start < 1:
+        raise ValueError(f"last_seq and log_start: expected whole numbers (>= 0, >= 1), got {counts}")
+    if meta.log_start > meta.last_seq + 1:
+        raise ValueError(f"log_start {meta.log_start} is past the log's end ({meta.last_seq})")
+    oldest = meta.oldest_time
+    if oldest is not None and (isinstance(oldest, bool) or not isinstance(oldest, (int, float)) or oldest != oldest):
+        raise ValueError(f"oldest_time: expected a number or null, got {oldest!r}")
+    return meta
+
+
+def parse_batch(value: bytes) -> list[tuple[int, LogEntry]]:
+    """A batch of the log as exod writes it, its entries numbered; `ValueError` saying what is wrong with it."""
+    try:
+        batch = json.loads(value)
+        first = batch["first"]
+        if isinstance(first, bool) or not isinstance(first, int) or first < 1:
+            raise ValueError(f"first: expected a whole number >= 1, got {first!r}")
+        return [(first + i, LogEntry.from_record(r)) for i, r in enumerate(batch["entries"])]
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise ValueError(f"{type(exc).__name__}: {exc}") from None
 
 
 @attrs.frozen
@@ -73,6 +139,8 @@ class _Attempt:
 
 class EtcdState:
     """The cluster's state as one controller term reads and writes it."""
+
+    refused: str | None = None  # what it cannot restore raises `Unrestorable` (`exod.cluster.repair.Guarded`)
 
     def __init__(self, etcd: Etcd, prefix: bytes, term: Term | None, *, retention: Retention | None = None) -> None:
         self.etcd, self.prefix, self.term = etcd, prefix, term
@@ -90,25 +158,33 @@ class EtcdState:
         # refused, not written over the new turn's log: found by a 5-min campaign (seed 2074194091).
         self._turn = secrets.token_hex(8)
         self._begun = False
+        self._loaded: KeyValue | None = None  # the snapshot as `load` read it
+        self._last: bytes | None = None  # the snapshot as this turn last read or wrote it: what `heal` writes back
+        self._writing = trio.Lock()  # a save or a heal at a time: each builds on the meta's revision
+        self._aside: list[Put] = []  # copies of values a save writes over (`_foreign_meta`), kept with it
+
+    def damage(self, kind: Kind, key: bytes, reason: str, revision: int) -> Damage:
+        """A value of this cluster's that cannot be restored, for the operator."""
+        return Damage(kind, key, reason, revision, self.etcd.url, self.prefix)
 
     @property
     def _snapshot_key(self) -> bytes:
-        return self.prefix + b"state/snapshot"
+        return self.prefix + SNAPSHOT
 
     @property
     def _meta_key(self) -> bytes:
-        return self.prefix + b"state/meta"
+        return self.prefix + META
 
     @property
     def _turn_key(self) -> bytes:
         return self.prefix + b"state/turn"
 
     def _log_key(self, seq: int) -> bytes:
-        return self.prefix + b"log/" + str(seq).zfill(_SEQ_DIGITS).encode()
+        return self.prefix + LOG + str(seq).zfill(_SEQ_DIGITS).encode()
 
     @property
     def _log_end(self) -> bytes:
-        return self.prefix + b"log0"  # b"/" + 1: the first key after every log key
+        return self.prefix + LOG_END
 
     # -- StateStore ------------------------------------------------------------------------------
 
@@ -117,17 +193,16 @@ class EtcdState:
         term), so that what it reads next is all an earlier turn will ever have written."""
         if self.term is not None:
             await self._begin()
-        kv = await self._read(self._snapshot_key)
+        kv = self._loaded = await self._read(self._snapshot_key)
         self._meta, self._revision = await self._read_meta()
         self._unknown = []  # this is what the turn builds on: an attempt applied after this read is refused
         if kv is None:
             return None
         try:
-            snapshot = json.loads(kv.value)
+            snapshot = parse_snapshot(kv.value)
         except ValueError as exc:
-            raise self.snapshot_error(f"not JSON: {exc}") from exc
-        if not isinstance(snapshot, dict):
-            raise self.snapshot_error(f"expected a JSON object, got {type(snapshot).__name__}")
+            raise self.snapshot_error(str(exc)) from None
+        self._last = kv.value
         return snapshot
 
     async def save(self, snapshot: dict[str, Any], entries: Sequence[LogEntry], now: float) -> int:
@@ -135,6 +210,11 @@ class EtcdState:
         them queued): that save may have been applied all the same, and they are then not written twice."""
         if self.term is None:
             raise Deposed("this node is not the controller: only the controller writes the cluster's state")
+        async with self._writing:
+            return await self._save(snapshot, entries, now)
+
+    async def _save(self, snapshot: dict[str, Any], entries: Sequence[LogEntry], now: float) -> int:
+        assert self.term is not None
         if not self._begun:  # a turn that saves before it reads (a test's, a tool's) begins here
             await self._begin()
         if self._meta is None:
@@ -146,6 +226,7 @@ class EtcdState:
         value = json.dumps(snapshot, sort_keys=True).encode()
         while True:  # twice at most: a refusal that an unknown attempt explains is resolved, and the save tried again
             meta, ops = await self._ops(value, todo, now)
+            ops += self._aside
             # Why the revision it builds on, not only the term and the turn: a save that timed out at a paused
             # member holds both, and was applied when the member resumed, after its retry (sent to another
             # member) and later saves: the snapshot and the meta went back, and its batch replaced the retry's
@@ -163,13 +244,16 @@ class EtcdState:
                 raise StateUnavailable(f"cannot write the state to {self.where}: {exc}") from exc
             self._unknown.pop()  # answered: applied or refused, for good
             if result.succeeded:
-                self._meta, self._revision, self._unknown = meta, result.revision, []
+                self._meta, self._revision, self._unknown, self._aside = meta, result.revision, [], []
+                self._last = value
                 await self._compact(result.revision)
                 return meta.last_seq
             await self._still_this_turn()
             # The term and the turn hold, so the meta moved under this save: only an attempt of this turn whose
             # answer was lost can have moved it (applied after this save read the meta; a paused member resumed).
             resolved = await self._resolve(todo) if self._unknown else None
+            if resolved is None and not self._unknown and await self._foreign_meta():
+                continue  # a value that no node could read: written over with this turn's, a copy kept
             if resolved is None:
                 raise Deposed(
                     f"{self._meta_key.decode()} in {self.where} was written by someone other than this controller "
@@ -198,7 +282,10 @@ class EtcdState:
             raise StateUnavailable(f"cannot read the transition log from {self.where}: {exc}") from exc
 
     async def log_start(self) -> int:
-        meta, _ = await self._read_meta()
+        try:
+            meta, _ = await self._read_meta()
+        except Unrestorable as exc:  # a reader of the log is told it cannot be read now, and why
+            raise StateUnavailable(str(exc)) from None
         return meta.log_start
 
     async def changed(self, after: int) -> None:
@@ -211,12 +298,57 @@ class EtcdState:
                 return
         except EtcdUnavailable as exc:
             raise StateUnavailable(f"cannot watch the transition log in {self.where}: {exc}") from exc
+        except Unrestorable as exc:
+            raise StateUnavailable(str(exc)) from None
 
     def snapshot_error(self, reason: str) -> StoreError:
-        return StoreError(
-            f"{self.where} holds a state snapshot that cannot be restored ({reason}). It was left untouched: "
-            f"an operator may delete {self._snapshot_key.decode()} (`etcdctl del`) to start from an empty state."
-        )
+        """`Unrestorable`: the snapshot `load` read (or its machines) cannot be restored, for ``reason``."""
+        revision = 0 if self._loaded is None else self._loaded.mod_revision
+        return Unrestorable(self.damage(Kind.SNAPSHOT, self._snapshot_key, reason, revision))
+
+    async def heal(self) -> bool:
+        """Write back what this turn last read or wrote, over a snapshot or a meta that no controller could
+        restore (found by `exod.cluster.repair.StateCheck`), keeping a copy of each under ``damaged/``: this
+        controller has the state, and a successor could not take over from what is there now. True if it did;
+        False where it is not this turn's to say: a save of its still unknown, a meta written by someone else
+        that reads as exod's (the next save finds out: `Deposed`), or nothing wrong."""
+        if self.term is None or not self._begun or self._meta is None:
+            return False
+        async with self._writing:
+            if self._unknown:
+                return False
+            snapshot, meta = await self._read(self._snapshot_key), await self._read(self._meta_key)
+            meta_revision = 0 if meta is None else meta.mod_revision
+            compare = [*self.term.guard(), self._turn_compare(), Compare(self._meta_key, "MOD", "EQUAL", meta_revision)]
+            ops: list[Put | Delete] = []
+            healed: list[Damage] = []
+            if meta is not None and meta_revision != self._revision:
+                try:
+                    parse_meta(meta.value)
+                    return False
+                except ValueError as exc:
+                    healed.append(self.damage(Kind.META, self._meta_key, str(exc), meta_revision))
+                    ops += [Put(aside_key(healed[-1]), meta.value), Put(self._meta_key, _meta_value(self._meta))]
+            if snapshot is not None and (reason := restorable(snapshot.value)) is not None:
+                healed.append(self.damage(Kind.SNAPSHOT, self._snapshot_key, reason, snapshot.mod_revision))
+                compare.append(Compare(self._snapshot_key, "MOD", "EQUAL", snapshot.mod_revision))
+                ops.append(Put(aside_key(healed[-1]), snapshot.value))
+                ops.append(Delete(self._snapshot_key) if self._last is None else Put(self._snapshot_key, self._last))
+            if not ops:
+                return False
+            try:
+                result = await self.etcd.txn(compare, ops)
+            except EtcdUnavailable as exc:
+                raise StateUnavailable(f"cannot write the state back to {self.where}: {exc}") from exc
+            if not result.succeeded:  # a save came between (it wrote its own), or the term or the turn ended
+                return False
+            if any(damage.kind is Kind.META for damage in healed):
+                self._revision = result.revision
+            for damage in healed:
+                log.error(
+                    "%s: written back by the controller (node %s), a copy kept", damage.key.decode(), self.term.node_id
+                )
+            return True
 
     # -- the log's bounds ----------------------------------------------------------------------------
 
@@ -271,7 +403,7 @@ class EtcdState:
             meta = attrs.evolve(meta, last_seq=meta.last_seq + len(entries), oldest_time=oldest)
         meta, prune = await self._prune(meta, now)
         ops += prune
-        ops.append(Put(self._meta_key, json.dumps(attrs.asdict(meta)).encode()))
+        ops.append(Put(self._meta_key, _meta_value(meta)))
         return meta, ops
 
     def _turn_compare(self) -> Compare:
@@ -302,7 +434,10 @@ class EtcdState:
         revision = 0 if kv is None else kv.mod_revision
         if revision == self._revision or kv is None:
             return None
-        meta = self._parse_meta(kv)
+        try:
+            meta = parse_meta(kv.value)
+        except ValueError:  # not what any attempt wrote: none of them is known applied
+            return None
         applied = next((attempt for attempt in self._unknown if attempt.meta == meta), None)
         if applied is None:
             return None
@@ -317,6 +452,28 @@ class EtcdState:
         )
         self._meta, self._revision, self._unknown = meta, revision, []
         return entries[n:]
+
+    async def _foreign_meta(self) -> bool:
+        """Whether ``state/meta`` now holds a value no node can read (while this turn holds, and knows each of
+        its saves' outcome): the next attempt writes over it, a copy kept under ``damaged/``."""
+        kv = await self._read(self._meta_key)
+        if kv is None or kv.mod_revision == self._revision:
+            return False
+        try:
+            parse_meta(kv.value)
+            return False
+        except ValueError as exc:
+            damage = self.damage(Kind.META, self._meta_key, str(exc), kv.mod_revision)
+        aside = aside_key(damage)
+        log.error(
+            "%s is not exod's meta (%s): this controller writes its own over it, keeping it at %s",
+            self._meta_key.decode(),
+            damage.reason,
+            aside.decode(errors="replace"),
+        )
+        self._revision = kv.mod_revision
+        self._aside.append(Put(aside, kv.value))
+        return True
 
     # -- reading ----------------------------------------------------------------------------------------
 
@@ -342,9 +499,9 @@ class EtcdState:
 
     def _parse_meta(self, kv: KeyValue) -> _Meta:
         try:
-            return _Meta(**json.loads(kv.value))
-        except (ValueError, TypeError) as exc:
-            raise self.snapshot_error(f"{self._meta_key.decode()} is not exod's: {exc}") from exc
+            return parse_meta(kv.value)
+        except ValueError as exc:
+            raise Unrestorable(self.damage(Kind.META, self._meta_key, str(exc), kv.mod_revision)) from None
 
 
 async def stored_cluster(etcd: Etcd, prefix: bytes) -> Cluster:
@@ -362,12 +519,16 @@ async def stored_cluster(etcd: Etcd, prefix: bytes) -> Cluster:
         raise MalformedState(str(state.snapshot_error(str(exc)))) from exc
 
 
+def _meta_value(meta: _Meta) -> bytes:
+    return json.dumps(attrs.asdict(meta)).encode()
+
+
 def _entries(kv: KeyValue) -> list[tuple[int, LogEntry]]:
     """A batch of the log as exod writes it; one that is not (anyone who can write to etcd can write it) is
-    skipped with a warning: a reader of the log is never failed by it."""
+    skipped with a warning: a reader of the log is never failed by it (`exod repair` moves it aside)."""
     try:
-        batch = json.loads(kv.value)
-        return [(int(batch["first"]) + i, LogEntry.from_record(r)) for i, r in enumerate(batch["entries"])]
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        log.warning("skipped %s in etcd: not a batch of exod's log (%s)", kv.key.decode(errors="replace"), exc)
+        return parse_batch(kv.value)
+    except ValueError as exc:
+        key = kv.key.decode(errors="replace")
+        log.warning("skipped %s in etcd: not a batch of exod's log (%s); `exod repair` moves it aside", key, exc)
         return []

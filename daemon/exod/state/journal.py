@@ -73,7 +73,7 @@ class Journal:
     @property
     def degraded(self) -> str | None:
         """Why the state cannot be written now; None: it can."""
-        return self._retired or self._state_error or self._book.error
+        return self._retired or self.state.refused or self._state_error or self._book.error
 
     def writable(self, what: str) -> None:
         """`StoreUnavailable` if the store refuses writes now: ``what`` (a placement …) would be acknowledged

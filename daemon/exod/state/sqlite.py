@@ -189,7 +189,7 @@ class Store:
             return None
         try:
             snapshot = json.loads(row[0])
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser goes
             raise self.snapshot_error(f"not JSON: {exc}") from exc
         if not isinstance(snapshot, dict):
             raise self.snapshot_error(f"expected a JSON object, got {type(snapshot).__name__}")

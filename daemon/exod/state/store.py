@@ -26,6 +26,9 @@ class StateUnavailable(Exception):
 
 class StateStore(Protocol):
     where: str  # the file or the URL, for messages
+    # Why nothing may be restored from the store nor written to it now (a value in it that cannot be restored
+    # waits for an operator: `exod.cluster.repair`); None: it may. The journal is degraded, saying it.
+    refused: str | None
 
     async def load(self) -> dict[str, Any] | None:
         """The last snapshot saved (None if none ever was); `StoreError` if it is not a JSON object."""
@@ -54,6 +57,7 @@ class SqliteState:
     def __init__(self, store: Store) -> None:
         self.store = store
         self.where = str(store.path)
+        self.refused: str | None = None  # a file that cannot be restored is refused at start (`Store.open`, `load`)
         self._written = trio.Event()  # set (and replaced) at every save: one host, one writer, this one
 
     async def load(self) -> dict[str, Any] | None:
