@@ -11,6 +11,7 @@ from exod.cli.daemon import cluster_demo, cluster_token, serve
 from exod.cli.documents import diagram, machines, specs
 from exod.cli.instances import delete, logs, park, place, status, unpark
 from exod.cli.models import model
+from exod.cli.repair import repair
 from exod.cli.verify import check, check_fencing, replay
 
 
@@ -37,4 +38,5 @@ main.add_command(check_fencing)
 main.add_command(cluster_demo)
 main.add_command(cluster_token)
 main.add_command(replay)
+main.add_command(repair)
 main.add_command(chaos)
