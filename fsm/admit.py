@@ -151,30 +151,8 @@ def admit(
     facts = dict(facts or {})
     if isinstance(model, UnknownModel):
         return _refuse(Refusal.UNKNOWN_MODEL, f"model {model_id!r} is not available: {model.reason}")
-    runners = limits.runners_per_node * len(nodes)  # however empty the nodes, no more ranks than this run
-    if ranks > min(limits.ranks_per_instance, runners):  # the message names the limit that binds
-        if runners < limits.ranks_per_instance:
-            return _refuse(
-                Refusal.TOO_MANY_RANKS,
-                f"{ranks} ranks is more than the {runners} runners {len(nodes)} node(s) may run "
-                f"(runners_per_node = {limits.runners_per_node}); ask for fewer, or raise [limits] runners_per_node",
-            )
-        return _refuse(
-            Refusal.TOO_MANY_RANKS,
-            f"{ranks} ranks is more than ranks_per_instance = {limits.ranks_per_instance}; "
-            "ask for fewer, or raise [limits] ranks_per_instance",
-        )
-    if model is not None and not model.splits_into(ranks):
-        how = (
-            f"its {model.layers} layers"
-            if model.pipeline
-            else f"its {model.attention_heads} attention heads and {model.kv_heads} key/value heads"
-        )
-        return _refuse(
-            Refusal.TOO_MANY_RANKS,
-            f"model {model_id!r} cannot be split into {ranks} ranks ({how}); at most {model.max_ranks()}"
-            + ("" if model.pipeline else ", and the rank count must divide the heads"),
-        )
+    if (too_many := _too_many_ranks(model_id, ranks, model, len(nodes), limits)) is not None:
+        return _refuse(Refusal.TOO_MANY_RANKS, too_many)
     live = _reserving(view)
     same_model = sum(1 for inst in view.instances.values() if _placed(inst) and inst.model_id == model_id)
     if same_model >= limits.instances_per_model:
@@ -249,6 +227,50 @@ def place_again(
     rooms, _ = _rooms(others, nodes, limits, facts, cached or {})
     placement = place(inst.model_id, inst.world_size, _rank_bytes(known, inst.world_size, limits), rooms)
     return None if isinstance(placement, NoFit) else placement
+
+
+def _too_many_ranks(model_id: str, ranks: int, model: ModelFacts | None, nodes: int, limits: Limits) -> str | None:
+    """Why ``ranks`` could never run, naming every bound they exceed, the tightest first (None: none does).
+
+    One bound: its own message and remedy. Several: one message naming them all and the most ranks all of
+    them allow, since naming one that does not bind (``ranks_per_instance = 3`` for a model of 2 layers)
+    would send the user to raise a limit that cannot help."""
+    runners = limits.runners_per_node * nodes  # however empty the nodes, no more ranks than this run
+    exceeded: list[tuple[int, str, str | None]] = []  # (the most it allows, what it is, the setting raising it)
+    if model is not None and not model.splits_into(ranks):
+        exceeded.append((model.max_ranks(), _split(model_id, model), None))
+    if ranks > runners:
+        what = f"the {runners} runners {nodes} node(s) may run (runners_per_node = {limits.runners_per_node})"
+        exceeded.append((runners, what, "runners_per_node"))
+    if ranks > limits.ranks_per_instance:
+        what = f"ranks_per_instance = {limits.ranks_per_instance}"
+        exceeded.append((limits.ranks_per_instance, what, "ranks_per_instance"))
+    exceeded.sort(key=lambda bound: bound[0])  # stable: the model first among equals
+    if not exceeded:
+        return None
+    settings = [setting for _, _, setting in exceeded]
+    if settings == [None] and model is not None:  # the model alone
+        tensor = "" if model.pipeline else ", and the rank count must divide the heads"
+        split = f"model {model_id!r} cannot be split into {ranks} ranks ({_parts(model)})"
+        return f"{split}; at most {model.max_ranks()}{tensor}"
+    if len(exceeded) == 1:
+        return f"{ranks} ranks is more than {exceeded[0][1]}; ask for fewer, or raise [limits] {settings[0]}"
+    cap = exceeded[0][0] if model is None else min(exceeded[0][0], model.max_ranks())
+    most = next(n for n in range(cap, 0, -1) if model is None or model.splits_into(n))
+    raise_them = "" if None in settings else f", or raise [limits] {' and '.join(map(str, settings))}"
+    *first, last = [what for _, what, _ in exceeded]
+    return f"{ranks} ranks is more than {', '.join(first)} and {last} allow; ask for at most {most}{raise_them}"
+
+
+def _parts(model: ModelFacts) -> str:
+    """What a model is split by: its layers (a pipeline), or its heads (tensor parallelism)."""
+    if model.pipeline:
+        return f"its {model.layers} layers"
+    return f"its {model.attention_heads} attention heads and {model.kv_heads} key/value heads"
+
+
+def _split(model_id: str, model: ModelFacts) -> str:
+    return f"model {model_id!r} ({_parts(model)}{'' if model.pipeline else ', which the rank count must divide'})"
 
 
 def _placed(inst: InstanceView) -> bool:

@@ -67,8 +67,12 @@ def test_a_flood_of_placements_is_held_to_the_limits_and_a_restart_multiplies_no
         errors = {k: r.json()["error"] for k, r in refused.items()}
         assert errors["unknown"]["code"] == "unknown_model" and "offline" in errors["unknown"]["message"]
         assert "its 2 layers" in errors["too many ranks for the model"]["message"]
-        # the limit that binds is named: 3 runners on this one node, not ranks_per_instance = 4 (issue #25)
-        assert "runners_per_node = 3" in errors["too many ranks for the limit"]["message"]
+        # every bound exceeded is named, the tightest first: the layers, then 3 runners on this one node (issue
+        # #25), then ranks_per_instance = 4 (issue #45)
+        assert errors["too many ranks for the limit"]["message"] == (
+            "64 ranks is more than model 'exod/tiny-qwen2' (its 2 layers), the 3 runners 1 node(s) may run "
+            "(runners_per_node = 3) and ranks_per_instance = 4 allow; ask for at most 2"
+        )
         assert "mac-z not among the live nodes (local)" in errors["pinned to no such node"]["message"]
         assert transitions(tmp_path) == before  # nothing stored on a refusal
         assert httpx.get(f"{url}/instances", timeout=10).json()["instances"] == []
@@ -102,6 +106,38 @@ def test_a_flood_of_placements_is_held_to_the_limits_and_a_restart_multiplies_no
         f"30 placements of 1 rank: {codes.count(201)} admitted, {codes.count(409)} refused 409 (instances_per_model "
         "= 2); an unknown model 404, 3 ranks of a 2-layer model and 64 ranks 422, nothing stored for them; "
         f"at most 2 runner processes; after a restart {len(restored)} instances, {runners} runners",
+    )
+
+
+def test_the_422_for_too_many_ranks_names_the_limit_that_binds(tmp_path, env):
+    """Issue #45: 5 ranks of a 2-layer model under ranks_per_instance = 3 named ranks_per_instance alone, while
+    the layers bind: raising it could never help. Now the layers are named first, with what can be asked for."""
+    (tmp_path / "exod.toml").write_text(
+        CONFIG.replace("runners_per_node = 3", "runners_per_node = 8").replace(
+            "ranks_per_instance = 4", "ranks_per_instance = 3"
+        )
+    )
+    daemon, url = start_daemon(tmp_path, env)
+    try:
+        before = transitions(tmp_path)
+        answers = {ranks: place(url, "exod/tiny-qwen2", ranks) for ranks in (5, 3)}
+        assert transitions(tmp_path) == before and httpx.get(f"{url}/instances", timeout=10).json()["instances"] == []
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=60) == 0
+    errors = {ranks: r.json()["error"] for ranks, r in answers.items()}
+    assert {ranks: r.status_code for ranks, r in answers.items()} == {5: 422, 3: 422}
+    assert errors[5]["code"] == "too_many_ranks" and errors[5]["param"] == "ranks"
+    assert errors[5]["message"] == (  # both exceeded: the layers bind, and no setting to raise is suggested
+        "5 ranks is more than model 'exod/tiny-qwen2' (its 2 layers) and ranks_per_instance = 3 allow; "
+        "ask for at most 2"
+    )
+    assert errors[3]["message"] == "model 'exod/tiny-qwen2' cannot be split into 3 ranks (its 2 layers); at most 2"
+    assert "ranks_per_instance" not in errors[3]["message"]  # 3 is within it: the layers alone bind
+    attack(
+        "ranks beyond the layers",
+        f"ranks = 5 on a 2-layer model under ranks_per_instance = 3: 422 {errors[5]['message']!r}; ranks = 3 (within "
+        f"the limit): {errors[3]['message']!r}; nothing stored",
     )
 
 
