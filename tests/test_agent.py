@@ -15,9 +15,10 @@ import trio
 import trio.testing
 
 from daemon_harness import config
-from exod.cluster.agent import Agent, Refused, SpawnRequest
+from exod.cluster import agent as agent_module
+from exod.cluster.agent import NOT_OBEYED, Agent, Refused, SpawnRequest
 from exod.cluster.election import election_key
-from exod.cluster.etcd import EtcdUnavailable, KeyValue
+from exod.cluster.etcd import Compare, EtcdUnavailable, KeyValue, Put, TxnResult
 from exod.cluster.nodes import FENCE_MARGIN, NodeRecord, runner_key
 from exod.host.supervisor import Listener, RunnerSpec, Timeouts
 from exod.runner import protocol as p
@@ -35,9 +36,11 @@ class FakeEtcd:
 
     def __init__(self) -> None:
         self.keys: dict[bytes, int] = {}  # key → lease
+        self.revisions: dict[bytes, int] = {}  # key → its mod revision
+        self.revision = 1  # the store's
         self.term: int | None = TERM
         self.down = False
-        self.slow: trio.Event | None = None  # set: a put waits for it (a claim in flight)
+        self.slow: trio.Event | None = None  # set: a claim waits for it (in flight)
 
     async def get(self, key: bytes) -> KeyValue | None:
         self._answer()
@@ -48,19 +51,43 @@ class FakeEtcd:
         self._answer()
         if self.slow is not None:
             await self.slow.wait()
-        self.keys[key] = lease
-        return 1
+        self.revision += 1
+        self.keys[key], self.revisions[key] = lease, self.revision
+        return self.revision
+
+    async def txn(self, compare: list[Compare], success: list[Put], failure: list[Put] = ()) -> TxnResult:
+        """What a claim asks (`Agent._claim`): the election key's create revision, and no runner key written
+        since a revision; then puts."""
+        self._answer()
+        if self.slow is not None:
+            await self.slow.wait()
+        for c in compare:
+            if c.key == election_key(PREFIX):
+                assert (c.target, c.result) == ("CREATE", "EQUAL")
+                if (self.term or 0) != c.value:
+                    return TxnResult(False, self.revision)
+            else:
+                assert (c.target, c.result, c.range_end) == ("MOD", "LESS", PREFIX + b"runners0")
+                if any(c.key <= k < c.range_end and r >= c.value for k, r in self.revisions.items()):
+                    return TxnResult(False, self.revision)
+        for op in success:
+            await self.put(op.key, op.value, lease=op.lease)
+        return TxnResult(True, self.revision)
 
     async def delete(self, key: bytes, *, prefix: bool = False) -> int:
         self._answer()
         gone = [k for k in self.keys if k.startswith(key)] if prefix else [key] * (key in self.keys)
         for k in gone:
-            del self.keys[k]
+            del self.keys[k], self.revisions[k]
+        self.revision += bool(gone)
         return len(gone)
 
     async def get_prefix(self, prefix: bytes) -> tuple[list[KeyValue], int]:
-        """The cluster's live nodes, as their records: node-1 and node-2 (this one)."""
+        """The runner keys; or the cluster's live nodes, as their records: node-1 and node-2 (this one)."""
         self._answer()
+        if prefix == PREFIX + b"runners/":
+            kvs = [KeyValue(k, b"", self.revisions[k], self.revisions[k], 1, lease) for k, lease in self.keys.items()]
+            return sorted(kvs, key=lambda kv: kv.key), self.revision
         assert prefix == PREFIX + b"nodes/"
         records = [NodeRecord(f"node-{n}", f"127.0.0.{n}", "", 1 << 30, 1 << 30) for n in (1, 2)]
         return [KeyValue(prefix + r.node_id.encode(), r.to_json(), 1, 1, 1, 7) for r in records], 1
@@ -151,7 +178,9 @@ def with_agent(tmp_path, body, process_cls: type[FakeProcess] = FakeProcess, **o
             nursery.cancel_scope.cancel()
         store.close()
 
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    with pytest.MonkeyPatch.context() as patch:  # streams numbered 1, 2 …, not at random: `request` names them
+        patch.setattr(agent_module, "_new_stream", lambda previous: previous + 1)
+        trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 KEY = runner_key(PREFIX, "node-2", "i/0", 1)
@@ -214,7 +243,7 @@ def test_a_spawn_delayed_past_the_end_of_its_stream_is_refused_even_when_the_sam
     async def body(agent, etcd, presence, processes):
         stream = await agent.connect(TERM)  # the same term, a new stream
         hello = json.loads(await stream.__anext__())
-        with pytest.raises(Refused, match="report stream 1 is over") as refused:
+        with pytest.raises(Refused, match="not a command of the controller this node obeys now") as refused:
             await agent.spawn(TERM, request(stream=1))
         assert hello == {"kind": "hello", "stream": 2} and refused.value.status == 409
         assert processes == [] and KEY not in etcd.keys
@@ -420,7 +449,8 @@ def test_a_renewal_moves_the_fence_on(tmp_path):
 
 
 def test_an_older_term_never_takes_over_and_its_commands_are_refused_saying_why(tmp_path):
-    """The deposed controller reconnects after the new one did: refused, and the new one's runners run on."""
+    """The deposed controller reconnects after the new one did: refused, and the new one's runners run on. The
+    refusals say what to do, never the term obeyed (the log does)."""
 
     async def body(agent, etcd, presence, processes):
         await agent.spawn(TERM, request())
@@ -441,10 +471,10 @@ def test_an_older_term_never_takes_over_and_its_commands_are_refused_saying_why(
             refusals.append(refused.value)
         with pytest.raises(Refused) as stop_refused:
             agent.stop(TERM, "i/0", 2)
-        assert not_current.value.status == 409 and f"etcd has the controller of term {TERM}" in str(not_current.value)
         assert stopped_by_new_term  # the old term's runner: its controller is no longer obeyed
-        assert [r.status for r in refusals] == [409, 409] and stop_refused.value.status == 409
-        assert all(f"term {TERM} is over" in str(r) for r in [*refusals, stop_refused.value])
+        every = [not_current.value, *refusals, stop_refused.value]
+        assert [r.status for r in every] == [409] * 4
+        assert all(r.detail == NOT_OBEYED and str(TERM) not in r.detail for r in every)  # nothing to forge with
         assert len(processes) == 2 and not processes[1].stopped and not processes[1].killed  # the new one's runs
 
     with_agent(tmp_path, body)
@@ -454,7 +484,7 @@ def test_a_command_without_an_open_stream_of_its_term_is_refused(tmp_path):
     async def body(agent, etcd, presence, processes):
         with pytest.raises(Refused) as refused:
             await agent.spawn(TERM + 1, request())
-        assert refused.value.status == 409 and "open GET /agent/reports" in str(refused.value) and processes == []
+        assert refused.value.status == 409 and "GET /agent/reports" in refused.value.detail and processes == []
 
     with_agent(tmp_path, body)
 
@@ -544,6 +574,9 @@ def test_files_of_a_model_that_go_missing_while_it_loads_are_the_hosts_failure_n
         runner.listener.on_report(spec, p.Failed("i/0", 1, "ValueError", "bad config", "", retryable=False))
         assert (await next_report(stream))["host"] is False  # not a missing file: the model's
         shutil.rmtree(tmp_path / "hf" / "hub")  # the whole model gone from the cache (a cleanup)
+        agent.stop(TERM, "i/0", 1)  # its next generation starts once this one's key is gone
+        while any(etcd.keys):
+            await trio.sleep(0.1)
         await agent.spawn(TERM, request(incarnation=2, stream=2))
         agent.post(TERM, "i/0", 2, load)
         report = await next_report(stream)

@@ -12,9 +12,18 @@ A second stream (a new controller) ends the first one's runners too.
 
 Commands carry the term (DESIGN §5): every request and stream of a controller names its term, the create
 revision of the election key it won. The agent opens a stream only for the term etcd holds now, never lets
-an older term replace a newer one, and refuses a command of any other term than its stream's, saying why;
-once etcd shows the key gone or newer, the stream's runners stop. So a deposed controller that still
-believes it leads can neither start runners nor stop the new controller's.
+an older term replace a newer one, and refuses a command of any other term than its stream's; once etcd
+shows the key gone or newer, the stream's runners stop. So a deposed controller that still believes it
+leads can neither start runners nor stop the new controller's. A refusal says what to do but never the
+term or the stream this node obeys (its log does): they are what a forged command would need. The stream's
+number, which each spawn names, is drawn at random, so no one guesses it either.
+
+The generation rule, enforced here too (`exod.cluster.nodes.earlier_generations`, the rule the controller
+waits on): a spawn is refused while etcd holds a runner key of an earlier generation of its instance, or
+of a later one (or its own rank's), and a generation older than one this node has run or seen is refused
+outright. The check and the claim are one etcd transaction, which also compares the election key with the
+spawn's term as etcd holds it then: a command replayed, delayed or forged, with the cluster's token and
+the right term and stream, still never starts a generation beside another.
 
 Fencing (DESIGN §5): each runner is claimed in etcd (`exod.cluster.nodes.runner_key`, on the node's lease) before
 it is spawned, and released once it is reaped. A node that cannot renew its lease kills its runners before
@@ -28,6 +37,7 @@ import contextlib
 import json
 import logging
 import math
+import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any, Protocol
@@ -39,8 +49,19 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from exod.cluster.election import TERM_HEADER, election_key
-from exod.cluster.etcd import EtcdError
-from exod.cluster.nodes import Presence, list_nodes, runner_key, runners_prefix
+from exod.cluster.etcd import Compare, EtcdError, Put, unchanged_since
+from exod.cluster.nodes import (
+    Alive,
+    Presence,
+    all_runners_prefix,
+    described,
+    earlier_generations,
+    list_nodes,
+    read_runners,
+    runner_key,
+    runners_prefix,
+    superseding,
+)
 from exod.host import ring
 from exod.host.models import InvalidModelId, ModelFiles, validate_model_id
 from exod.host.orphans import start_ticks
@@ -57,6 +78,14 @@ log = logging.getLogger("exod.agent")
 
 AGENT_PATHS = "/agent/"  # where the controller reaches this node's agent
 BEAT_S = 1.0  # an idle report stream says it is alive this often (`exod.cluster.remote.SILENCE_S` is the limit)
+CLAIM_WITHIN_S = 5.0  # a claim that other nodes' claims keep overtaking (each changes the keys it compares) gives up
+# Every refusal of a command for its term or stream says this, whichever did not match: an answer that told
+# them apart (an older term, a newer one, another stream) would let a caller with the token find both out.
+NOT_OBEYED = (
+    "not a command of the controller this node obeys now (its term and report stream, as etcd and this node "
+    "hold them): not carried out. A controller opens GET /agent/reports with its term first; this node's log "
+    "says what did not match"
+)
 
 
 class Refused(HTTPException):
@@ -151,8 +180,9 @@ class Agent:
         self._loading: dict[tuple[str, int], str] = {}  # the model each runner was told to load
         self._scopes: dict[tuple[str, int], trio.CancelScope] = {}  # cancelling one kills its runner at once
         self._stream: trio.MemorySendChannel[bytes] | None = None
-        self._session = 0  # the stream's number: runners belong to the stream open when they were spawned
+        self._session = 0  # the stream's number, drawn at random: runners belong to the stream open at their spawn
         self._term = 0  # the newest controller's term this agent obeyed: no older one takes over again
+        self._newest: dict[str, int] = {}  # instance → the newest generation of it run or seen here: none older runs
         self._nursery: trio.Nursery | None = None
         self._generations = retention.Generations(config.state_dir, config.retention)  # their files, bounded
         self._presence: Presence | None = None  # in a cluster: the node's lease, which the runners' keys are on
@@ -236,8 +266,9 @@ class Agent:
         self._check_term(term)
         key = (request.runner_id, request.incarnation)
         self._check_spawn(key, request.stream)
+        self._check_newest(request)
         await self._check_ring(request.ring)
-        await self._claim(key)  # in etcd first: no process runs that the controller could not know of
+        await self._claim(key, term, request)  # in etcd first: no process runs that the controller could not know of
         try:
             self._check_spawn(key, request.stream)  # again: its stream may have ended, or a stop come, meanwhile
             try:
@@ -293,18 +324,20 @@ class Agent:
 
     def _check_term(self, term: int) -> None:
         """A command is obeyed only from the controller whose stream is open here, by its term."""
-        if term < self._term:
-            raise Refused(409, f"term {term} is over: this node obeys the controller of term {self._term}")
-        if term > self._term or self._stream is None:
-            raise Refused(409, f"no stream of term {term} is open here: open GET /agent/reports with it first")
+        if term != self._term or self._stream is None:
+            why = "no stream is open" if self._stream is None else f"this node obeys term {self._term}"
+            log.warning("refused a command of term %d: %s", term, why)
+            raise Refused(409, NOT_OBEYED)
 
     def _check_spawn(self, key: tuple[str, int], stream: int) -> None:
         """A spawn belongs to the stream it names, open now: one that was delayed past its stream's end (its
         controller stepped down, even to take the same term back) would run a runner no controller knows."""
         if self._stream is None or self._nursery is None:
-            raise Refused(409, "no controller is connected to this agent: open GET /agent/reports first")
+            log.warning("refused the spawn of %s/%d: no report stream is open", *key)
+            raise Refused(409, NOT_OBEYED)
         if stream != self._session:
-            raise Refused(409, f"report stream {stream} is over (stream {self._session} is open): not started")
+            log.warning("refused the spawn of %s/%d: its report stream is over (another one is open)", *key)
+            raise Refused(409, NOT_OBEYED)
         if key in self._running:
             raise Refused(409, f"runner {key[0]}/{key[1]} already runs here")
         if key in self._stopped:
@@ -314,18 +347,65 @@ class Agent:
         assert self._presence is not None
         return runner_key(self._presence.prefix, self._presence.record.node_id, *key)
 
-    async def _claim(self, key: tuple[str, int]) -> None:
-        """Write the runner's key on the node's lease; refused (503) while etcd cannot be reached or the lease
-        is not surely alive: a runner spawned then could outlive the lease unknown to the controller."""
+    def _check_newest(self, request: SpawnRequest) -> None:
+        """No generation older than one this node has run or seen in etcd: a command of the past, replayed."""
+        newest = self._newest.get(request.instance_id, 0)
+        if request.incarnation < newest:
+            raise Refused(
+                409,
+                f"generation {request.incarnation} of instance {request.instance_id} is older than generation "
+                f"{newest}, which this node has run or seen: a stale command, not started",
+            )
+
+    def _check_generation(self, request: SpawnRequest, alive: Alive) -> None:
+        """The generation rule, on the runner keys as etcd holds them (`exod.cluster.nodes`): no earlier
+        generation of the instance left, no later one (nor this rank of this one) already there."""
+        iid, generation = request.instance_id, request.incarnation
+        if earlier := earlier_generations(alive, iid, generation):
+            raise Refused(
+                409,
+                f"an earlier generation of instance {iid} still holds runner keys in etcd ({described(earlier)}): "
+                f"generation {generation} may start only once they are gone; not started",
+            )
+        if later := superseding(alive, request.runner_id, generation):
+            self._newest[iid] = max(self._newest.get(iid, 0), *(incarnation for _, _, incarnation in later))
+            raise Refused(
+                409,
+                f"runner {request.runner_id}/{generation} is stale or runs already: etcd holds {described(later)}; "
+                "not started",
+            )
+
+    async def _claim(self, key: tuple[str, int], term: int, request: SpawnRequest) -> None:
+        """Write the runner's key on the node's lease, in one transaction with the checks it rests on: the
+        election key is still ``term``'s (etcd's now, not this node's view of it), and no runner key changed
+        since they were read and found to keep the generation rule (`_check_generation`). Refused (503) while
+        etcd cannot be reached or the lease is not surely alive: a runner spawned then could outlive the lease
+        unknown to the controller."""
         presence = self._presence
         if presence is None:
             return
         if trio.current_time() >= presence.authority_until:
             raise Refused(503, "this node cannot renew its lease in etcd: it runs nothing until it can")
-        try:
-            await presence.etcd.put(self._key_of(key), b"", lease=presence.lease)
-        except EtcdError as exc:
-            raise Refused(503, f"this node cannot claim the runner in etcd: {exc}") from exc
+        election, runners = election_key(presence.prefix), all_runners_prefix(presence.prefix)
+        give_up = trio.current_time() + CLAIM_WITHIN_S
+        while True:
+            try:
+                alive, revision = await read_runners(presence.etcd, presence.prefix)
+                self._check_generation(request, alive)
+                guard = [Compare(election, "CREATE", "EQUAL", term), unchanged_since(runners, revision)]
+                claim = Put(self._key_of(key), b"", presence.lease)
+                if (await presence.etcd.txn(guard, [claim])).succeeded:
+                    self._newest[request.instance_id] = max(self._newest.get(request.instance_id, 0), key[1])
+                    return
+                holder = await presence.etcd.get(election)
+            except EtcdError as exc:
+                raise Refused(503, f"this node cannot claim the runner in etcd: {exc}") from exc
+            if holder is None or holder.create_revision != term:
+                now = "no controller" if holder is None else f"term {holder.create_revision}"
+                log.warning("refused the spawn of %s/%d: its term %d is not etcd's (%s)", *key, term, now)
+                raise Refused(409, NOT_OBEYED)
+            if trio.current_time() >= give_up:  # every try overtaken by another node's claim
+                raise Refused(503, "the runners' keys in etcd changed at every try of this claim: try again")
 
     async def _release_keys(self) -> None:
         """Delete the keys of reaped runners (retried at every beat while etcd does not answer)."""
@@ -382,17 +462,20 @@ class Agent:
         """The controller of ``term`` opens its stream: every report of the runners it starts here, until it
         goes. Refused unless ``term`` is the cluster's term in etcd now and no newer one was obeyed here; a
         stream of the same term (its controller reconnected) replaces the one open."""
-        if term < self._term:
-            raise Refused(409, f"term {term} is over: this node obeys the controller of term {self._term}")
+        self._check_not_over(term)
         await self._check_current(term)
-        if term < self._term:  # a newer controller connected while etcd answered
-            raise Refused(409, f"term {term} is over: this node obeys the controller of term {self._term}")
+        self._check_not_over(term)  # a newer controller connected while etcd answered
         self._end_session("a new controller connected" if term > self._term else "its controller connected again")
         self._term = term
         send, receive = trio.open_memory_channel[bytes](math.inf)
-        self._session += 1
+        self._session = _new_stream(self._session)
         self._stream = send
         return self._reports(self._session, receive)
+
+    def _check_not_over(self, term: int) -> None:
+        if term < self._term:
+            log.warning("refused a report stream of term %d: this node obeys term %d", term, self._term)
+            raise Refused(409, NOT_OBEYED)
 
     async def _check_current(self, term: int) -> None:
         presence = self._presence
@@ -401,10 +484,11 @@ class Agent:
         try:
             holder = await presence.etcd.get(election_key(presence.prefix))
         except EtcdError as exc:
-            raise Refused(503, f"this node cannot check term {term} in etcd: {exc}") from exc
+            raise Refused(503, f"this node cannot read the controller's term in etcd: {exc}") from exc
         if holder is None or holder.create_revision != term:
-            now = "no controller" if holder is None else f"the controller of term {holder.create_revision}"
-            raise Refused(409, f"term {term} is not the cluster's term: etcd has {now}")
+            now = "no controller" if holder is None else f"term {holder.create_revision}"
+            log.warning("refused a report stream of term %d: etcd has %s", term, now)
+            raise Refused(409, NOT_OBEYED)
 
     async def _reports(self, session: int, receive: trio.MemoryReceiveChannel[bytes]) -> AsyncIterator[bytes]:
         try:
@@ -501,6 +585,13 @@ class _Forward:
         self.agent.book.forget(spec.runner_id, spec.incarnation)
         event = {"kind": "exit", **_key(spec), "exit_code": exit_code, "tail": stderr_tail, "stopped": stop_delivered}
         self.agent._send(self.session, event)
+
+
+def _new_stream(previous: int) -> int:
+    """A report stream's number: at random (JSON's safe integers), so that no one guesses the open one."""
+    while (stream := secrets.randbelow(2**53 - 1) + 1) == previous:
+        pass
+    return stream
 
 
 def _key(spec: RunnerSpec) -> dict[str, Any]:

@@ -62,18 +62,22 @@ class Event:
 
 @attrs.frozen
 class Compare:
-    """``key``'s ``target`` (value, version, create or mod revision, lease) compared with ``value``."""
+    """``key``'s ``target`` (value, version, create or mod revision, lease) compared with ``value``; with
+    ``range_end``, that of every key in [``key``, ``range_end``) (true of an empty range unless it compares a
+    value: etcd compares an absent key's numbers as 0)."""
 
     key: bytes
     target: str  # "VALUE" | "VERSION" | "CREATE" | "MOD" | "LEASE"
     result: str  # "EQUAL" | "NOT_EQUAL" | "GREATER" | "LESS"
     value: bytes | int
+    range_end: bytes | None = None
 
     def body(self) -> dict[str, Any]:
         field = {"VALUE": "value", "VERSION": "version", "CREATE": "create_revision", "MOD": "mod_revision"}
         field |= {"LEASE": "lease"}
         value = _b64(self.value) if self.target == "VALUE" else str(self.value)
-        return {"key": _b64(self.key), "target": self.target, "result": self.result, field[self.target]: value}
+        body = {"key": _b64(self.key), "target": self.target, "result": self.result, field[self.target]: value}
+        return body | ({} if self.range_end is None else {"range_end": _b64(self.range_end)})
 
 
 @attrs.frozen
@@ -114,6 +118,12 @@ def version_is(key: bytes, version: int) -> Compare:
 
 def value_is(key: bytes, value: bytes) -> Compare:
     return Compare(key, "VALUE", "EQUAL", value)
+
+
+def unchanged_since(prefix: bytes, revision: int) -> Compare:
+    """No key under ``prefix`` was written after ``revision`` (a key deleted since is not seen: a read at
+    ``revision`` and a transaction with this comparison see the same keys, or fewer)."""
+    return Compare(prefix, "MOD", "LESS", revision + 1, range_end=_prefix_end(prefix))
 
 
 # -- the client ----------------------------------------------------------------------------------------

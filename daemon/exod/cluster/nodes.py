@@ -102,15 +102,26 @@ def runner_key(prefix: bytes, node_id: str, runner_id: str, incarnation: int) ->
     return runners_prefix(prefix, node_id) + f"{runner_id}/{incarnation}".encode()
 
 
-async def live_runners(
-    etcd: Etcd, prefix: bytes, malformed: Counter[str] | None = None
-) -> dict[str, set[tuple[str, int]]]:
+def all_runners_prefix(prefix: bytes) -> bytes:
+    """Every node's runner keys are under it."""
+    return prefix + b"runners/"
+
+
+Alive = dict[str, set[tuple[str, int]]]  # node id → (runner id, incarnation) of each runner key it holds
+
+
+async def live_runners(etcd: Etcd, prefix: bytes, malformed: Counter[str] | None = None) -> Alive:
     """The runner processes that may be alive on each node: those its agent holds a key for. A node that is
     gone is not listed (its keys went with its lease, after it fenced itself), so the controller never
     starts a new generation beside an old one that may still run (DESIGN §5, fencing). A key that is not
     one a node writes is skipped, said, and counted in ``malformed`` (as ``runner``)."""
-    kvs, _ = await etcd.get_prefix(prefix + b"runners/")
-    alive: dict[str, set[tuple[str, int]]] = {}
+    return (await read_runners(etcd, prefix, malformed))[0]
+
+
+async def read_runners(etcd: Etcd, prefix: bytes, malformed: Counter[str] | None = None) -> tuple[Alive, int]:
+    """`live_runners`, and the revision etcd read them at (what a claim compares against: `agent`)."""
+    kvs, revision = await etcd.get_prefix(all_runners_prefix(prefix))
+    alive: Alive = {}
     for kv in kvs:
         try:
             node_id, runner = kv.key[len(prefix) + len(b"runners/") :].decode().split("/", 1)
@@ -118,7 +129,54 @@ async def live_runners(
             alive.setdefault(node_id, set()).add((runner_id, int(incarnation)))
         except ValueError:  # not UTF-8, no '/', no number
             _skipped(malformed, "runner", kv.key, "not NODE/INSTANCE/RANK/INCARNATION")
-    return alive
+    return alive, revision
+
+
+# -- the generation rule: never two generations of an instance alive at once (DESIGN §5) ----------------
+#
+# One rule, read from the runner keys, applied in two places: the controller starts no rank of a generation
+# while a key of an earlier one is left (`exod.cluster.remote.Fleet.earlier_gone`), and an agent claims no
+# runner while one is, nor one that a later generation (or the same runner) has superseded
+# (`exod.cluster.agent`): a stale or replayed command cannot start what the controller would not. Instances
+# restart all their ranks together (fsm's one_for_all, the daemon's only strategy), so the rule is the
+# instance's, not each rank's.
+
+
+def instance_of(runner_id: str) -> str:
+    """The instance a runner belongs to: its id is INSTANCE/RANK."""
+    return runner_id.rsplit("/", 1)[0]
+
+
+Key = tuple[str, str, int]  # a runner key: (node id, runner id, incarnation)
+
+
+def earlier_generations(alive: Alive, instance_id: str, generation: int) -> list[Key]:
+    """Every key of an earlier generation of ``instance_id`` than ``generation``: while one is left, no rank of
+    ``generation`` may run."""
+    return sorted(
+        (node, runner_id, incarnation)
+        for node, keys in alive.items()
+        for runner_id, incarnation in keys
+        if instance_of(runner_id) == instance_id and incarnation < generation
+    )
+
+
+def superseding(alive: Alive, runner_id: str, generation: int) -> list[Key]:
+    """Every key that makes a claim of ``runner_id`` in ``generation`` stale or a duplicate: a later generation
+    of its instance, or the same rank of this one."""
+    instance_id = instance_of(runner_id)
+    return sorted(
+        (node, other, incarnation)
+        for node, keys in alive.items()
+        for other, incarnation in keys
+        if instance_of(other) == instance_id
+        and (incarnation > generation or (incarnation == generation and other == runner_id))
+    )
+
+
+def described(keys: list[Key]) -> str:
+    """The keys as an operator looks for them in etcd: RUNNER/INCARNATION on NODE, comma-separated."""
+    return ", ".join(f"{runner_id}/{incarnation} on {node}" for node, runner_id, incarnation in keys)
 
 
 async def list_nodes(etcd: Etcd, prefix: bytes, malformed: Counter[str] | None = None) -> list[NodeStatus]:
