@@ -214,7 +214,7 @@ def _fleet(membership: Membership, config: ServeConfig) -> Fleet:
     def term() -> int | None:
         return None if membership.term is None else membership.term.revision
 
-    return Fleet(membership.node_id, records, runners, membership.config.token, term)
+    return Fleet(membership.node_id, records, runners, membership.config.token, term, tls=membership.config.tls)
 
 
 def _agent(config: ServeConfig, store: Store, models: ModelFiles) -> Agent:

@@ -70,7 +70,7 @@ class Follower:
         self, app: ASGIApp, membership: Membership, controller: Controller, api_key: str | None = None
     ) -> None:
         self.app, self.membership, self.controller, self.api_key = app, membership, controller, api_key
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=None, write=None))
+        self._client = membership.peer_client(httpx.Timeout(CONNECT_TIMEOUT_S, read=None, write=None))  # TLS if set
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or answered_here(scope) or controlling(self.membership, self.controller):
@@ -112,7 +112,7 @@ class Follower:
             if not message.get("more_body", False):
                 break
         query = scope.get("query_string", b"").decode()
-        target = f"{url}{scope['path']}" + (f"?{query}" if query else "")
+        target = f"{self.membership.peer_url(url)}{scope['path']}" + (f"?{query}" if query else "")
         dropped = HOP_BY_HOP | CREDENTIALS | {b"content-length"}
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in dropped]
         headers.append((FORWARDED, self.membership.node_id.encode()))

@@ -26,11 +26,14 @@ Theory of operation: a connection passes four gates, each with one limit.
 A client can still trickle its body a byte at a time for ``read_timeout``: the limits bound what it holds
 and for how long, not that it is served before others.
 
-Plain HTTP only (exod offers no TLS). A connection's first bytes say its protocol: HTTP/2's preface (a client
-with prior knowledge) goes to hypercorn's per-connection `TCPServer`, anything else is HTTP/1.1, served by
-`exod.api.http11` (a third of a short request's cost was hypercorn's, #30; an ``Upgrade: h2c`` is not taken).
-Of hypercorn's ``worker_serve`` this keeps the lifespan, and serves the connections with
-`trio.serve_listeners` over limited listeners.
+A connection's first bytes say its protocol: HTTP/2's preface (a client with prior knowledge) goes to
+hypercorn's per-connection `TCPServer`, anything else is HTTP/1.1, served by `exod.api.http11` (a third of a
+short request's cost was hypercorn's, #30; an ``Upgrade: h2c`` is not taken). Of hypercorn's ``worker_serve``
+this keeps the lifespan, and serves the connections with `trio.serve_listeners` over limited listeners.
+
+Plain HTTP, and in a cluster with node-to-node TLS (`exod.cluster.tls`) TLS as well, on the same port: a
+connection that opens with a TLS handshake record is served over TLS with the node's certificate, then as
+above. Such a cluster's credential is taken only from a peer whose certificate its CA signed (`_NodeGate`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import errno
 import logging
 import math
 import socket
+import ssl
 from functools import partial
 from typing import Any
 
@@ -54,6 +58,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from exod.api.errors import ApiError
 from exod.api.http11 import Http11, send_whole
+from exod.cluster.agent import AGENT_PATHS
+from exod.cluster.token import HEADER
 from exod.config import ServeConfig
 
 log = logging.getLogger("exod.http")
@@ -162,6 +168,89 @@ class _Replayed(trio.abc.HalfCloseableStream):
 
     async def aclose(self) -> None:
         await self.stream.aclose()
+
+
+TLS_HANDSHAKE = 0x16  # the first byte of a TLS connection: a handshake record (RFC 8446 §5.1)
+_TOKEN_HEADER = HEADER.lower().encode()
+
+
+class _Secured(trio.abc.HalfCloseableStream):
+    """A connection served over TLS, as `Http11` and hypercorn read a plain one (its ``socket``); ``peer`` is
+    the subject of the certificate the client showed, which the CA signed (None: it showed none)."""
+
+    def __init__(self, stream: trio.SSLStream[_Replayed], socket: Any) -> None:
+        self.tls, self.socket = stream, socket
+        certificate = stream.getpeercert()
+        self.peer = None if not certificate else str(certificate.get("subject") or certificate.get("subjectAltName"))
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        return await self.tls.receive_some(max_bytes)
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.tls.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.tls.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:  # TLS 1.2 has no half-close: `aclose` says close_notify
+        await trio.lowlevel.checkpoint()
+
+    async def aclose(self) -> None:
+        await self.tls.aclose()
+
+
+async def _handshake(
+    stream: trio.SocketStream, opening: bytes, context: ssl.SSLContext, within: float
+) -> _Secured | None:
+    """The TLS handshake of a connection that opened with ``opening``; None if it failed (a certificate of another
+    CA, said in the log: a node misconfigured is found there) or took over ``within``. The client is hung up on."""
+    tls = trio.SSLStream(_Replayed(stream, opening), context, server_side=True)
+    with trio.move_on_after(within):
+        try:
+            await tls.do_handshake()
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            peer = _address(stream)
+            log.info("TLS handshake refused from %s: %s", peer, exc.__cause__ or exc or "the client hung up")
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(stream)
+            return None
+        return _Secured(tls, stream.socket)
+    with trio.CancelScope(shield=True):
+        await trio.aclose_forcefully(stream)
+    return None
+
+
+def _address(stream: trio.SocketStream) -> str:
+    try:
+        return repr_socket_addr(stream.socket.family, stream.socket.getpeername())
+    except OSError:
+        return "a client that hung up"
+
+
+class _NodeGate:
+    """ASGI middleware of one connection of a cluster with node-to-node TLS: the cluster's token, and the agents'
+    endpoints, are taken only from a peer whose certificate the CA signed (``peer``); anything else is
+    answered as it would be without. A token seen on plain HTTP has crossed the network in the clear: refused,
+    so that a node misconfigured to send it so is said at once, not served."""
+
+    def __init__(self, app: ASGIApp, peer: str | None, scheme: str) -> None:
+        self.app, self.peer, self.scheme = app, peer, scheme
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope["scheme"] = self.scheme
+        if self.peer is None and (
+            scope["path"].startswith(AGENT_PATHS) or any(k.lower() == _TOKEN_HEADER for k, _ in scope["headers"])
+        ):
+            message = (
+                "this cluster's nodes talk over TLS only: a node's request needs https:// and a certificate of "
+                "the cluster's CA ([cluster] tls_cert, tls_key, tls_ca)"
+            )
+            await ApiError(403, message, code="node_certificate_required").response(scope["path"])(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 class _Connection(TCPServer):
@@ -278,15 +367,27 @@ async def serve_http(
     lifespan = Lifespan(wrapped, hc, lifespan_state)
     context = WorkerContext(None)
     slots = trio.Semaphore(config.max_connections, max_value=config.max_connections)
+    tls = None if config.cluster is None or config.cluster.tls is None else config.cluster.tls.server_context()
 
     async def connection(stream: trio.SocketStream) -> None:
         try:
             opened = trio.current_time()
             opening = await _opening(stream, config.keep_alive_timeout)
+            served: ASGIApp = limited
+            if tls is not None:  # a cluster's node: TLS or plain HTTP, and a gate for the cluster's credential
+                peer, scheme = None, "http"
+                if opening[:1] == bytes([TLS_HANDSHAKE]):
+                    left = opened + config.keep_alive_timeout - trio.current_time()
+                    secured = await _handshake(stream, opening, tls, left)
+                    if secured is None:
+                        return
+                    left = opened + config.keep_alive_timeout - trio.current_time()
+                    stream, opening, peer, scheme = secured, await _opening(secured, left), secured.peer, "https"
+                served = _NodeGate(limited, peer, scheme)
             if not opening.startswith(H2_PREFACE):
                 try:  # a bug of ours on one connection must not end the server's other ones
                     http11 = Http11(
-                        limited,
+                        served,
                         stream,
                         keep_alive_timeout=config.keep_alive_timeout,
                         send_timeout=config.send_timeout,
@@ -297,7 +398,8 @@ async def serve_http(
                     log.exception("HTTP/1.1 connection failed")
                 return
             replayed = _Replayed(stream, opening)
-            h2 = _Connection(wrapped, hc, context, ConnectionState(lifespan_state.copy()), replayed)
+            app_of_connection = wrapped if served is limited else wrap_app(served, hc.wsgi_max_body_size, "asgi")
+            h2 = _Connection(app_of_connection, hc, context, ConnectionState(lifespan_state.copy()), replayed)
             h2.send_timeout = config.send_timeout
             await h2
         finally:

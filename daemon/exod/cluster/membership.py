@@ -15,11 +15,13 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+import httpx
 import trio
 
 from exod.cluster.election import Term, election_key, leader, wait_for_term
 from exod.cluster.etcd import Etcd, EtcdError, EtcdSecurity, EtcdUnavailable, KeyValue
 from exod.cluster.nodes import DEFAULT_TTL, NodeRecord, Presence, list_nodes
+from exod.cluster.tls import NodeTls, peer_url, verify
 
 log = logging.getLogger("exod.membership")
 
@@ -37,6 +39,7 @@ class ClusterConfig:
     prefix: str = DEFAULT_PREFIX
     token: str = attrs.field(default="", repr=False)  # the cluster's credential (`exod.cluster.token`)
     etcd: EtcdSecurity = attrs.Factory(EtcdSecurity)  # how to reach a secured etcd (TLS, etcd's own user)
+    tls: NodeTls | None = None  # node-to-node HTTPS, both ends verified (`exod.cluster.tls`); None: plain HTTP
 
 
 class Membership:
@@ -80,6 +83,14 @@ class Membership:
     @property
     def node_id(self) -> str:
         return self.config.node_id
+
+    def peer_client(self, timeout: httpx.Timeout) -> httpx.AsyncClient:
+        """An HTTP client for requests to the other nodes: over TLS, verified both ways, where the cluster has it."""
+        return httpx.AsyncClient(timeout=timeout, verify=verify(self.config.tls))
+
+    def peer_url(self, url: str) -> str:
+        """Where this node reaches the API another node serves at ``url`` (`exod.cluster.tls.peer_url`)."""
+        return peer_url(url, self.config.tls)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:

@@ -28,7 +28,8 @@ import trio
 
 from exod.cluster.election import TERM_HEADER
 from exod.cluster.etcd import EtcdError
-from exod.cluster.nodes import NodeRecord
+from exod.cluster.nodes import Alive, NodeRecord, described, earlier_generations
+from exod.cluster.tls import NodeTls, peer_url, verify
 from exod.cluster.token import HEADER
 from exod.host.supervisor import Listener, RunnerSpec
 from exod.runner import protocol as p
@@ -46,10 +47,14 @@ class AgentUnavailable(Exception):
 
 class AgentClient:
     """One node's agent API (`exod.cluster.agent`), with the cluster's token (never a client's key), each
-    request naming the controller's term (`exod.cluster.election.TERM_HEADER`): the agent obeys no other."""
+    request naming the controller's term (`exod.cluster.election.TERM_HEADER`): the agent obeys no other.
+    Over TLS where the cluster has it (`exod.cluster.tls`): then no one on the network reads either."""
 
-    def __init__(self, node: NodeRecord, token: str, client: httpx.AsyncClient, term: int) -> None:
+    def __init__(
+        self, node: NodeRecord, token: str, client: httpx.AsyncClient, term: int, tls: NodeTls | None = None
+    ) -> None:
         self.node, self._client = node, client
+        self.url = peer_url(node.api_url, tls)
         self._headers = {TERM_HEADER: str(term), HEADER: token}
 
     async def ports(self, count: int) -> list[int]:
@@ -69,7 +74,7 @@ class AgentClient:
         await self._call("POST", f"/agent/models/{model_id}", timeout=None)
 
     async def reports(self) -> AsyncIterator[dict[str, Any]]:
-        url = f"{self.node.api_url}/agent/reports"
+        url = f"{self.url}/agent/reports"
         timeout = httpx.Timeout(10.0, read=SILENCE_S)  # the agent beats every second: silence is a lost node
         try:
             async with self._client.stream("GET", url, headers=self._headers, timeout=timeout) as response:
@@ -85,7 +90,7 @@ class AgentClient:
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         try:
-            response = await self._client.request(method, f"{self.node.api_url}{path}", headers=self._headers, **kwargs)
+            response = await self._client.request(method, f"{self.url}{path}", headers=self._headers, **kwargs)
         except httpx.HTTPError as exc:
             raise AgentUnavailable(f"node {self.node.node_id}: {type(exc).__name__}: {exc}") from exc
         if response.status_code >= 300:
@@ -274,16 +279,20 @@ class Fleet:
         self,
         local: str,
         records: Callable[[], Awaitable[list[NodeRecord]]],
-        runners: Callable[[], Awaitable[dict[str, set[tuple[str, int]]]]],
+        runners: Callable[[], Awaitable[Alive]],
         token: str,
         term: Callable[[], int | None],
+        *,
+        tls: NodeTls | None = None,
     ) -> None:
+        """``tls``: the cluster's node-to-node TLS (`exod.cluster.tls`); None: its nodes talk plain HTTP."""
         self.local, self._records, self._runners, self._token = local, records, runners, token
         self._term = term  # this node's term as the controller now; None: it is not, and commands nothing
         self.nodes: dict[str, NodeRecord] = {}
         self._links: dict[str, NodeLink] = {}
         self._unconfirmed: set[RemoteProcess] = set()
-        self._client = httpx.AsyncClient(timeout=30.0)
+        self._tls = tls
+        self._client = httpx.AsyncClient(timeout=30.0, verify=verify(tls))
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -348,23 +357,19 @@ class Fleet:
     async def earlier_gone(self, instance_id: str, generation: int) -> None:
         """Return once etcd holds no runner key of an earlier generation of ``instance_id``: whatever left it
         there (a runner its controller no longer knows of, an agent that has not released it yet), a rank of
-        ``generation`` never runs beside it (DESIGN §5; `fsm.fencing`'s controller waits for no key left)."""
+        ``generation`` never runs beside it (DESIGN §5; `fsm.fencing`'s controller waits for no key left). The
+        same rule as each agent's own (`exod.cluster.nodes.earlier_generations`), which refuses the spawn else."""
         said = None
         while True:
             try:
-                left = sorted(
-                    f"{runner_id}/{incarnation} on {node}"
-                    for node, keys in (await self._runners()).items()
-                    for runner_id, incarnation in keys
-                    if runner_id.rsplit("/", 1)[0] == instance_id and incarnation < generation
-                )
+                left = described(earlier_generations(await self._runners(), instance_id, generation))
             except EtcdError as exc:  # the membership fences this term if it lasts
-                left = [f"(etcd: {exc})"]
+                left = f"(etcd: {exc})"
             if not left:
                 return
             if left != said:
                 said = left
-                log.info("generation %d of %s waits for %s to end", generation, instance_id, ", ".join(left))
+                log.info("generation %d of %s waits for %s to end", generation, instance_id, left)
             await trio.sleep(EARLIER_POLL_S)
 
     def rooms(self) -> tuple[dict[str, int], dict[str, tuple[str, ...]]]:
@@ -382,7 +387,7 @@ class Fleet:
                 raise AgentUnavailable(f"node {node_id} is not a live node of the cluster")
             if (term := self._term()) is None:
                 raise AgentUnavailable(f"node {self.local} is not the controller: it commands no agent")
-            client = AgentClient(record, self._token, self._client, term)
+            client = AgentClient(record, self._token, self._client, term, self._tls)
             link = self._links[node_id] = NodeLink(client, self._unconfirmed)
             self._nursery.start_soon(link.run)
         return link

@@ -7,7 +7,9 @@ loopback. It is a file, as k3s's cluster token is: one secret to hand to every n
 alone. (Mutual TLS with a cluster CA would authenticate each node by its own certificate, but needs a CA,
 one certificate per node and their renewal; the threat it would add protection against — one node
 impersonating another — is already out of reach here, since whoever holds a node holds its etcd
-credentials, and who can write to etcd owns the cluster, as in Kubernetes.)
+credentials, and who can write to etcd owns the cluster, as in Kubernetes.) What the token cannot do alone
+is keep itself secret on a shared network: where the cluster has TLS between nodes (`exod.cluster.tls`),
+it is sent and taken only over TLS, between peers that verified each other's certificates.
 """
 
 from __future__ import annotations
