@@ -237,7 +237,7 @@ def test_a_keep_alive_is_read_as_ollama_reads_it(given, seconds):
     assert keep_alive(given) == seconds
 
 
-@pytest.mark.parametrize("given", ["soon", "5x", "", "m5", True, float("inf"), float("nan"), "1h-5m", [5]])
+@pytest.mark.parametrize("given", ["soon", "5x", "", "m5", True, float("-inf"), float("nan"), "1h-5m", [5], "5m5m"])
 def test_a_keep_alive_that_is_none_says_what_is_accepted(given):
     with pytest.raises(ValueError, match="seconds or a duration such as '5m'"):
         keep_alive(given)

@@ -11,13 +11,13 @@ from typing import Annotated, Any
 
 import attrs
 import platformdirs
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic_core import PydanticCustomError
 
 import fsm
 from exod.cluster.etcd import EtcdSecurity
 from exod.cluster.membership import DEFAULT_PREFIX, ClusterConfig
 from exod.cluster.nodes import DEFAULT_TTL
-from exod.cluster.tls import node_tls
 from exod.cluster.token import read_secret, read_token
 from exod.host.memory import model_room
 from exod.host.models import validate_model_id
@@ -74,15 +74,41 @@ class ConfigError(ValueError):
     """The configuration file is wrong; the message names the file, the key and what is expected."""
 
 
-_DURATION = re.compile(r"(?:(\d+(?:\.\d*)?|\.\d+)(h|ms|m|s))+")
-_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(h|ms|m|s)")
-_UNIT = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+@attrs.frozen
+class Ceiling:
+    """The longest a kind of duration may be: beyond it a value is a typo or an attack, and what the daemon
+    computes from it (a deadline, the date `/api/ps` writes) would overflow."""
+
+    seconds: float
+    words: str  # how the error says it: "1 day"
+
+    def check(self, name: str, seconds: float, given: object) -> float:
+        """``seconds`` if within the ceiling; ValueError naming ``name``, the ceiling and what was ``given``."""
+        if seconds > self.seconds:
+            raise ValueError(f"{name} must be at most {self}, got {given!r}")
+        return seconds
+
+    def __str__(self) -> str:
+        return f"{self.words} ({self.seconds:.0f} s)"
+
+
+# Every duration's ceiling, in one place (README, "Durations"): the file's, and a keep-alive per request too.
+_DAY = 86400.0
+WAIT = Ceiling(_DAY, "1 day")  # every watchdog, grace, timeout and retry delay: [timeouts], [retry], [limits]
+WINDOW = Ceiling(7 * _DAY, "7 days")  # [retry] reset_after: how long Ready before the retry budget refills
+KEEP_ALIVE = Ceiling(3650 * _DAY, "10 years")  # an instance kept loaded unused; longer: -1, forever
+LOG_AGE = Ceiling(3650 * _DAY, "10 years")  # [retention] max_log_age_days
+
+# Go's durations as Ollama reads them, each unit at most once and largest first ("1h30m", not "5m5m" nor "30m1h")
+_NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
+_DURATION = re.compile("".join(f"(?:{_NUMBER}{unit})?" for unit in ("h", "m", "s", "ms")))
+_UNIT = (3600.0, 60.0, 1.0, 0.001)
 
 
 def keep_alive(value: object) -> float | None:
     """A keep-alive as Ollama takes it: seconds (a number or its text), or a duration (``"5m"``, ``"1h30m"``,
-    ``"90s"``); negative keeps the model loaded forever (None), 0 parks it as soon as it is idle. ValueError
-    saying what is accepted otherwise."""
+    ``"90s"``); negative keeps the model loaded forever (None), 0 parks it as soon as it is idle. At most
+    `KEEP_ALIVE`. ValueError saying what is accepted otherwise."""
     if isinstance(value, bool):
         raise ValueError(f"keep_alive must be seconds or a duration such as '5m', got {value!r}")
     text = value.strip() if isinstance(value, str) else value
@@ -92,20 +118,20 @@ def keep_alive(value: object) -> float | None:
     seconds: float | None = None
     if isinstance(text, (int, float)):
         seconds = float(text)
-    elif isinstance(text, str) and _DURATION.fullmatch(text):
-        seconds = sum(float(n) * _UNIT[unit] for n, unit in _PART.findall(text))
+    elif isinstance(text, str) and text and (parts := _DURATION.fullmatch(text)):
+        seconds = sum(float(n) * unit for n, unit in zip(parts.groups(), _UNIT, strict=True) if n is not None)
     elif isinstance(text, str):
         try:
             seconds = float(text)
         except ValueError:
             seconds = None
-    if seconds is None or seconds != seconds or seconds in (float("inf"), float("-inf")):
+    if seconds is None or seconds != seconds or seconds * sign == float("-inf"):  # +inf: past the ceiling
         raise ValueError(
-            f"keep_alive must be seconds or a duration such as '5m', '1h30m' or '90s' (negative: forever), "
-            f"got {value!r}"
+            f"keep_alive must be seconds or a duration such as '5m', '1h30m' or '90s' (each unit at most once, "
+            f"largest first; negative: forever), got {value!r}"
         )
     seconds *= sign
-    return None if seconds < 0 else seconds
+    return None if seconds < 0 else KEEP_ALIVE.check("keep_alive", seconds, value)
 
 
 @attrs.frozen
@@ -167,7 +193,23 @@ def is_loopback(host: str) -> bool:
 # The file's schema, checked by pydantic: unknown sections and keys, and wrong types, are errors that name them
 # (strict: `offline = "no"` is not true, `host = 5` is not a host). What the values mean is checked after.
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # `inf` would switch a watchdog off
-Positive = Annotated[float, Field(gt=0)]
+
+
+def _at_most(most: float, said: str) -> AfterValidator:
+    """A ceiling on a number of the file, said in its error as ``said`` ("1 day (86400 s)")."""
+
+    def check(value: float) -> float:
+        if value > most:
+            raise PydanticCustomError("too_long", "must be at most {said}", {"said": said})
+        return value
+
+    return AfterValidator(check)
+
+
+Wait = Annotated[float, Field(gt=0), _at_most(WAIT.seconds, str(WAIT))]  # seconds
+Window = Annotated[float, Field(gt=0), _at_most(WINDOW.seconds, str(WINDOW))]
+_LOG_DAYS = LOG_AGE.seconds / _DAY
+Days = Annotated[float, Field(gt=0), _at_most(_LOG_DAYS, f"{LOG_AGE.words} ({_LOG_DAYS:.0f} days)")]
 Whole = Annotated[int, Field(ge=1)]
 
 
@@ -184,15 +226,15 @@ class _Daemon(BaseModel):
 class _Retry(BaseModel):
     model_config = _STRICT
 
-    initial: Positive = fsm.RetryPolicy().backoff.initial
-    factor: float = Field(fsm.RetryPolicy().backoff.factor, ge=1)
-    cap: Positive = fsm.RetryPolicy().backoff.cap
+    initial: Wait = fsm.RetryPolicy().backoff.initial
+    factor: float = Field(fsm.RetryPolicy().backoff.factor, ge=1, le=100)
+    cap: Wait = fsm.RetryPolicy().backoff.cap
     max_retries: Whole = fsm.RetryPolicy().max_retries
-    reset_after: Positive = fsm.RetryPolicy().reset_after
+    reset_after: Window = fsm.RetryPolicy().reset_after
 
 
-_Timeouts = create_model(  # one positive number per phase of `exod.host.supervisor.Timeouts`
-    "_Timeouts", __config__=_STRICT, **{f.name: (Positive, f.default) for f in attrs.fields(Timeouts)}
+_Timeouts = create_model(  # one number of seconds per phase of `exod.host.supervisor.Timeouts`, at most a day
+    "_Timeouts", __config__=_STRICT, **{f.name: (Wait, f.default) for f in attrs.fields(Timeouts)}
 )
 
 
@@ -227,9 +269,6 @@ class _Cluster(BaseModel):
     etcd_key: str | None = None
     etcd_user: str | None = None
     etcd_password_file: str | None = None
-    tls_cert: str | None = None  # node-to-node HTTPS (exod.cluster.tls): this node's certificate and key,
-    tls_key: str | None = None
-    tls_ca: str | None = None  # and the CA of every node's (etcd_ca when not given)
 
 
 class _Api(BaseModel):
@@ -257,7 +296,7 @@ class _Retention(BaseModel):
     model_config = _STRICT
 
     max_log_rows: Whole = Retention().max_log_rows
-    max_log_age_days: Positive = Retention().max_log_age_days  # a day and a half is fine
+    max_log_age_days: Days = Retention().max_log_age_days  # a day and a half is fine
     keep_runner_logs: Whole = Retention().keep_runner_logs
 
 
@@ -265,14 +304,14 @@ class _Limits(BaseModel):
     model_config = _STRICT
 
     max_requests_per_instance: Whole = 16
-    queue_timeout: Positive = 30.0
+    queue_timeout: Wait = 30.0
     max_tokens: Whole = 4096
     max_body_bytes: Whole = 1 << 20
-    read_timeout: Positive = 30.0
-    send_timeout: Positive = 30.0
-    keep_alive_timeout: Positive = 5.0
+    read_timeout: Wait = 30.0
+    send_timeout: Wait = 30.0
+    keep_alive_timeout: Wait = 5.0
     max_connections: Whole = 256
-    drain_timeout: Positive = 30.0
+    drain_timeout: Wait = 30.0
     runners_per_node: Whole | None = None  # None: from this host's memory
     ranks_per_instance: Whole | None = None
     instances_per_model: Whole = 8
@@ -356,7 +395,7 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
         models = Models(
             on_demand=file.models.on_demand if overrides.get("on_demand") is None else overrides["on_demand"],
             default_ranks=file.models.default_ranks,
-            keep_alive=keep_alive(file.models.keep_alive),
+            keep_alive=_keep_alive("[models]", file.models.keep_alive),
         )
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{where}: {exc}") from exc
@@ -433,7 +472,6 @@ def _cluster(section: _Cluster | None, where: str) -> ClusterConfig | None:
     if section is None:
         return None
     secured = {"token_file", "etcd_ca", "etcd_cert", "etcd_key", "etcd_user", "etcd_password_file"}
-    secured |= {"tls_cert", "tls_key", "tls_ca"}
     fields = section.model_dump(exclude=secured)
 
     def path(value: str | None) -> Path | None:
@@ -446,17 +484,23 @@ def _cluster(section: _Cluster | None, where: str) -> ClusterConfig | None:
         etcd = EtcdSecurity(
             path(section.etcd_ca), path(section.etcd_cert), path(section.etcd_key), section.etcd_user, password
         )
-        tls_ca = path(section.tls_ca) or path(section.etcd_ca)
-        tls = node_tls(tls_ca, path(section.tls_cert), path(section.tls_key), section.advertise)
-        return ClusterConfig(**fields, token=token, etcd=etcd, tls=tls)
+        return ClusterConfig(**fields, token=token, etcd=etcd)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: [cluster]: {exc}") from exc
+
+
+def _keep_alive(section: str, value: float | str) -> float | None:
+    """`keep_alive` of a section of the file, its error naming the section."""
+    try:
+        return keep_alive(value)
+    except ValueError as exc:
+        raise ValueError(f"{section} {exc}") from exc
 
 
 def _placement(entry: _Place) -> Placement:
     if (entry.model is None) == (entry.path is None):
         raise ValueError("each [[place]] needs exactly one of model = 'org/name' or path = '/a/model/dir'")
-    kept = DEFAULT if entry.keep_alive is None else keep_alive(entry.keep_alive)
+    kept = DEFAULT if entry.keep_alive is None else _keep_alive("[[place]]", entry.keep_alive)
     if entry.model is not None:
         return Placement(entry.ranks, model=validate_model_id(entry.model), keep_alive=kept)
     return Placement(entry.ranks, path=Path(entry.path).expanduser(), keep_alive=kept)  # type: ignore[arg-type]

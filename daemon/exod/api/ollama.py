@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
@@ -206,7 +207,7 @@ def _details(card: ModelCard) -> dict[str, Any]:
 
 
 def _listed(model_id: str, card: ModelCard) -> dict[str, Any]:
-    modified = datetime.fromtimestamp(card.created, UTC).isoformat().replace("+00:00", "Z")
+    modified = _at(card.created)
     return {
         "name": model_id,
         "model": model_id,
@@ -244,7 +245,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
             if inst["residency"] not in _IN_MEMORY or inst["model_id"] in running:
                 continue
             card = controller.model_card(inst["model_id"])
-            expires = "0001-01-01T00:00:00Z" if inst["park_at"] is None else _at(inst["park_at"])
+            expires = _FOREVER if inst["park_at"] is None else _at(inst["park_at"])
             running[inst["model_id"]] = _listed(inst["model_id"], card) | {
                 "expires_at": expires,
                 "size_vram": 0,
@@ -348,8 +349,16 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
 _IN_MEMORY = frozenset({fsm.Residency.LOADED.value, fsm.Residency.UNPARKING.value})
 
 
+_FOREVER = "0001-01-01T00:00:00Z"  # Ollama's zero time: a model kept loaded forever
+_LAST = datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC).timestamp()  # the latest time a date can say
+
+
 def _at(when: float) -> str:
-    return datetime.fromtimestamp(when, UTC).isoformat().replace("+00:00", "Z")
+    """``when`` as Ollama writes a time, clamped to what a date can say: whatever is stored (a park time from a
+    keep-alive of 1e18 s, taken before keep-alives were bounded), the listing never fails. Not finite: forever."""
+    if not math.isfinite(when):
+        return _FOREVER
+    return datetime.fromtimestamp(min(max(when, 0.0), _LAST), UTC).isoformat().replace("+00:00", "Z")
 
 
 async def _load(controller: Controller, model_id: str, kept: float | Default | None) -> str:
