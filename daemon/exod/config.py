@@ -18,6 +18,7 @@ import fsm
 from exod.cluster.etcd import EtcdSecurity
 from exod.cluster.membership import DEFAULT_PREFIX, ClusterConfig
 from exod.cluster.nodes import DEFAULT_TTL
+from exod.cluster.tls import node_tls
 from exod.cluster.token import read_secret, read_token
 from exod.host.memory import model_room
 from exod.host.models import validate_model_id
@@ -269,6 +270,9 @@ class _Cluster(BaseModel):
     etcd_key: str | None = None
     etcd_user: str | None = None
     etcd_password_file: str | None = None
+    tls_cert: str | None = None  # node-to-node HTTPS (exod.cluster.tls): this node's certificate and key,
+    tls_key: str | None = None
+    tls_ca: str | None = None  # and the CA of every node's (etcd_ca when not given)
 
 
 class _Api(BaseModel):
@@ -472,6 +476,7 @@ def _cluster(section: _Cluster | None, where: str) -> ClusterConfig | None:
     if section is None:
         return None
     secured = {"token_file", "etcd_ca", "etcd_cert", "etcd_key", "etcd_user", "etcd_password_file"}
+    secured |= {"tls_cert", "tls_key", "tls_ca"}
     fields = section.model_dump(exclude=secured)
 
     def path(value: str | None) -> Path | None:
@@ -484,7 +489,9 @@ def _cluster(section: _Cluster | None, where: str) -> ClusterConfig | None:
         etcd = EtcdSecurity(
             path(section.etcd_ca), path(section.etcd_cert), path(section.etcd_key), section.etcd_user, password
         )
-        return ClusterConfig(**fields, token=token, etcd=etcd)
+        tls_ca = path(section.tls_ca) or path(section.etcd_ca)
+        tls = node_tls(tls_ca, path(section.tls_cert), path(section.tls_key), section.advertise)
+        return ClusterConfig(**fields, token=token, etcd=etcd, tls=tls)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: [cluster]: {exc}") from exc
 
