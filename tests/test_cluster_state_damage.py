@@ -147,6 +147,22 @@ def test_a_take_over_on_a_value_it_cannot_restore_raises_unrestorable_naming_it(
     assert kept.value == GARBAGE  # left untouched
 
 
+def test_a_log_older_than_its_bound_all_through_is_pruned_by_the_next_save_never_refused(etcd):
+    """A month idle, then a change: the prune that deleted the whole log took the new batch's key in too, and etcd
+    refused the save (an EtcdError out of the journal's writer: each controller in turn exited)."""
+
+    async def body(client: Etcd):
+        state = EtcdState(client, PREFIX, await _term(client))
+        await state.load()
+        await state.save(EMPTY, [entry(1), entry(2)], 2000.0)
+        later = entry(3 + 31 * 86_400)  # a month and a day on: past the 30 days of [retention]
+        last = await state.save(EMPTY, [later], later.time)
+        return last, await state.log_start(), await state.transitions()
+
+    last, start, log = run_with_client(etcd, body)
+    assert last == 3 and start == 3 and [seq for seq, _ in log] == [3]
+
+
 def test_repair_moves_each_bad_value_aside_rebuilds_the_meta_from_the_log_and_then_finds_nothing(etcd):
     async def body(client: Etcd):
         state = EtcdState(client, PREFIX, await _term(client))

@@ -352,8 +352,9 @@ class EtcdState:
 
     # -- the log's bounds ----------------------------------------------------------------------------
 
-    async def _prune(self, meta: _Meta, now: float) -> tuple[_Meta, list[Delete]]:
-        """The deletes that keep the log inside `retention` (none, almost always) and the meta after them."""
+    async def _prune(self, meta: _Meta, now: float, fresh: tuple[int, float] | None) -> tuple[_Meta, list[Delete]]:
+        """The deletes that keep the log inside `retention` (none, almost always) and the meta after them.
+        ``fresh``: the sequence number and time of the first entry of the batch this save writes, which stays."""
         r = self.retention
         rows = meta.last_seq - meta.log_start + 1
         too_old = meta.oldest_time is not None and meta.oldest_time < now - r.max_log_age
@@ -370,12 +371,17 @@ class EtcdState:
             for kv in batches
             if (e := _entries(kv)) and e[-1][0] >= keep_from and (not too_old or e[-1][1].time >= young)
         ]
-        # batches are in order: keep from the first one that must stay
+        # batches are in order: keep from the first one that must stay, or else from the batch this save writes
+        # (a log older than its bound all through, after a month idle: deleting up to the log's end, the delete
+        # took in the new batch's key too, and etcd refused the whole save, every controller's in turn)
         first_kept = kept[0] if kept else None
-        end = first_kept.key if first_kept is not None else self._log_end
         entries = _entries(first_kept) if first_kept is not None else []
-        log_start = entries[0][0] if entries else meta.last_seq + 1
-        oldest = entries[0][1].time if entries else None
+        if first_kept is not None and entries:
+            end, log_start, oldest = first_kept.key, entries[0][0], entries[0][1].time
+        elif fresh is not None:
+            end, (log_start, oldest) = self._log_key(fresh[0]), fresh
+        else:
+            end, log_start, oldest = self._log_end, meta.last_seq + 1, None
         log.info("transition log pruned: entries before %d deleted (see [retention] in the config)", log_start)
         return attrs.evolve(meta, log_start=log_start, oldest_time=oldest), [Delete(self._log_key(0), range_end=end)]
 
@@ -395,13 +401,15 @@ class EtcdState:
         assert self._meta is not None
         meta = self._meta
         ops: list[Put | Delete] = [Put(self._snapshot_key, snapshot)]
+        fresh = None  # the first entry of the batch written: its sequence number and time
         if entries:
             first = meta.last_seq + 1
             batch = {"first": first, "entries": [e.as_record() for e in entries]}
             ops.append(Put(self._log_key(first), json.dumps(batch).encode()))
             oldest = meta.oldest_time if meta.last_seq >= meta.log_start else entries[0].time
             meta = attrs.evolve(meta, last_seq=meta.last_seq + len(entries), oldest_time=oldest)
-        meta, prune = await self._prune(meta, now)
+            fresh = (first, entries[0].time)
+        meta, prune = await self._prune(meta, now, fresh)
         ops += prune
         ops.append(Put(self._meta_key, _meta_value(meta)))
         return meta, ops
