@@ -163,6 +163,19 @@ def test_a_log_older_than_its_bound_all_through_is_pruned_by_the_next_save_never
     assert last == 3 and start == 3 and [seq for seq, _ in log] == [3]
 
 
+def test_a_save_etcd_refuses_as_a_request_is_the_state_unavailable_never_a_crash(etcd):
+    """A snapshot past etcd's request limit (1.5 MiB by default): degraded, saying why, as for etcd out of reach."""
+
+    async def body(client: Etcd):
+        state = EtcdState(client, PREFIX, await _term(client))
+        await state.load()
+        with pytest.raises(StateUnavailable, match="refuses the state's write"):
+            await state.save({**EMPTY, "padding": "x" * (2 << 20)}, [entry(1)], 2000.0)
+        return await state.save(EMPTY, [entry(1)], 2000.0)  # and the next save goes on, numbered as ever
+
+    assert run_with_client(etcd, body) == 1
+
+
 def test_repair_moves_each_bad_value_aside_rebuilds_the_meta_from_the_log_and_then_finds_nothing(etcd):
     async def body(client: Etcd):
         state = EtcdState(client, PREFIX, await _term(client))

@@ -242,6 +242,9 @@ class EtcdState:
                 result = await self.etcd.txn(compare, ops)
             except EtcdUnavailable as exc:
                 raise StateUnavailable(f"cannot write the state to {self.where}: {exc}") from exc
+            except EtcdError as exc:  # answered: refused as a request (too large …), never applied: degraded, said
+                self._unknown.pop()
+                raise StateUnavailable(f"{self.where} refuses the state's write: {exc}") from exc
             self._unknown.pop()  # answered: applied or refused, for good
             if result.succeeded:
                 self._meta, self._revision, self._unknown, self._aside = meta, result.revision, [], []
@@ -338,7 +341,7 @@ class EtcdState:
                 return False
             try:
                 result = await self.etcd.txn(compare, ops)
-            except EtcdUnavailable as exc:
+            except EtcdError as exc:  # out of reach, or refused as a request: the next check tries again
                 raise StateUnavailable(f"cannot write the state back to {self.where}: {exc}") from exc
             if not result.succeeded:  # a save came between (it wrote its own), or the term or the turn ended
                 return False
