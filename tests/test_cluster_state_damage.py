@@ -346,6 +346,7 @@ def test_garbage_at_the_snapshot_ends_no_node_every_one_says_why_and_exod_repair
         refused = httpx.post(f"{urls[first]}/instances", json=TINY, timeout=30)  # forwarded to the holder
         instances = httpx.get(f"{urls[third]}/instances", timeout=10).json()
         status = exod("status", "--url", urls[third], env=dict(os.environ))
+        said = exod("status", "--url", urls[first], env=dict(os.environ), check=False)  # a follower: etcd's copy
         checked = exod("repair", "--cluster", etcd, "--check", env=dict(os.environ))
         kept = run_with_client(etcd, lambda client: client.get(SNAPSHOT))
 
@@ -376,6 +377,8 @@ def test_garbage_at_the_snapshot_ends_no_node_every_one_says_why_and_exod_repair
     assert refused.json()["error"].get("code") != "not_stored_yet"  # refused up front: nothing placed, in memory either
     assert instances["instances"] == [] and "/exod/state/snapshot" in instances["degraded"]  # no instance resumed
     assert "DEGRADED:" in status.stdout and "/exod/state/snapshot" in status.stdout
+    assert said.returncode == 1 and "/exod/state/snapshot" in said.stderr and "exod repair" in said.stderr
+    assert "Traceback" not in said.stderr
     assert "/exod/state/snapshot: not JSON" in checked.stdout and kept.value == GARBAGE  # --check moves nothing
     assert "moved /exod/state/snapshot" in repaired.stdout and "/exod/damaged/state/snapshot." in repaired.stdout
     assert f"the controller, node node-{third + 1}" in repaired.stdout and "empty state" in repaired.stdout
