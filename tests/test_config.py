@@ -298,3 +298,26 @@ def test_cors_origins_come_from_the_api_section_and_a_bad_one_is_named_with_how_
         load(write(tmp_path, '[api]\ncors_origins = ["http://localhost:3000", "http://a.test/"]\n'))
     with pytest.raises(ConfigError, match=r"\[api\] cors_origins: input should be a valid list"):
         load(write(tmp_path, '[api]\ncors_origins = "http://localhost:3000"\n'))
+
+
+def test_allowed_hosts_come_from_the_api_section_and_a_bad_one_is_named_with_how_to_write_it(tmp_path):
+    """#45: ``[api] allowed_hosts``, the names a request's Host may give besides the daemon's own
+    (`exod.api.middleware.HostAllowList`)."""
+    default = load(None, state_dir=tmp_path)
+    assert default.allowed_hosts == () and default.host_names == ()  # bound to 127.0.0.1: an address, no name
+    cfg = load(write(tmp_path, '[api]\nallowed_hosts = ["exod.lan", "GPU-Box", "my_service", "*"]\n'))
+    assert cfg.allowed_hosts == ("exod.lan", "gpu-box", "my_service", "*")
+    for bad in ("http://exod.lan", "exod.lan:8420", "exod.lan/", "*.exod.lan", "two words", ""):
+        with pytest.raises(ConfigError, match=r"\[api\] allowed_hosts: .* is not a host name: write the name alone"):
+            load(write(tmp_path, f'[api]\nallowed_hosts = ["{bad}"]\n'))
+
+
+def test_the_names_a_daemon_answers_to_are_its_bind_name_its_machines_name_on_every_address_and_the_configured(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr("socket.gethostname", lambda: "gpu-box")
+    named = load(write(tmp_path, '[daemon]\nhost = "exod.lan"\n[api]\nallowed_hosts = ["other.lan"]\n'))
+    assert named.host_names == ("exod.lan", "other.lan")
+    assert load(write(tmp_path, '[daemon]\nhost = "0.0.0.0"\n')).host_names == ("gpu-box",)
+    assert load(write(tmp_path, '[daemon]\nhost = "::"\n')).host_names == ("gpu-box",)
+    assert load(write(tmp_path, '[daemon]\nhost = "::1"\n')).host_names == ()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+import ipaddress
 import re
+import socket
 import tomllib
 from importlib import resources
 from pathlib import Path
@@ -164,6 +166,16 @@ class ServeConfig:
     # exod.api.drain: on SIGTERM/SIGINT, how long requests in progress may take to finish before they are ended
     drain_timeout: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
     cors_origins: tuple[str, ...] = ()  # exod.api.middleware.cors: pages of these origins may call the API
+    allowed_hosts: tuple[str, ...] = ()  # exod.api.middleware.HostAllowList: names it answers to besides its own
+
+    @property
+    def host_names(self) -> tuple[str, ...]:
+        """The names a request's ``Host`` may give besides an address (always answered), ``localhost`` and a
+        cluster node's advertised address (`exod.api.app.create_app` adds those): the name it is bound by, its
+        machine's name when bound to every address, and ``[api] allowed_hosts``."""
+        bound = [] if is_address(self.host) else [self.host]
+        wildcard = self.host.strip("[]") in ("", "0.0.0.0", "::")
+        return tuple(dict.fromkeys([*bound, *([socket.gethostname()] if wildcard else []), *self.allowed_hosts]))
 
     def check_exposure(self) -> None:
         """Binding beyond loopback needs a bearer token, or an explicit --insecure; a cluster node always needs
@@ -181,14 +193,21 @@ class ServeConfig:
 
 
 def is_loopback(host: str) -> bool:
-    import ipaddress
-
     if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def is_address(host: str) -> bool:
+    """Whether ``host`` is an IP address written out (``[::1]`` too), not a name."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
 
 
 # The file's schema, checked by pydantic: unknown sections and keys, and wrong types, are errors that name them
@@ -279,6 +298,7 @@ class _Api(BaseModel):
     model_config = _STRICT
 
     cors_origins: list[str] = []  # none: browsers refuse pages of other origins (exod.api.middleware.cors)
+    allowed_hosts: list[str] = []  # names (Host) answered besides its addresses, localhost and its own names
 
 
 class _Fault(BaseModel):  # fault injection, for tests: never set by default
@@ -396,6 +416,7 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
             FaultSpec(Fault.parse(f"{f.phase}:{f.kind}"), rank=f.rank, generation=f.generation) for f in file.fault
         )
         origins = _origins(file.api.cors_origins)
+        hosts = _allowed_hosts(file.api.allowed_hosts)
         models = Models(
             on_demand=file.models.on_demand if overrides.get("on_demand") is None else overrides["on_demand"],
             default_ranks=file.models.default_ranks,
@@ -447,6 +468,7 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
         drain_timeout=limits.drain_timeout,
         cluster=_cluster(file.cluster, where),
         cors_origins=origins,
+        allowed_hosts=hosts,
     )
 
 
@@ -470,6 +492,27 @@ def _origins(given: list[str]) -> tuple[str, ...]:
         return tuple(cors_origin(o) for o in given)
     except ValueError as exc:
         raise ValueError(f"[api] cors_origins: {exc}") from exc
+
+
+_HOST = re.compile(r"[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?)*\.?", re.IGNORECASE)
+
+
+def allowed_host(text: str) -> str:
+    """A name as a URL's host gives it (``exod.lan``; an address is always answered), or ``*`` for any (the
+    DNS rebinding check off, for a proxy in front that checks names itself); ValueError saying so otherwise."""
+    if text == "*" or (len(text) <= 253 and _HOST.fullmatch(text)) or is_address(text):
+        return text.lower()
+    raise ValueError(
+        f"{text!r} is not a host name: write the name alone, as a URL gives it, with no scheme, port or path "
+        "(e.g. 'exod.lan'; each name of its own, no wildcard), or '*' for any name (no DNS rebinding check)"
+    )
+
+
+def _allowed_hosts(given: list[str]) -> tuple[str, ...]:
+    try:
+        return tuple(allowed_host(h) for h in given)
+    except ValueError as exc:
+        raise ValueError(f"[api] allowed_hosts: {exc}") from exc
 
 
 def _cluster(section: _Cluster | None, where: str) -> ClusterConfig | None:

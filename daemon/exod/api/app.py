@@ -31,7 +31,7 @@ from exod.api.auth import authentication, node_authentication
 from exod.api.errors import install
 from exod.api.forward import Follower
 from exod.api.metrics import Metrics
-from exod.api.middleware import BodyCap, HeadAsGet, RequestId, cors
+from exod.api.middleware import BodyCap, HeadAsGet, HostAllowList, RequestId, cors
 from exod.cluster.agent import Agent
 from exod.cluster.agent import router as agent_router
 from exod.cluster.membership import Membership
@@ -51,9 +51,11 @@ def create_app(
     membership: Membership | None = None,
     agent: Agent | None = None,
     cors_origins: Sequence[str] = (),
+    allowed_hosts: Sequence[str] = (),
 ) -> ASGIApp:
     """The daemon's API: each concern's router, in the order the OpenAPI document lists their paths, inside
-    what wraps every request (`exod.api.middleware`)."""
+    what wraps every request (`exod.api.middleware`). ``allowed_hosts``: the names it answers to besides its
+    addresses, ``localhost`` and a cluster node's advertised address (`exod.config.ServeConfig.host_names`)."""
     # its document and docs page are routes of ours (`exod.api.docs`), so that they ask for the key like every other
     app = FastAPI(
         title="exod",
@@ -67,9 +69,9 @@ def create_app(
     authenticated = authentication(api_key, cluster_token)
 
     def guarded(path: str) -> tuple[int, ...]:
-        """What can answer on ``path`` that its route does not declare: the key's check (401), `_BodyCap`
-        (413), `exod.api.http_server` (408)."""
-        return (401, 408, 413) if api_key and path not in OPEN_PATHS else (408, 413)
+        """What can answer on ``path`` that its route does not declare: the key's check (401), `BodyCap`
+        (413), `exod.api.http_server` (408), `HostAllowList` (421)."""
+        return (401, 408, 413, 421) if api_key and path not in OPEN_PATHS else (408, 413, 421)
 
     install(app, everywhere=guarded)
     if agent is not None:  # a cluster's node: its controller drives the runners placed here through it
@@ -86,4 +88,5 @@ def create_app(
     app.include_router(docs.router(app), dependencies=authenticated)
     dashboard.install(app, api_key=bool(api_key))
     served: ASGIApp = app if membership is None else Follower(app, membership, controller, api_key)
-    return RequestId(HeadAsGet(cors(BodyCap(served, max_body_bytes), cors_origins)))
+    names = ["localhost", *allowed_hosts, *([] if membership is None else [membership.config.advertise])]
+    return RequestId(HeadAsGet(HostAllowList(cors(BodyCap(served, max_body_bytes), cors_origins), names)))

@@ -1,23 +1,76 @@
-"""What wraps every request before a route sees it: the body's cap, the request's id, HEAD, and CORS.
+"""What wraps every request before a route sees it: the Host it names, the body's cap, the request's id, HEAD,
+and CORS.
 
-ASGI middleware rather than FastAPI dependencies, because each must act on answers no route makes: a
-413 before the body is read, the id on a 401, HEAD on a path that declares only GET, a browser's preflight.
+ASGI middleware rather than FastAPI dependencies, because each must act on answers no route makes: a 421
+before anything is read, a 413 before the body is read, the id on a 401, HEAD on a path that declares only
+GET, a browser's preflight.
 """
 
 from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from exod.api.errors import Answered, ApiError
+from exod.config import is_address
 
 REQUEST_ID = b"x-request-id"
 _CLIENTS_ID = re.compile(rb"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces: safe to echo in a header
+
+
+def host_name(host: bytes) -> str:
+    """The name a ``Host`` header gives (``name``, ``name:port``, ``[v6]:port``), without its port, lowercased,
+    without a trailing dot: the port is not checked, since a daemon's port can be forwarded or mapped."""
+    text = host.decode("latin-1").strip().lower()
+    if text.startswith("["):  # an IPv6 literal
+        return text[1 : text.find("]")] if "]" in text else text
+    if text.count(":") == 1:
+        text = text.split(":")[0]
+    return text.rstrip(".")
+
+
+class HostAllowList:
+    """Answers only requests whose ``Host`` names this daemon: an IP address written out, or one of ``names``
+    (``localhost``, its bind and advertise names, ``[api] allowed_hosts``); any other, 421 before any route.
+
+    Why: DNS rebinding. A page of ``attacker.example`` that rebinds its name to 127.0.0.1 is, for the browser,
+    of the same origin as its own API calls, so CORS lets it read every answer; but the browser still sends
+    ``Host: attacker.example``, which no name of this daemon matches. A request without a Host (HTTP/1.0) is
+    no browser's, and is answered."""
+
+    def __init__(self, app: ASGIApp, names: Iterable[str]) -> None:
+        self.app, self.names = app, frozenset(n.lower().strip("[]").rstrip(".") for n in names)
+
+    def allows(self, name: str) -> bool:
+        """An address written out is the machine the client chose, which no DNS answer (rebound or not) decides."""
+        return not name or name in self.names or "*" in self.names or is_address(name)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        hosts = [value for key, value in scope.get("headers") or [] if key == b"host"]
+        refused = next((host for host in hosts if not self.allows(host_name(host))), None)
+        if refused is None:
+            await self.app(scope, receive, send)
+            return
+        name = host_name(refused)
+        message = (
+            f"this daemon does not answer to the name {name!r} (Host: {refused.decode('latin-1')!r}): only to its "
+            "addresses, localhost and the names it is configured with, so that a web page whose name is made to "
+            "point at this machine (DNS rebinding) cannot drive it. To allow the name, add it to "
+            f'[api] allowed_hosts in the configuration (allowed_hosts = ["{name}"], exod serve --config FILE)'
+        )
+        # its body unread, the connection cannot serve another request: HTTP/1.1's client is told (HTTP/2 has
+        # no such header, and goes on with its other streams)
+        closing = {} if scope.get("http_version") == "2" else {"connection": "close"}
+        error = ApiError(421, message, code="misdirected_request", headers=closing)
+        await error.response(scope["path"])(scope, receive, send)
 
 
 class BodyCap:
