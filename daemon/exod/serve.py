@@ -319,7 +319,7 @@ async def _heal(state: StateStore, check: StateCheck) -> None:
         try:
             if await state.heal():
                 await check.check()
-        except StateUnavailable as exc:  # etcd away: the membership says it; the next check tries again
+        except (StateUnavailable, EtcdError) as exc:  # etcd away or refusing: the next check tries again
             log.warning("cannot write the state back: %s", exc)
 
 

@@ -29,7 +29,7 @@ import attrs
 import trio
 
 from exod.cluster.damage import Damage, Kind, aside_key
-from exod.cluster.etcd import Compare, Delete, Etcd, EtcdUnavailable, KeyValue, Put, version_is
+from exod.cluster.etcd import Compare, Delete, Etcd, EtcdError, KeyValue, Put, version_is
 from exod.cluster.etcd_state import LOG, LOG_END, META, SNAPSHOT, EtcdState, parse_batch, parse_meta, restorable
 from exod.state.sqlite import StoreError
 from exod.state.store import StateUnavailable
@@ -113,8 +113,8 @@ class StateCheck:
         """Read it now. etcd out of reach: what was found stays (the membership says etcd is away)."""
         try:
             found = tuple(await inspect(self.etcd, self.prefix))
-        except EtcdUnavailable as exc:
-            log.debug("the state's check cannot reach etcd: %s", exc)
+        except EtcdError as exc:  # out of reach, or refusing: the membership says it; the check goes on
+            log.debug("the state's check cannot read etcd: %s", exc)
         else:
             if found and found != self.found:  # said in full by /health; here, what and where
                 for damage in found:
