@@ -46,6 +46,14 @@ class Membership:
     async def controller(self) -> tuple[str, str]:
         return "node-1", "http://controller.test"
 
+    def peer_client(self, timeout: object) -> object:
+        import httpx
+
+        return httpx.AsyncClient(timeout=timeout)  # a cluster without TLS between its nodes
+
+    def peer_url(self, url: str) -> str:
+        return url
+
 
 class Controller:
     """`exod.controller.Controller` as the follower reads it: whether it runs this node's term."""

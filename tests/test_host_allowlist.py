@@ -10,22 +10,15 @@ import signal
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
-import trio
 from reliability_report import attack
 
 from daemon_harness import start_daemon, wait_instance
-from exod.api.app import create_app
-from exod.api.http_server import serve_http
-from exod.config import load
-from exod.controller import Controller
 from exod.host.tiny_model import make_tiny_model
-from exod.state.sqlite import Store
 
 pytestmark = pytest.mark.usefixtures("no_runner_left_behind")
 
@@ -138,29 +131,13 @@ def test_a_rebinding_page_can_neither_place_delete_nor_chat_and_the_daemons_own_
 
 
 def test_names_configured_in_allowed_hosts_are_answered_and_others_still_refused(tmp_path):
-    """``[api] allowed_hosts`` as the file gives it, through `ServeConfig.host_names` and `create_app`, on a real
-    HTTP server: its names answered (any case, with or without a port or a trailing dot), others refused."""
-    (tmp_path / "exod.toml").write_text(CONFIG + '\n[api]\nallowed_hosts = ["exod.example.lan", "Gpu-Box"]\n')
-    cfg = load(tmp_path / "exod.toml", state_dir=str(tmp_path / "state"))
+    """``[api] allowed_hosts`` as the file gives it, on a real `exod serve`: its names answered (any case, with or
+    without a port or a trailing dot), others refused."""
+    config = CONFIG + '\n[api]\nallowed_hosts = ["exod.example.lan", "Gpu-Box"]\n'
     hosts = ("exod.example.lan:8420", "gpu-box", "GPU-BOX.", "attacker.example", "evil.exod.example.lan")
-
-    async def main() -> dict[str, int]:
-        store = Store.open(cfg.daemon.db_path, retention=cfg.daemon.retention)
-        try:
-            app = create_app(Controller(cfg.daemon, store), allowed_hosts=cfg.host_names)
-            async with trio.open_nursery() as nursery:
-                [url] = await nursery.start(partial(serve_http, app, cfg))
-                async with httpx.AsyncClient(timeout=30) as client:
-                    codes = {
-                        host: (await client.get(f"{url}/instances", headers={"Host": host})).status_code
-                        for host in hosts
-                    }
-                nursery.cancel_scope.cancel()
-            return codes
-        finally:
-            store.close()
-
-    assert trio.run(main) == {
+    with daemon(tmp_path, config) as url:
+        codes = {host: httpx.get(f"{url}/instances", headers={"Host": host}, timeout=30).status_code for host in hosts}
+    assert codes == {
         "exod.example.lan:8420": 200,
         "gpu-box": 200,
         "GPU-BOX.": 200,

@@ -116,6 +116,7 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
                         membership=membership,
                         agent=agent,
                         cors_origins=config.cors_origins,
+                        allowed_hosts=config.host_names,
                     )
                     drain = Drain()
                     app = Gate(app, drain)
