@@ -436,6 +436,7 @@ class Batch:
             if seq is None:
                 continue
             seq.widest = max(seq.widest, width)
+            self._stepped(seq)  # outside the guard: what fails here is the runner's, not this request's
             try:
                 if seq.fault is None:  # its token came from logits its processors could not make: not its own
                     self._advance(seq, response)
@@ -463,12 +464,14 @@ class Batch:
             )
             self.running[seq.uid] = seq
 
-    def _advance(self, seq: _Sequence, response: Any) -> None:
+    def _stepped(self, seq: _Sequence) -> None:
         seq.steps += 1
         if seq.steps == 2:
             self.on_token()
         if self.rank > 0 and seq.steps % HEARTBEAT_TOKENS == 0:
             self.send(p.Heartbeat, request_id=seq.request.request_id, tokens=seq.steps)
+
+    def _advance(self, seq: _Sequence, response: Any) -> None:
         if response.finish_reason == "stop":  # the end of the sequence: its token is not text
             seq.detokenizer.finalize()
             seq.output.add(seq.detokenizer.last_segment, None)
@@ -617,6 +620,7 @@ class Batch:
             solo.in_cache.append(token)
         finish = "stop" if token in self.stops else "length" if seq.steps + 1 >= seq.max_tokens else None
         ended = {"all_tokens": solo.in_cache, "prompt_cache": solo.cache} if finish else {}
+        self._stepped(seq)
         self._advance(seq, _Step(token, logprobs[0], finish, **ended))
         if more and first and self.solo is solo and not finish:
             solo.next, solo.next_logprobs = self._forward(solo, current)
