@@ -47,8 +47,10 @@ read_timeout = 3.0
 model = "{MODEL}"
 ranks = 2
 """
-HALF_HEADERS = b"GET /instances HTTP/1.1\r\nHost: exod\r\n"  # never ends its headers
-HALF_BODY = b"POST /instances HTTP/1.1\r\nHost: exod\r\nContent-Type: application/json\r\nContent-Length: 64\r\n\r\n{"
+HALF_HEADERS = b"GET /instances HTTP/1.1\r\nHost: 127.0.0.1\r\n"  # never ends its headers
+HALF_BODY = (
+    b"POST /instances HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 64\r\n\r\n{"
+)
 
 
 def open_fds(pid: int) -> int:

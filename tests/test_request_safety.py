@@ -17,6 +17,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -186,12 +187,13 @@ ranks = 1
 """
 
 
-@pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[str]:
-    tmp = tmp_path
+@contextmanager
+def serving(tmp: Path, config: str) -> Iterator[str]:
+    """`exod serve` with ``config`` and the tiny model, once its instance is Ready; SIGTERM ends it, and it
+    leaves no runner behind."""
     hf = tmp / "hf"
     make_tiny_model(MODEL, layers=2, hf_home=hf)
-    (tmp / "exod.toml").write_text(CONFIG)
+    (tmp / "exod.toml").write_text(config)
     process, url = start_daemon(tmp, {**os.environ, "HF_HOME": str(hf), "HF_HUB_OFFLINE": "1"})
     try:
         wait_instance(url, lambda i: i["state"] == "ready")
@@ -200,6 +202,12 @@ def daemon(tmp_path: Path) -> Iterator[str]:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
         assert runner_pids() == [], "a runner process outlived the daemon"
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[str]:
+    with serving(tmp_path, CONFIG) as url:
+        yield url
 
 
 def untouched(url: str, pids: list[int]) -> dict:
@@ -284,35 +292,20 @@ def test_constraint_bombs_are_400_at_admission_in_each_dialect_and_hurt_no_runne
 
 # -- a poison request -----------------------------------------------------------------------------------------
 
-POISON_CONFIG = f"""
-[daemon]
-host = "127.0.0.1"
-port = 0
-offline = true
-
-[retry]
-initial = 0.2
-cap = 1.0
-max_retries = 3
-
-[[place]]
-model = "{MODEL}"
-ranks = 1
-
+POISON_CONFIG = (
+    CONFIG
+    + """
 [[fault]]  # every generation's runner dies mid-generation: whatever it is generating kills it
 phase = "busy"
 kind = "sigkill"
 """
+)
 
 
 @pytest.mark.usefixtures("no_runner_left_behind")
 def test_a_request_present_at_two_runner_deaths_is_refused_and_those_deaths_are_not_charged(tmp_path: Path) -> None:
-    hf = tmp_path / "hf"
-    make_tiny_model(MODEL, layers=2, hf_home=hf)
-    (tmp_path / "exod.toml").write_text(POISON_CONFIG)
-    process, url = start_daemon(tmp_path, {**os.environ, "HF_HOME": str(hf), "HF_HUB_OFFLINE": "1"})
     body = {"model": MODEL, "prompt": "the same request, sent again", "max_tokens": 16}
-    try:
+    with serving(tmp_path, POISON_CONFIG) as url:
         deaths = []
         for generation in (1, 2):
             wait_instance(url, lambda i, g=generation: i["state"] == "ready" and i["generation"] == g)
@@ -333,9 +326,6 @@ def test_a_request_present_at_two_runner_deaths_is_refused_and_those_deaths_are_
         assert runner_pids() == third  # refused before it reached the runner
         (instance,) = httpx.get(f"{url}/instances", timeout=10).json()["instances"]
         assert (instance["generation"], instance["attempts"]) == (3, 0), instance
-    finally:
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0
     attack(
         "poison request",
         f"every runner SIGKILLs itself mid-generation: the same completion sent twice killed generations 1 and 2 "
