@@ -99,7 +99,9 @@ def stop_all(daemons: list[tuple[subprocess.Popen[bytes], str]]) -> list[int]:
 
 
 def nodes(url: str, headers: dict[str, str] | None = None) -> dict:
-    return httpx.get(f"{url}/nodes", headers=headers, timeout=10).json()
+    answer = httpx.get(f"{url}/nodes", headers=headers, timeout=10)
+    assert answer.headers.get("content-type", "").startswith("application/json"), (answer.status_code, answer.text)
+    return answer.json()
 
 
 def until(read, done, timeout: float):
@@ -462,7 +464,10 @@ def test_three_ranks_on_three_nodes_answer_as_the_model_does_on_one(tmp_path, et
 def test_a_forward_whose_controller_dies_mid_stream_ends_with_an_error_event(tmp_path, etcd, hf_home, dialect):
     """OpenAI's clients get an error event then ``data: [DONE]``; Anthropic's an ``error`` event of its shape."""
     env = {**os.environ, "HF_HOME": str(hf_home)}
-    daemons = [start(tmp_path, etcd, n, env) for n in (1, 2)]
+    # the runner hangs after its first token: the answer is surely mid-stream when its controller dies, however
+    # late this busy machine gets to the kill (a tiny model's whole answer can be sent before it otherwise)
+    hang = '\n[[fault]]\nphase = "busy"\nkind = "hang"\n'
+    daemons = [start(tmp_path, etcd, n, env, extra_cluster=hang) for n in (1, 2)]
     try:
         view = until(lambda: nodes(daemons[0][1]), lambda v: len(v["nodes"]) == 2 and v["controller"], 30)
         controller = int(view["controller"].removeprefix("node-")) - 1
