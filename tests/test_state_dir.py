@@ -10,6 +10,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from reliability_report import attack
 from daemon_harness import runner_pids, start_daemon, wait_instance
 from exod.host import ring
 from exod.host.tiny_model import make_tiny_model
-from exod.state.statedir import AlreadyRunning, StateDirError, state_dir_lock
+from exod.state.statedir import AlreadyRunning, StateDirError, state_dir_lock, write_private
 
 pytestmark = pytest.mark.usefixtures("no_runner_left_behind")
 
@@ -230,3 +231,29 @@ def test_nothing_in_the_state_dir_is_open_to_other_users(tmp_path, env):
     finally:
         assert stop(daemon) == 0
     assert modes_open_to_others(state) == []
+
+
+def test_a_file_the_daemon_writes_is_never_seen_half_written(tmp_path: Path) -> None:
+    """`daemon.json` is read by the CLI (and by tests) while the daemon may be writing it: every read finds a
+    whole file, the old one or the new, 0600, and no part file is left beside it."""
+    import json
+
+    path = tmp_path / "daemon.json"
+    write_private(path, json.dumps({"pid": 0, "url": "http://127.0.0.1:1"}))
+    seen: list[str] = []
+    done = threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            seen.append(path.read_text())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for n in range(2000):
+            write_private(path, json.dumps({"pid": n, "url": "http://127.0.0.1:" + "1" * (n % 50 + 1)}))
+    finally:
+        done.set()
+        reader.join()
+    assert len(seen) > 100 and all(json.loads(text)["url"] for text in seen)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and os.listdir(tmp_path) == ["daemon.json"]

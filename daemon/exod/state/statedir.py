@@ -56,10 +56,17 @@ def private_opener(path: str | os.PathLike[str], flags: int) -> int:
 
 
 def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path``, 0600 even if an older exod left the file there with a wider mode."""
-    with open(path, "w", opener=private_opener) as f:
-        os.fchmod(f.fileno(), PRIVATE_FILE)
-        f.write(text)
+    """Write ``text`` to ``path``, 0600 even if an older exod left the file there with a wider mode, and whole:
+    written beside it, then renamed over it, so a reader (the CLI finding ``daemon.json``) never sees it half
+    written."""
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        with open(part, "w", opener=private_opener) as f:
+            os.fchmod(f.fileno(), PRIVATE_FILE)
+            f.write(text)
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
 
 
 class HeldDir:
