@@ -18,8 +18,9 @@ Where to start (the rest of this page is the reference, class by class):
   feed back; when nothing moves, ``Cluster.owed()`` says what is awaited.
 * Policies. ``RetryPolicy`` (backoff, retries, budget reset, ``RestartStrategy``:
   one_for_all for a ring, one_for_one for independent replicas), ``PhaseLimits``
-  (watchdogs), ``Backoff``; ``admit`` and ``place`` decide where an instance
-  fits (``ModelFacts``, ``NodeRoom``, ``Limits``).
+  (watchdogs, a heartbeat's among them: ``Cluster.heard``, ``Cluster.listened``),
+  ``Backoff``; ``admit`` and ``place`` decide where an instance fits (``ModelFacts``,
+  ``NodeRoom``, ``Limits``).
 * Residency. ``Cluster.park`` / ``Cluster.unpark``, or a keep-alive given to
   ``Cluster.place`` and ``Cluster.hold``, by which the plan parks idle instances
   (``ParkInstance``); a request for a parked instance unparks it
@@ -49,6 +50,7 @@ from fsm.actions import (
     CreateRunner,
     DeleteInstance,
     FailStalled,
+    FailUnresponsive,
     ForwardRequest,
     KillRunner,
     LoadModel,
@@ -95,7 +97,7 @@ from fsm.view import (
     RunnerStatus,
     Slot,
 )
-from fsm.watchdog import PhaseLimits
+from fsm.watchdog import Liveness, PhaseLimits
 
 __version__ = "0.1.0"
 
@@ -126,6 +128,7 @@ __all__ = [
     "DownloadStatus",
     "Driver",
     "FailStalled",
+    "FailUnresponsive",
     "Failure",
     "FailureKind",
     "ForwardRequest",
@@ -141,6 +144,7 @@ __all__ = [
     "KeyedBackoff",
     "KillRunner",
     "Limits",
+    "Liveness",
     "LoadModel",
     "LogEntry",
     "ModelFacts",

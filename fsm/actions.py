@@ -160,6 +160,16 @@ class FailStalled:
 
 
 @attrs.frozen
+class FailUnresponsive:
+    """Machines only: the runner's process answered no heartbeat for ``seconds`` (`fsm.watchdog`), a stall of its
+    own whatever its phase. Its process is then stopped like any Failed runner's (a StopRunner follows)."""
+
+    runner_id: str
+    incarnation: int
+    seconds: float
+
+
+@attrs.frozen
 class KillRunner:
     """The runner was asked to stop and outlived its grace (`fsm.watchdog`): kill its process (SIGKILL);
     ``runner.Exited`` is still owed, as for the stop."""
@@ -192,5 +202,6 @@ Action = (
     | WarmUp
     | ForwardRequest
     | FailStalled
+    | FailUnresponsive
     | KillRunner
 )

@@ -24,7 +24,7 @@ transition log the daemon persists and replays.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -52,7 +52,7 @@ from fsm.view import (
     Slot,
     slot_of,
 )
-from fsm.watchdog import PhaseLimits
+from fsm.watchdog import UNHEARD, Liveness, PhaseLimits
 
 
 @attrs.frozen
@@ -76,6 +76,7 @@ class RunnerEntry:
     since: float | None = None  # when it entered its phase, or last reported progress (`fsm.watchdog`)
     killed: bool = False  # its stop's grace ran out and a kill was asked (`KillRunner`)
     handle: Handle | None = None  # the caller's process handle (`Cluster.attach`)
+    liveness: Liveness = UNHEARD  # its heartbeat (`Cluster.heard`, `Cluster.listened`); never persisted
 
 
 @attrs.define
@@ -347,6 +348,10 @@ class Cluster:
                 if machine.incarnation != incarnation or machine.phase is None or machine.phase.value != phase:
                     return Outcome.ignored(f"runner {runner_id!r} left phase {phase} meanwhile")
                 return self.runner_event(rn.Fail(runner_id, incarnation, failure=Failure.stalled(phase, seconds)), now)
+            case act.FailUnresponsive(runner_id, incarnation, seconds):
+                if self._missed(runner_id, incarnation) is None:
+                    return Outcome.ignored(f"runner {runner_id!r} {incarnation} answered, failed or stopped meanwhile")
+                return self.runner_event(rn.Fail(runner_id, incarnation, failure=Failure.unresponsive(seconds)), now)
             case act.KillRunner(runner_id, incarnation):
                 entry = self.runners[runner_id]
                 if entry.machine.incarnation != incarnation or not entry.machine.alive:
@@ -430,6 +435,7 @@ class Cluster:
                     endpoint=e.endpoint,
                     since=e.since,
                     killed=e.killed,
+                    liveness=e.liveness,
                 )
                 for e in self.runners.values()
             ],
@@ -450,6 +456,37 @@ class Cluster:
             return False
         self.runners[runner_id] = attrs.evolve(entry, endpoint=endpoint)
         return True
+
+    def heard(self, runner_id: str, incarnation: int, now: float) -> bool:
+        """The process of a runner's incarnation answered a heartbeat at ``now`` (`fsm.watchdog`). Not a
+        machine's event: nothing moves and nothing is logged, so a beat every second costs no write. False if
+        that incarnation is not the runner's any more (or is reaped)."""
+        return self._liveness(runner_id, incarnation, now, lambda live: live.answered(now))
+
+    def listened(self, runner_id: str, incarnation: int, now: float, *, resumed: bool = False) -> bool:
+        """The caller listened to the runner's process until ``now``, without a break unless ``resumed`` (it was
+        paused or starved: answers may wait unread, so the runner gets a whole limit again). True if the runner
+        has now missed its heartbeat: plan, and `fsm.plan` fails it (`FailUnresponsive`)."""
+        self._liveness(runner_id, incarnation, now, lambda live: live.listening_until(now, resumed=resumed))
+        return self._missed(runner_id, incarnation) is not None
+
+    def _liveness(self, runner_id: str, incarnation: int, now: float, change: Callable[[Liveness], Liveness]) -> bool:
+        self._check_time(now)
+        entry = self.runners.get(runner_id)
+        if entry is None or entry.machine.incarnation != incarnation or not entry.machine.alive:
+            return False
+        self.runners[runner_id] = attrs.evolve(entry, liveness=change(entry.liveness))
+        return True
+
+    def _missed(self, runner_id: str, incarnation: int) -> float | None:
+        """Seconds the runner's process has been silent if it missed its heartbeat (`PhaseLimits.missed`)."""
+        entry = self.runners.get(runner_id)
+        if entry is None or entry.machine.incarnation != incarnation:
+            return None
+        status = RunnerStatus.of(entry.machine, instance_id=entry.instance_id, node_id=entry.node_id)
+        if not status.alive or status.failed or status.stop_requested:
+            return None
+        return self.limits.missed(status.phase, entry.liveness, entry.since)
 
     def owed(self, node_id: str | None = None) -> list[Owed]:
         """The reports the cluster waits for from its caller (`fsm.owed`): when `plan` returns nothing and

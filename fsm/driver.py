@@ -87,7 +87,7 @@ _HANDLER: dict[type, str] = {
     act.ForwardRequest: "forward_request",
     act.CancelRequest: "cancel_request",
     act.KillRunner: "kill_runner",
-}  # StartGeneration, RestartRank, DeleteInstance, ParkInstance, UnparkInstance, FailStalled: machines only
+}  # StartGeneration, RestartRank, DeleteInstance, ParkInstance, UnparkInstance, Fail*: machines only
 
 
 @attrs.frozen

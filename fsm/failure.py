@@ -76,6 +76,12 @@ class Failure:
         """No progress in ``phase`` for ``seconds`` (`fsm.watchdog`): a hang counts as the runner's failure."""
         return cls(FailureKind.STALL, f"no progress in phase {phase} for {seconds:g} s")
 
+    @classmethod
+    def unresponsive(cls, seconds: float) -> Failure:
+        """Its process answered no heartbeat for ``seconds`` (`fsm.watchdog`): stopped, wedged or frozen, a stall
+        charged like any other, whatever it was doing."""
+        return cls(FailureKind.STALL, f"missed its heartbeat: its process answered none for {seconds:.1f} s")
+
     @property
     def charged(self) -> bool:
         """Whether the failure costs its instance a retry: every failure but the host's does.

@@ -3,7 +3,7 @@
 ``plan(view, node_id, now)`` looks at a snapshot of the whole cluster and
 returns every action this node should take now, in priority order::
 
-    cancel requests → stop runners → watch phases → park idle instances → give up at the cap
+    cancel requests → stop runners → watch phases and heartbeats → park idle instances → give up at the cap
     → unpark wanted instances → start generations → restart ranks → downloads → create runners → connect → load
     → warm up → forward requests
 
@@ -54,6 +54,7 @@ from fsm.actions import (
     CreateRunner,
     DeleteInstance,
     FailStalled,
+    FailUnresponsive,
     ForwardRequest,
     KillRunner,
     LoadModel,
@@ -216,10 +217,24 @@ def _watched(view: ClusterView, runner: RunnerStatus) -> float | None:
     return runner.since + limit
 
 
+def _missed(view: ClusterView, runner: RunnerStatus) -> float | None:
+    """Seconds the runner's process has been silent, if it missed its heartbeat while its caller listened
+    (`fsm.watchdog`; the caller's `Cluster.listened` says when, not time alone); None if it did not, or is not
+    watched now: failed, asked to stop (the stop's grace watches it), or no heartbeat answered yet."""
+    if not runner.alive or runner.failed or runner.stop_requested:
+        return None
+    return view.limits.missed(runner.phase, runner.liveness, runner.since)
+
+
 def _watch_phases(view: ClusterView, node_id: str, now: float) -> Iterator[Action]:
-    """A runner silent in its phase past the limit fails as stalled; one outliving its stop's grace is killed."""
+    """A runner silent in its phase past the limit fails as stalled, and so does one whose process answers no
+    heartbeat; one outliving its stop's grace is killed."""
     for runner in view.runners.values():
         if runner.node_id != node_id or not runner.alive:
+            continue
+        silent = _missed(view, runner)
+        if silent is not None:
+            yield FailUnresponsive(runner.runner_id, runner.incarnation, silent)
             continue
         deadline = _watched(view, runner)
         if deadline is None or now < deadline:

@@ -19,7 +19,7 @@ from fsm.errors import InvalidConfig
 from fsm.failure import Failure
 from fsm.instance import DeleteReason, InstanceRetry, InstanceState, RestartStrategy
 from fsm.runner import RunnerLifecycle, RunnerPhase, RunnerState
-from fsm.watchdog import PhaseLimits
+from fsm.watchdog import UNHEARD, Liveness, PhaseLimits
 
 
 @attrs.frozen
@@ -41,6 +41,7 @@ class RunnerStatus:
     endpoint: str | None = None  # HOST:PORT of its ring, once its node published it (one rank: not needed)
     since: float | None = None  # when it entered its phase, or last reported progress (`fsm.watchdog`)
     killed: bool = False  # a kill was asked once its stop's grace ran out
+    liveness: Liveness = UNHEARD  # its heartbeat's answers, and its caller's listening (`fsm.watchdog`)
 
     @property
     def alive(self) -> bool:
@@ -62,12 +63,14 @@ class RunnerStatus:
         endpoint: str | None = None,
         since: float | None = None,
         killed: bool = False,
+        liveness: Liveness = UNHEARD,
     ) -> RunnerStatus:
         """Read a runner's machine, with what the cluster keeps beside it (its instance, node, endpoint)."""
         return cls(
             endpoint=endpoint,
             since=since,
             killed=killed,
+            liveness=liveness,
             runner_id=machine.runner_id,
             instance_id=instance_id,
             node_id=node_id,

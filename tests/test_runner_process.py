@@ -235,6 +235,8 @@ EXAMPLES: list[p.Message] = [
     p.Cancel("q1"),
     p.ToolCall("r0", 2, "q1", "get_weather", '{"city": "Paris"}'),
     p.Heartbeat("r0", 2, "q1", 40),
+    p.Ping(),
+    p.Pong("r0", 2),
     p.Generate("q3", prompt_text="abc", max_tokens=0, echo_prompt=True),
     p.Failed("r0", 2, "OSError", "boom", "Traceback…", retryable=True),
 ]

@@ -80,7 +80,7 @@ class Controller:
         self.models = models or ModelFiles(hf_home=c.hf_home, offline=c.offline, timeout=c.download_timeout)
         self._wall_offset = wall() - trio.current_time()  # trio time + offset = wall time, for what is stored
         self.cluster = self._new_cluster()
-        self._reports = Reports(self)
+        self._reports = Reports(self, self._changed)
         self.fleet = fleet  # in a cluster: the other nodes, their agents running the ranks placed there
         self.node_id = NODE if fleet is None else fleet.local
         recorded = lambda: self.journal.recorded()  # noqa: E731 — this term's: `take_over` replaces the journal
@@ -117,7 +117,7 @@ class Controller:
         a runner silent while joining, loading or warming up is failed by the plan (`fsm.PhaseLimits`); the
         supervisors keep only what needs the process (a generation's silence, a stop's signals)."""
         t, policy = self.config.timeouts, self.config.download_policy
-        limits = fsm.PhaseLimits(connect=t.connect, load_progress=t.load_progress, warm_up=t.warm_up)
+        limits = fsm.PhaseLimits(t.connect, t.load_progress, t.warm_up, heartbeat=t.heartbeat)
         if snapshot is None:
             return Cluster(download_policy=policy, limits=limits)
         return Cluster.from_dict(snapshot, download_policy=policy, limits=limits)

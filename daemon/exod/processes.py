@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 
 import trio
@@ -24,6 +25,7 @@ from exod.cluster.election import Deposed
 from exod.cluster.remote import AgentUnavailable, Fleet, RemoteProcess, Ring
 from exod.config import DaemonConfig
 from exod.host import ring
+from exod.host.heartbeats import Beat
 from exod.host.supervisor import Process, RunnerSpec, Spawn
 from exod.reports import Reports
 from exod.runner import protocol as p
@@ -94,9 +96,17 @@ class Processes:
             self._published(action.runner_id, gen, ring.endpoints(hostfile)[action.rank])
 
     def _begin(self, nursery: trio.Nursery, action: fsm.CreateRunner, process: Process) -> None:
+        """Supervise ``process``, and listen to its heartbeat (`exod.host.heartbeats`): pinged from here if it
+        runs on this host, by its agent if on a cluster's node."""
         self._running[(action.runner_id, action.incarnation)] = process
         self._generations.started(action.instance_id, action.incarnation)
-        nursery.start_soon(self._supervise, process, action.instance_id)
+        listened, limit = partial(self._listener.listened, process.spec), self.config.timeouts.heartbeat
+        if isinstance(process, RemoteProcess):  # pinged by its agent; heard while its node's stream flows
+            beat = Beat(process, limit, ping=False, listened=listened, unheard=process.unheard)
+        else:
+            beat = Beat(process, limit, listened=listened)
+        nursery.start_soon(beat.run)
+        nursery.start_soon(self._supervise, process, action.instance_id, beat)
 
     def _spec(self, action: fsm.CreateRunner, hostfile: Path | None) -> RunnerSpec:
         rank, gen = action.rank, action.incarnation
@@ -164,7 +174,7 @@ class Processes:
             return None
         return ring.hostfile(retention.hostfile_path(self.config.state_dir, instance_id, generation), world_size)
 
-    async def _supervise(self, process: Process, instance_id: str) -> None:
+    async def _supervise(self, process: Process, instance_id: str, beat: Beat) -> None:
         spec = process.spec
         try:
             await process.run()
@@ -178,6 +188,7 @@ class Processes:
             else:
                 self._listener.on_supervisor_error(spec, exc)
         finally:
+            beat.stop()
             self._running.pop((spec.runner_id, spec.incarnation), None)
             self._generations.ended(instance_id, spec.incarnation)
             self._reaped.set()

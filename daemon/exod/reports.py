@@ -1,14 +1,18 @@
 """What runner processes say, as machine events: the supervisors' `Listener`.
 
 Each report of a runner becomes a `fsm.runner` event, or a token for the
-request book; a stall and an exit become events too. Nothing here decides:
-whether an exit was a failure is the runner machine's rule
-(``Exited.stop_delivered``), and what a failure costs is the instance's.
+request book; a stall and an exit become events too. A heartbeat's answer
+(`Pong`) is told to the cluster (`fsm.Cluster.heard`), and so is that the
+controller listened (`listened`): its plan fails a runner that stops
+answering. Nothing here decides: whether an exit was a failure is the runner
+machine's rule (``Exited.stop_delivered``), and what a failure costs is the
+instance's.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 import fsm
@@ -16,6 +20,7 @@ from exod.host.supervisor import RunnerSpec
 from exod.requests import RequestBook
 from exod.runner import protocol as p
 from fsm import runner as rn
+from fsm.cluster import Cluster
 
 log = logging.getLogger("exod.reports")
 
@@ -24,7 +29,9 @@ class Sink(Protocol):
     """Where the events go: the controller."""
 
     requests: RequestBook
+    cluster: Cluster
 
+    def now(self) -> float: ...
     def runner_event(self, event: rn.RunnerEvent) -> None: ...
     def process_started(self, spec: RunnerSpec, pid: int) -> None: ...
     def process_ended(self, spec: RunnerSpec) -> None: ...
@@ -33,8 +40,10 @@ class Sink(Protocol):
 class Reports:
     """The `exod.host.supervisor.Listener` of every runner: reports in, events out."""
 
-    def __init__(self, sink: Sink) -> None:
+    def __init__(self, sink: Sink, wake: Callable[[], None] = lambda: None) -> None:
+        """``wake``: the sink plans again (a runner missed its heartbeat)."""
         self.sink = sink
+        self._wake = wake
         self.batching: dict[str, tuple[int, str]] = {}  # by runner id: what it decodes at once, and why
 
     def on_spawned(self, spec: RunnerSpec, pid: int) -> None:
@@ -88,6 +97,8 @@ class Reports:
                     report.exception_type, report.message, retryable=report.retryable, detail=report.traceback
                 )
                 event(rn.Fail(rid, inc, failure=self._poisoned(spec, failure)))
+            case p.Pong():
+                self.sink.cluster.heard(rid, inc, self.sink.now())
             case p.Token() | p.ToolCall() | p.Done() | p.Prompt() | p.Embedding():
                 self.sink.requests.deliver(rid, report)
                 if isinstance(report, p.Done):
@@ -104,6 +115,12 @@ class Reports:
                 else:
                     self.sink.requests.cancel(request_id, message)
                 event(rn.RequestFinished(rid, inc))
+
+    def listened(self, spec: RunnerSpec, resumed: bool) -> None:
+        """The controller listened to the runner until now (`exod.host.heartbeats`): if it has missed its
+        heartbeat meanwhile, the sink plans (and fails it)."""
+        if self.sink.cluster.listened(spec.runner_id, spec.incarnation, self.sink.now(), resumed=resumed):
+            self._wake()
 
     def on_stall(self, spec: RunnerSpec, phase: str, seconds: float) -> None:
         failure = self._poisoned(spec, fsm.Failure.stalled(phase, seconds))

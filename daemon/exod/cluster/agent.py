@@ -63,6 +63,7 @@ from exod.cluster.nodes import (
     superseding,
 )
 from exod.host import ring
+from exod.host.heartbeats import Beat
 from exod.host.models import InvalidModelId, ModelFiles, validate_model_id
 from exod.host.orphans import start_ticks
 from exod.host.supervisor import FencedProcess, FencedSpawn, RunnerSpec, Supervisor, Timeouts
@@ -308,7 +309,9 @@ class Agent:
         self._generations.started(request.instance_id, request.incarnation)
         self._running[key] = process  # nothing below raises: from here its supervisor releases the key
         self._scopes[key] = trio.CancelScope()
-        self._nursery.start_soon(self._supervise, process, request.instance_id)
+        beat = Beat(process, self.config.timeouts.heartbeat)  # its answers go to the controller's stream
+        self._nursery.start_soon(beat.run)
+        self._nursery.start_soon(self._supervise, process, request.instance_id, beat)
 
     async def _check_ring(self, endpoints: list[str]) -> None:
         """A runner connects only to the cluster's live nodes: every ring endpoint's host must be one's address."""
@@ -534,7 +537,7 @@ class Agent:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self._end_session("its controller went away")
 
-    async def _supervise(self, process: FencedProcess, instance_id: str) -> None:
+    async def _supervise(self, process: FencedProcess, instance_id: str, beat: Beat | None = None) -> None:
         spec = process.spec
         key = (spec.runner_id, spec.incarnation)
         try:
@@ -545,6 +548,8 @@ class Agent:
             self._send(self._session, {"kind": "report", **_key(spec), "report": json.loads(_failed(spec, exc))})
             self._send(self._session, {"kind": "exit", **_key(spec), "exit_code": 1, "tail": "", "stopped": False})
         finally:
+            if beat is not None:
+                beat.stop()
             self._running.pop(key, None)
             self._loading.pop(key, None)
             self._scopes.pop(key, None)

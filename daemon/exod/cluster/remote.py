@@ -29,7 +29,7 @@ import trio
 from exod.cluster.election import TERM_HEADER
 from exod.cluster.etcd import EtcdError
 from exod.cluster.nodes import Alive, NodeRecord, described, earlier_generations
-from exod.cluster.tls import NodeTls, peer_url, verify
+from exod.cluster.tls import NodeTls, peer_transport, peer_url
 from exod.cluster.token import HEADER
 from exod.host.supervisor import Listener, RunnerSpec
 from exod.runner import protocol as p
@@ -38,6 +38,7 @@ log = logging.getLogger("exod.remote")
 
 REFRESH_S = 1.0  # how often the controller reads the node records
 SILENCE_S = 5.0  # a report stream silent this long (an agent beats every second) is a node lost
+UNHEARD_S = 2.0  # a report stream silent this long has missed beats: its runners' heartbeats are not heard
 EARLIER_POLL_S = 0.1  # how often a new generation's rank reads whether an earlier one's keys are gone
 
 
@@ -126,6 +127,11 @@ class RemoteProcess:
 
     def post(self, command: p.Command, model_id: str | None = None) -> None:
         self._commands.send_nowait((command, model_id))
+
+    def unheard(self) -> bool:
+        """Whether its node's report stream has missed its beats: while it has, the runner's heartbeat goes
+        unheard for its node's sake (lost past `SILENCE_S`: the host's failure), not for the runner's."""
+        return trio.current_time() - self.link.heard_at > UNHEARD_S
 
     def stop(self) -> None:
         self._stop.set()
@@ -221,6 +227,7 @@ class NodeLink:
         self.unconfirmed = unconfirmed  # the fleet's: runners lost with their node, maybe alive until fenced
         self.connected = trio.Event()
         self.stream = 0  # the agent's number for our report stream, which each spawn names (its hello says)
+        self.heard_at = -math.inf  # (trio time) its stream's last line: a beat at least every second
         self.lost: str | None = None
         self._scope = trio.CancelScope()
 
@@ -236,6 +243,7 @@ class NodeLink:
         with self._scope:
             try:
                 async for event in self.client.reports():
+                    self.heard_at = trio.current_time()
                     if event["kind"] == "hello":
                         self.stream = event["stream"]
                         self.connected.set()
@@ -292,7 +300,7 @@ class Fleet:
         self._links: dict[str, NodeLink] = {}
         self._unconfirmed: set[RemoteProcess] = set()
         self._tls = tls
-        self._client = httpx.AsyncClient(timeout=30.0, verify=verify(tls))
+        self._client = httpx.AsyncClient(timeout=30.0, transport=peer_transport(tls))
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

@@ -23,10 +23,12 @@ not a cluster whose nodes cannot talk.
 
 from __future__ import annotations
 
+import socket
 import ssl
 from pathlib import Path
 
 import attrs
+import httpx
 
 
 class NodeTlsError(ValueError):
@@ -117,3 +119,28 @@ def peer_url(url: str, tls: NodeTls | None) -> str:
 def verify(tls: NodeTls | None) -> ssl.SSLContext | bool:
     """What an HTTP client of node-to-node traffic verifies the other end with (httpx's ``verify``)."""
     return True if tls is None else tls.client_context()
+
+
+# TCP keep-alive between nodes: a peer gone silent (its host down, packets dropped) is found out in
+# IDLE + INTERVAL × COUNT seconds on a connection with nothing to send, rather than never
+TCP_KEEPALIVE = (5, 2, 3)  # idle, interval, count
+
+
+def keepalive_options() -> list[tuple[int, int, int]]:
+    """Socket options that turn TCP keep-alive on, as often as `TCP_KEEPALIVE` says where the system lets a
+    socket say so (Linux; macOS names the idle time ``TCP_KEEPALIVE``)."""
+    idle, interval, count = TCP_KEEPALIVE
+    options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+    names = (("TCP_KEEPIDLE", "TCP_KEEPALIVE"), ("TCP_KEEPINTVL",), ("TCP_KEEPCNT",))
+    for candidates, value in zip(names, (idle, interval, count), strict=True):
+        option = next((getattr(socket, n) for n in candidates if hasattr(socket, n)), None)
+        if option is not None:
+            options.append((socket.IPPROTO_TCP, option, value))
+    return options
+
+
+def peer_transport(tls: NodeTls | None) -> httpx.AsyncHTTPTransport:
+    """How a node's HTTP client reaches the other nodes: TLS verified both ways where the cluster has it, and
+    TCP keep-alive on, so that a connection to a host gone silent ends (the controller's commands and report
+    streams to its agents, a forwarded request to the controller)."""
+    return httpx.AsyncHTTPTransport(verify=verify(tls), socket_options=keepalive_options())

@@ -34,8 +34,9 @@ from exod.state.statedir import private_dir, private_opener
 
 @attrs.frozen
 class Timeouts:
-    """Stall watchdogs per phase, and the grace periods of a stop (seconds). The first three are the plan's
-    (`fsm.PhaseLimits`, kept by the controller); the rest are the supervisor's, which needs the process."""
+    """Stall watchdogs per phase, and the grace periods of a stop (seconds). The first three and ``heartbeat``
+    are the plan's (`fsm.PhaseLimits`, kept by the controller); the rest are the supervisor's, which needs the
+    process."""
 
     connect: float = 60.0  # Connect → joined
     load_progress: float = 120.0  # Load → each next progress report
@@ -43,6 +44,7 @@ class Timeouts:
     generate: float = 300.0  # while requests are outstanding: each next token (rank 0) or finished request
     stop_grace: float = 5.0  # Shutdown sent → SIGTERM
     term_grace: float = 3.0  # SIGTERM → SIGKILL
+    heartbeat: float = 10.0  # the last heartbeat answered → failed as stalled, whatever the phase (`fsm.PhaseLimits`)
 
 
 @attrs.frozen

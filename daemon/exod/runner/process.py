@@ -7,7 +7,9 @@ Run as::
 Theory of operation
 -------------------
 Two threads. A *reader* thread owns the control channel's input: it decodes
-commands and queues them; on ``Shutdown`` or end of file (the supervisor died)
+commands and queues them, and answers a ``Ping`` itself at once (the heartbeat:
+a long prefill or ``mx.eval``, which releases the interpreter, never delays it;
+a stopped or wedged process misses it); on ``Shutdown`` or end of file (the supervisor died)
 it ends the process at once with ``os._exit(0)`` — even while the main thread
 is stuck inside MLX (a ring init whose peer never comes blocks in C forever), so
 an orphaned runner can never linger. The *main* thread owns MLX: it connects,
@@ -53,7 +55,7 @@ log = logging.getLogger("exod.runner")
 EXIT_FAILED = 1
 OUTBOX = 1024  # tokens queued for the writer thread at most
 READ_BYTES = 65536  # of commands at once (`exod.host.supervisor.WRITE_BYTES`)
-STREAMED = (p.Token, p.Heartbeat)  # the reports of every token: queued, not waited for (`Channel`)
+STREAMED = (p.Token, p.Heartbeat, p.Pong)  # every token's reports, and the reader's: queued, not waited for
 WARM_UP_TOKENS = 4
 
 
@@ -170,6 +172,9 @@ class Channel:
                         raise
                     if not isinstance(command, p.Command):
                         raise p.ProtocolError(f"runner received a {command.type} report")
+                    if isinstance(command, p.Ping):  # answered here: a busy main thread does not delay it
+                        self.send(p.Pong)
+                        continue
                     if isinstance(command, p.Shutdown):
                         self.injector.at(FaultPhase.STOPPING, main_thread=False)
                         if self.injector.hung.is_set():

@@ -9,9 +9,9 @@ from a library can never corrupt the protocol.
 
 Every message is one line of JSON (UTF-8, ``\\n``-terminated) with a ``"type"`` tag.
 
-* supervisor → runner: `Connect`, `Load`, `WarmUp`, `Generate`, `Cancel`, `Shutdown`.
+* supervisor → runner: `Connect`, `Load`, `WarmUp`, `Generate`, `Cancel`, `Shutdown`, `Ping`.
 * runner → supervisor: `Status`, `Progress`, `Token`, `ToolCall`, `Done`, `RequestError`,
-  `Failed`; each carries ``runner_id`` and ``incarnation`` so that a late line from
+  `Failed`, `Pong`; each carries ``runner_id`` and ``incarnation`` so that a late line from
   an older process can be recognised as stale by the runner machine.
 
 End of file on the channel means the other side is gone: the runner exits 0 at
@@ -194,6 +194,14 @@ class Shutdown(Command):
     type = "shutdown"
 
 
+@attrs.frozen
+class Ping(Command):
+    """Say you are alive: the thread that reads the channel answers `Pong` at once, whatever the model is doing
+    (`exod.host.heartbeats`), so a stopped or wedged process is told from a busy one."""
+
+    type = "ping"
+
+
 # -- runner → supervisor ----------------------------------------------------------
 
 
@@ -263,6 +271,13 @@ class Heartbeat(Report):
 
 
 @attrs.frozen
+class Pong(Report):
+    """The answer to a `Ping`, from the thread that reads the channel (never queued behind the model's work)."""
+
+    type = "pong"
+
+
+@attrs.frozen
 class Done(Report):
     """A request finished (every rank sends it: each runner's busy → available)."""
 
@@ -327,7 +342,7 @@ class Failed(Report):
     peer: bool = False  # the ring lost a peer: the consequence of another rank's failure, not its cause
 
 
-COMMANDS: tuple[type[Command], ...] = (Connect, Load, WarmUp, Generate, Cancel, Shutdown)
+COMMANDS: tuple[type[Command], ...] = (Connect, Load, WarmUp, Generate, Cancel, Shutdown, Ping)
 REPORTS: tuple[type[Report], ...] = (
     Status,
     Batching,
@@ -335,6 +350,7 @@ REPORTS: tuple[type[Report], ...] = (
     Token,
     ToolCall,
     Heartbeat,
+    Pong,
     Done,
     Prompt,
     Embedding,
