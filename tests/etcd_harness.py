@@ -62,6 +62,55 @@ def etcd_cluster(tmp_path) -> Iterator[LocalEtcdCluster]:
         cluster.stop()
 
 
+def etcd_leader(cluster: LocalEtcdCluster, timeout: float = 30.0) -> int:
+    """The index in ``cluster.members`` of its raft leader now, as a live member says (etcd's maintenance
+    status: its own id and the leader's); waits for one to be elected."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        ids = {}
+        leader = None
+        for n, member in enumerate(cluster.members):
+            if member.process is None:
+                continue
+            try:
+                answer = httpx.post(f"{member.url}/v3/maintenance/status", json={}, timeout=2).json()
+            except (httpx.HTTPError, ValueError):
+                continue
+            ids[answer.get("header", {}).get("member_id")] = n
+            leader = answer.get("leader") or leader
+        if leader in ids and leader not in (None, "0"):
+            return ids[leader]
+        assert time.monotonic() < deadline, f"no etcd leader among the live members after {timeout} s"
+        time.sleep(0.1)
+
+
+def make_leader(cluster: LocalEtcdCluster, n: int, timeout: float = 30.0) -> None:
+    """Hand the raft leadership to member ``n`` (etcd's move-leader, asked of the leader now)."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while (leader := etcd_leader(cluster)) != n:
+        target = httpx.post(f"{cluster.members[n].url}/v3/maintenance/status", json={}, timeout=2).json()
+        body = {"targetID": target["header"]["member_id"]}
+        httpx.post(f"{cluster.members[leader].url}/v3/maintenance/transfer-leadership", json=body, timeout=10)
+        assert time.monotonic() < deadline, f"etcd member {n} did not become the leader in {timeout} s"
+        time.sleep(0.2)
+
+
+def kill_member(member: LocalEtcd) -> None:
+    """SIGKILL an etcd member: no goodbye, no leadership handed over (etcd hands it over on SIGTERM)."""
+    assert member.process is not None
+    member.process.kill()
+    member.process.wait()
+    member.process = None
+
+
 # -- an etcd secured as an operator secures it: TLS both ways, and etcd's own authentication --------------
 
 

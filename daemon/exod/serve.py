@@ -46,13 +46,13 @@ from exod.cluster.election import Deposed, Term
 from exod.cluster.etcd import Etcd, EtcdError
 from exod.cluster.etcd_state import EtcdState
 from exod.cluster.membership import Membership
-from exod.cluster.nodes import NodeRecord, list_nodes, live_runners
+from exod.cluster.nodes import NodeRecord, live_runners
 from exod.cluster.remote import Fleet
 from exod.cluster.repair import Guarded, StateCheck
 from exod.config import DEFAULT, Default, ServeConfig
 from exod.controller import Controller, StoreUnavailable
 from exod.host.memory import free_memory
-from exod.host.models import ModelFiles
+from exod.host.models import ModelFiles, preload_in_background
 from exod.host.orphans import reap_orphans
 from exod.host.packaged import DEFAULT_MODEL
 from exod.state.sqlite import Store
@@ -86,6 +86,7 @@ async def serve(config: ServeConfig, *, announce=print) -> None:
         try:
             c = config.daemon
             models = ModelFiles(hf_home=c.hf_home, offline=c.offline, timeout=c.download_timeout)  # the node's
+            preload_in_background()  # off the event loop: the lease renewals must not wait for an import
             agent = None if config.cluster is None else _agent(config, store, models)
             membership = await _join(config, agent)
             check = None if membership is None else StateCheck(membership.etcd, membership.prefix)
@@ -206,16 +207,14 @@ async def _place_configured(
 
 
 def _fleet(membership: Membership, config: ServeConfig) -> Fleet:
-    async def records() -> list[NodeRecord]:
-        return [node.record for node in await list_nodes(membership.etcd, membership.prefix, membership.malformed)]
-
     async def runners() -> dict[str, set[tuple[str, int]]]:
         return await live_runners(membership.etcd, membership.prefix, membership.malformed)
 
     def term() -> int | None:
         return None if membership.term is None else membership.term.revision
 
-    return Fleet(membership.node_id, records, runners, membership.config.token, term, tls=membership.config.tls)
+    token, tls = membership.config.token, membership.config.tls
+    return Fleet(membership.node_id, membership.records, runners, token, term, tls=tls)
 
 
 def _agent(config: ServeConfig, store: Store, models: ModelFiles) -> Agent:

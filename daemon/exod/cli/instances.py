@@ -103,6 +103,8 @@ def status(url, state_dir, as_json: bool) -> None:
             click.echo(f"  node {node['node_id']}  {where}  {role}  lease age {node['lease_age']} s")
         if "fence_in" in cluster_doc:
             click.echo(f"  this node's runners end in {cluster_doc['fence_in']:.1f} s unless its lease is renewed")
+        if renewal := cluster_doc.get("renewal"):
+            click.echo(f"  {_renewal(renewal)}")
     if doc.get("degraded"):
         click.echo(f"DEGRADED: {doc['degraded']} (serving goes on; placements wait)")
     if not doc["instances"]:
@@ -136,6 +138,17 @@ def status(url, state_dir, as_json: bool) -> None:
             failure = f"  ({r['failure']})" if r["failure"] else ""
             node = f"  on {r['node']}" if r.get("node", "local") != "local" else ""
             click.echo(f"  rank {r['rank']}  {r['runner_id']}{node}  incarnation {r['incarnation']}  {where}{failure}")
+
+
+def _renewal(r: dict) -> str:
+    """This node's lease renewals: how late they start against their schedule (a starved daemon), how long
+    etcd takes, and the authority left when one lands (0: the node steps down)."""
+    slack = "-" if r["slack_last"] is None else f"{r['slack_last']:.2f} s (least {r['slack_min']:.2f} s)"
+    return (
+        f"lease renewed every {r['interval']:.2f} s: {r['count']} renewed, {r['failures']} failed; "
+        f"late {r['late_last']:.3f} s (most {r['late_max']:.3f} s), etcd took {r['took_last']:.3f} s "
+        f"(most {r['took_max']:.3f} s); authority left at renewal {slack}"
+    )
 
 
 def _residency(inst: dict, now: float) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import ssl
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -244,9 +245,17 @@ class Etcd:
         answer = await self._call("/v3/lease/grant", {"TTL": str(ttl)})
         return _int(answer["ID"])
 
-    async def keep_alive(self, lease: int) -> int:
-        """Renew ``lease``; returns its TTL. `LeaseExpired` if it is gone."""
-        answer = await self._call("/v3/lease/keepalive", {"ID": str(lease)})
+    async def keep_alive(self, lease: int, *, timeout: float | None = None) -> int:
+        """Renew ``lease``; returns its TTL. `LeaseExpired` if it is gone. ``timeout``: give up sooner than the
+        client would (`EtcdUnavailable`), and ask the next member next time: a renewal must fail while the
+        lease's slack still lets another member be asked — a member killed in silence, or waiting for a new
+        leader, would otherwise hold it past the node's authority."""
+        try:
+            with trio.fail_after(math.inf if timeout is None else timeout):
+                answer = await self._call("/v3/lease/keepalive", {"ID": str(lease)})
+        except trio.TooSlowError:
+            self._next_member()  # a renewal may be repeated: the next one goes to the next member at once
+            raise EtcdUnavailable(f"etcd at {self.url} did not renew lease {lease:x} within {timeout:.2f} s") from None
         ttl = _int(answer.get("result", {}).get("TTL"))
         if ttl <= 0:
             raise LeaseExpired(f"lease {lease:x} has expired")

@@ -205,11 +205,49 @@ def _skipped(malformed: Counter[str] | None, kind: str, key: bytes, why: str) ->
         malformed[kind] += 1
 
 
+RENEWALS_PER_TTL = 6  # a renewal every TTL/6: one that fails leaves most of the authority (TTL less the margin)
+RETRY_S = 0.05  # the first retry after a failed renewal (the next member of etcd); doubling up to the interval
+MIN_ATTEMPT_S = 0.25  # the shortest an attempt is given, however little authority is left
+
+
+@attrs.define
+class Renewals:
+    """How well the lease is being renewed, measured as it happens (`exod status` shows it): how late each
+    renewal started against its schedule (a starved event loop shows here), how long etcd took, and the
+    authority left when it was acknowledged — the slack between this node and stepping down."""
+
+    interval: float  # seconds between renewals, as scheduled
+    count: int = 0  # renewals acknowledged
+    failures: int = 0  # attempts that failed (each retried at once on the next member, then backing off)
+    late_last: float = 0.0  # seconds the last renewal started after it was due
+    late_max: float = 0.0
+    took_last: float = 0.0  # seconds etcd took to acknowledge the last one
+    took_max: float = 0.0
+    slack_last: float | None = None  # seconds of authority left when the last renewal was acknowledged
+    slack_min: float | None = None
+
+    def renewed(self, late: float, took: float, slack: float) -> None:
+        """One renewal acknowledged: started ``late`` after it was due, ``took`` in etcd, ``slack`` left."""
+        self.count += 1
+        self.late_last, self.late_max = late, max(self.late_max, late)
+        self.took_last, self.took_max = took, max(self.took_max, took)
+        self.slack_last = slack
+        self.slack_min = slack if self.slack_min is None else min(self.slack_min, slack)
+
+    def report(self) -> dict[str, float | int | None]:
+        """JSON-ready, in seconds rounded to the millisecond."""
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in attrs.asdict(self).items()}
+
+
 class Presence:
-    """This daemon's node record, kept alive: renewed every third of the TTL, re-created if it expired.
+    """This daemon's node record, kept alive: renewed every `RENEWALS_PER_TTL`-th of the TTL on a schedule
+    (at once if a renewal is overdue, as after a slow start-up), a failed renewal retried at once on the
+    next member of etcd and then backing off, each attempt bounded by the authority left; re-created if it
+    expired. The record is refreshed after a renewal, every third of the TTL at most.
 
     `run` belongs in the daemon's nursery; `lease` is the lease the node's keys hang on (the controller
-    election's key too). `lost` is set while etcd cannot be reached: the daemon is then degraded.
+    election's key too). `lost` is set while etcd cannot be reached: the daemon is then degraded. `renewals`
+    measures how it goes.
     """
 
     def __init__(
@@ -224,13 +262,14 @@ class Presence:
         if ttl < 2:
             raise ValueError(f"a lease TTL must be at least 2 s, got {ttl}")
         self.etcd, self.prefix, self.record, self.ttl = etcd, prefix, record, ttl
-        self.refresh = refresh  # what changes about the node (free memory, cached models), read at each renewal
+        self.refresh = refresh  # what changes about the node (free memory, cached models), read after renewals
         self.lease = 0
         self._written: NodeRecord | None = None  # the record etcd holds, as far as this node knows
         self.lost: str | None = None  # why etcd cannot be reached, while it cannot
         self.renewed = trio.Event()  # set (and replaced) whenever the lease was renewed or re-created
         # (trio time) until when the lease is surely alive: TTL after the last renewal was *asked for*
         self.alive_until = -math.inf
+        self.renewals = Renewals(interval=ttl / RENEWALS_PER_TTL)
 
     @property
     def authority_until(self) -> float:
@@ -279,30 +318,58 @@ class Presence:
             self._written = record
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Renew for as long as the daemon runs. The schedule counts from the last renewal *asked for* (the
+        join's included): a daemon whose start-up kept this task from running renews at once, not a whole
+        interval later (#46: a controller stepped down at start under load). After a renewal the record is
+        refreshed (every third of the TTL at most), within half an interval: a slow write never delays the
+        next renewal."""
         if not self.lease:  # not joined yet (the daemon joins first, to fail early if etcd is not there)
             await self.join()
         task_status.started()
+        interval = self.renewals.interval
+        due = self.alive_until - self.ttl + interval  # the join asked at alive_until - ttl
+        retry, refreshed = RETRY_S, -math.inf
         while True:
-            await trio.sleep(self.ttl / 3)
-            try:
-                try:
-                    asked = trio.current_time()
-                    await self.etcd.keep_alive(self.lease)
-                    self.alive_until = asked + self.ttl
-                except LeaseExpired:
-                    log.warning("the lease of node %s expired: joining again", self.record.node_id)
-                    await self.join()
-            except EtcdUnavailable as exc:
-                self.lost = str(exc)
-                log.error("cannot renew the lease of node %s: %s", self.record.node_id, exc)
+            await trio.sleep_until(due)
+            started = trio.current_time()
+            if not await self._renew(late=max(0.0, started - due)):
+                # at once on the next member, then less often: an etcd that is down is not hammered
+                due, retry = trio.current_time() + retry, min(2 * retry, interval)
                 continue
-            except EtcdError as exc:  # refused: log it, try again at the next renewal
-                log.error("etcd refused to renew node %s: %s", self.record.node_id, exc)
-                continue
-            self.lost = None
-            await self._refresh()
+            due, retry = started + interval, RETRY_S
+            if started - refreshed >= self.ttl / 3 or self.record != self._written:
+                refreshed = started
+                with trio.move_on_after(interval / 2):
+                    await self._refresh()
             self.renewed.set()
             self.renewed = trio.Event()
+
+    async def _renew(self, *, late: float) -> bool:
+        """One renewal (a re-join if the lease expired): whether it was acknowledged. The attempt is given
+        half the authority left (`MIN_ATTEMPT_S` at least): should its member hang (killed in silence, or
+        waiting for a new etcd leader), the other half is for the next member."""
+        asked, authority = trio.current_time(), self.authority_until
+        attempt = min(self.etcd.timeout, max(MIN_ATTEMPT_S, (authority - asked) / 2))
+        try:
+            try:
+                await self.etcd.keep_alive(self.lease, timeout=attempt)
+            except LeaseExpired:
+                log.warning("the lease of node %s expired: joining again", self.record.node_id)
+                await self.join()
+        except EtcdUnavailable as exc:
+            self.lost = str(exc)
+            self.renewals.failures += 1
+            log.error("cannot renew the lease of node %s: %s", self.record.node_id, exc)
+            return False
+        except EtcdError as exc:  # refused: log it, try again
+            self.renewals.failures += 1
+            log.error("etcd refused to renew node %s: %s", self.record.node_id, exc)
+            return False
+        now = trio.current_time()
+        self.renewals.renewed(late, now - asked, authority - now)  # negative: it had lapsed (a re-join)
+        self.alive_until = max(self.alive_until, asked + self.ttl)  # a re-join moved it already
+        self.lost = None
+        return True
 
     async def _refresh(self) -> None:
         if self.refresh is not None:

@@ -330,6 +330,24 @@ def read_facts(directory: Path) -> fsm.ModelFacts | None:
         return None
 
 
+_MLX_IMPORT = threading.Lock()  # one thread imports mlx-lm at a time (`import_mlx_lm` patches setrlimit meanwhile)
+
+
+def preload_in_background() -> None:
+    """Import what `has_pipeline` looks into (mlx-lm, and transformers under it) on a thread of its own, now.
+    Done on the event loop at the first placement, it held the daemon's loop 4 s under load (#46, sampled):
+    no lease renewal ran meanwhile, and a controller stepped down by itself."""
+
+    def load() -> None:
+        with contextlib.suppress(Exception), _MLX_IMPORT:
+            from exod.runner.mlx_import import import_mlx_lm
+
+            import_mlx_lm()
+            import mlx_lm.models.pipeline  # noqa: F401
+
+    threading.Thread(target=load, name="exod-preload-mlx-lm", daemon=True).start()
+
+
 @functools.cache
 def has_pipeline(model_type: str) -> bool:
     """Whether mlx-lm splits this architecture into pipeline stages (else: tensor parallel); by its code."""
@@ -340,7 +358,8 @@ def has_pipeline(model_type: str) -> bool:
     try:
         from exod.runner.mlx_import import import_mlx_lm
 
-        import_mlx_lm()  # `import mlx_lm` would lower the daemon's own limit of open files
+        with _MLX_IMPORT:  # at once if `preload_in_background` did it
+            import_mlx_lm()  # `import mlx_lm` would lower the daemon's own limit of open files
         from mlx_lm.models.pipeline import PipelineMixin
 
         module = importlib.import_module(f"mlx_lm.models.{model_type}")
