@@ -1151,6 +1151,8 @@ def test_a_controller_cut_from_etcd_alone_steps_down_and_commands_nothing_more(t
             assert now < 6 * PARTITION_TTL, f"not recovered: {after}"
             time.sleep(0.05)
         controller = nodes(url_2, auth)["controller"]
+        with httpx.Client(transport=httpx.HTTPTransport(local_address=outer)) as client:  # still cut from etcd
+            via_old = client.post(f"{url_1}/v1/chat/completions", json=chat, headers=auth, timeout=30)
         time.sleep(PARTITION_TTL)  # the old controller, cut from etcd, has had a whole lease to act: nothing moves
         for _ in range(int(1 / 0.05)):
             generations_seen.append(sorted(set(runners_of(iid).values())))
@@ -1166,6 +1168,7 @@ def test_a_controller_cut_from_etcd_alone_steps_down_and_commands_nothing_more(t
         etcd.stop()
     assert fenced_after is not None and fenced_after < PARTITION_TTL  # before its lease could expire
     assert as_controller.status_code == 503  # no answer as a controller it no longer is
+    assert via_old.status_code == 200, via_old.text  # then, still cut: forwarded to the one the others elected
     assert all(len(generations) <= 1 for generations in generations_seen)  # never two generations at once
     assert controller == "node-2" and {r["node"] for r in after["runners"]} == {"node-2"}
     assert after["attempts"] == before["attempts"]  # the network's failure, not the model's
@@ -1173,7 +1176,8 @@ def test_a_controller_cut_from_etcd_alone_steps_down_and_commands_nothing_more(t
     assert (settled["state"], settled["generation"]) == ("ready", after["generation"])
     cluster_fault(
         "controller cut from etcd alone",
-        f"node-1's runner killed {fenced_after:.1f} s after the cut, chat to it 503; node-2 elected, generation "
+        f"node-1's runner killed {fenced_after:.1f} s after the cut, chat to it 503; node-2 elected, node-1 (still "
+        f"cut) forwards the next chat to it: {via_old.status_code}; generation "
         f"{after['generation']} Ready on node-2, still so a lease later and after the heal; attempts "
         f"{after['attempts']}, never two generations alive (lease TTL {PARTITION_TTL} s)",
     )

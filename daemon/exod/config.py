@@ -292,6 +292,7 @@ class _Cluster(BaseModel):
     tls_cert: str | None = None  # node-to-node HTTPS (exod.cluster.tls): this node's certificate and key,
     tls_key: str | None = None
     tls_ca: str | None = None  # and the CA of every node's (etcd_ca when not given)
+    forward_idle: Wait | None = None  # a forwarded request's bound on its controller's silence; None: 3 lease TTLs
 
 
 class _Api(BaseModel):

@@ -38,6 +38,14 @@ def holds_key(raw_headers: Iterable[tuple[bytes, bytes]], api_key: str) -> bool:
     return matches(given, api_key)
 
 
+def holds_cluster_token(raw_headers: Iterable[tuple[bytes, bytes]], cluster_token: str) -> bool:
+    """Whether an ASGI request's headers carry the cluster's token: another node's request, authenticated as the
+    cluster's at every node, whatever that node is now (a request forwarded carries no client key any more)."""
+    name = HEADER.lower().encode()
+    given = next((v.decode("latin-1") for k, v in raw_headers if k.lower() == name), None)
+    return bool(cluster_token) and matches(given, cluster_token)
+
+
 def authentication(api_key: str | None, cluster_token: str = "") -> list[Any]:
     """The dependency every client route but /health carries: a bearer token, or Anthropic's ``x-api-key``
     (its clients send that one), or — a request another node forwards — the cluster's token. FastAPI's

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 import fsm
 from exod.api.errors import ApiError, responses
 from exod.api.forward import controlling
+from exod.cluster.election import Deposed
 from exod.cluster.etcd import EtcdUnavailable
 from exod.cluster.etcd_state import MalformedState, stored_cluster
 from exod.cluster.membership import Membership
@@ -92,6 +93,15 @@ async def _residency(change: Callable[[str], Awaitable[None]], instance_id: str)
         raise ApiError(409, str(exc), code=exc.refusal.value) from exc
     except StoreUnavailable as exc:
         raise unstored(exc) from exc
+    except Deposed as exc:
+        raise deposed(exc) from exc
+
+
+def deposed(exc: Deposed) -> ApiError:
+    """503: the change raced this node's step-down, and etcd refused its write (`exod.cluster.election.Deposed`):
+    nothing of it was stored, and the next controller, elected in a moment, is the one to ask."""
+    message = f"{exc}: nothing was stored; try again shortly, and the cluster's next controller answers"
+    return ApiError(503, message, code="controller_unavailable", headers={"Retry-After": "1"})
 
 
 def unstored(exc: StoreUnavailable) -> ApiError:
@@ -149,7 +159,8 @@ def router(controller: Controller, membership: Membership | None) -> APIRouter:
 
     @api.post("/instances", status_code=201, responses=responses(400, 404, 409, 422, 503))
     async def place(body: PlaceRequest) -> dict[str, Any]:
-        """Place a model; `fsm.admit` decides up front, and a refusal stores nothing."""
+        """Place a model; `fsm.admit` decides up front, and a refusal stores nothing (nor does a placement that
+        races the controller's step-down: 503, to ask the next one)."""
         if membership is not None and membership.presence.lost is not None:
             raise ApiError(503, f"degraded: {membership.presence.lost}", headers={"Retry-After": "1"})
         try:
@@ -167,6 +178,8 @@ def router(controller: Controller, membership: Membership | None) -> APIRouter:
             raise refused(exc) from exc
         except StoreUnavailable as exc:
             raise unstored(exc) from exc
+        except Deposed as exc:
+            raise deposed(exc) from exc
         return await find(instance_id)
 
     @api.get("/instances")
@@ -210,6 +223,8 @@ def router(controller: Controller, membership: Membership | None) -> APIRouter:
             raise ApiError(404, str(exc)) from exc
         except StoreUnavailable as exc:
             raise unstored(exc) from exc
+        except Deposed as exc:
+            raise deposed(exc) from exc
         return await find(instance_id)
 
     return api

@@ -5,7 +5,9 @@ a disconnect watcher, a shutdown watcher) and opens a cancel scope around every 
 response was 15 % of the daemon's CPU on a one-token request (bench/README.md). Here the stream runs in the
 response's task, beside one watcher that ends it when the client goes away and one that sends a keepalive
 only after ``keepalive`` seconds of silence. The daemon's shutdown needs no watcher: it drains the HTTP requests itself
-(`exod.api.drain`).
+(`exod.api.drain`). A stream another node of a cluster forwards (`exod.api.forward`) is kept alive every
+`NODE_KEEPALIVE_S` instead: that node ends a stream silent past ``[cluster] forward_idle`` as its controller's loss,
+and the comment is what it hears (in every dialect: an SSE client ignores a comment, Anthropic's included).
 
 A stream yields bytes, one event or several: what is ready at the same moment is written as one chunk
 (a chat's finish, usage and ``[DONE]``), one write to the client instead of one each.
@@ -19,7 +21,10 @@ import trio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from exod.cluster.token import FORWARDED_BY, NODE_KEEPALIVE_S
+
 KEEPALIVE_S = 15.0  # what proxies commonly allow a quiet connection, with room to spare
+_FORWARDED_BY = FORWARDED_BY.lower().encode()
 CLOSE_S = 5.0  # for a stream's `finally` (what its request held is released there)
 
 
@@ -54,10 +59,13 @@ class EventStream(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         self._last_write = trio.current_time()
+        keepalive = self.keepalive
+        if any(k.lower() == _FORWARDED_BY for k, _ in scope.get("headers", ())):  # a node listens for silence
+            keepalive = min(keepalive, NODE_KEEPALIVE_S)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._until_disconnect, receive, nursery.cancel_scope)
-                nursery.start_soon(self._keep_alive, send)
+                nursery.start_soon(self._keep_alive, send, keepalive)
                 async for chunk in self.events:
                     self._last_write = trio.current_time()
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -77,9 +85,9 @@ class EventStream(Response):
             pass
         stream.cancel()
 
-    async def _keep_alive(self, send: Send) -> None:
+    async def _keep_alive(self, send: Send, keepalive: float) -> None:
         while True:
-            await trio.sleep_until(self._last_write + self.keepalive)
-            if trio.current_time() >= self._last_write + self.keepalive:
+            await trio.sleep_until(self._last_write + keepalive)
+            if trio.current_time() >= self._last_write + keepalive:
                 self._last_write = trio.current_time()
                 await send({"type": "http.response.body", "body": comment("keepalive"), "more_body": True})

@@ -10,6 +10,10 @@ impersonating another — is already out of reach here, since whoever holds a no
 credentials, and who can write to etcd owns the cluster, as in Kubernetes.) What the token cannot do alone
 is keep itself secret on a shared network: where the cluster has TLS between nodes (`exod.cluster.tls`),
 it is sent and taken only over TLS, between peers that verified each other's certificates.
+
+A request one node forwards to another also says so (`FORWARDED_BY`, the forwarding node's id): the controller
+then keeps the stream it answers audibly alive (`NODE_KEEPALIVE_S`), as the forwarding node ends one that
+goes silent (`exod.api.forward`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,11 @@ import stat
 from pathlib import Path
 
 HEADER = "X-Exod-Cluster-Token"
+FORWARDED_BY = "X-Exod-Forwarded-By"  # on a request a node forwards: its node id (one hop only)
+# a forwarded stream's keep-alive while it has nothing to say: well under any `[cluster] forward_idle`
+# (`MIN_FORWARD_IDLE_S`), so that only a controller gone or stopped is ever silent that long
+NODE_KEEPALIVE_S = 2.0
+MIN_FORWARD_IDLE_S = 5.0  # two keep-alives and a late third
 MIN_LENGTH = 32  # characters: `new_token`'s are 43
 
 
