@@ -215,18 +215,26 @@ def place_again(
     cached: Mapping[str, Iterable[str]] | None = None,
 ) -> tuple[str, ...] | None:
     """Before a new generation of ``instance_id``: where its ranks go now, if a node it was on is not among
-    the live ``nodes`` any more (its ranks move); None when it stays where it is, or nothing fits (its
-    next generation then fails on the dead node, as the host's failure, and tries again after a backoff).
+    the live ``nodes`` any more (its ranks move), or if its ranks share a node while a live node it is not on
+    could take one (a node came back after its ranks were moved off it: they spread again, as a new
+    placement would put them, never while a runner of it is alive). None when it stays where it is, or
+    nothing fits (its next generation then fails on the dead node, as the host's failure, and tries again
+    after a backoff).
     """
     inst = view.instances[instance_id]
-    if all(slot.node_id in nodes for slot in inst.slots):
+    where = [slot.node_id for slot in inst.slots]
+    gone = not all(node in nodes for node in where)
+    packed = len(set(where)) < len(where) and not set(nodes) <= set(where)
+    if not gone and (not packed or any(r is not None and r.alive for _, r in view.slot_runners(inst))):
         return None
     others = [i for i in _reserving(view) if i is not inst]
     facts = dict(facts or {})
     known = model if isinstance(model, ModelFacts) else None
     rooms, _ = _rooms(others, nodes, limits, facts, cached or {})
     placement = place(inst.model_id, inst.world_size, _rank_bytes(known, inst.world_size, limits), rooms)
-    return None if isinstance(placement, NoFit) else placement
+    if isinstance(placement, NoFit) or (not gone and len(set(placement)) <= len(set(where))):
+        return None  # packed, but no placement spreads it further: it stays, not reshuffled for nothing
+    return placement
 
 
 def _too_many_ranks(model_id: str, ranks: int, model: ModelFacts | None, nodes: int, limits: Limits) -> str | None:

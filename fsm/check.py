@@ -50,7 +50,9 @@ and the cluster answers by itself (progress events):
   (`exod.cluster.remote.Fleet`). With ``waits_for_keys`` off (a planted bug) it says so at once.
 
 A new generation is placed again off nodes whose lease expired (`fsm.place_again`'s rule: ranks on live
-nodes stay, the others go where the fewest ranks are).
+nodes stay, the others go where the fewest ranks are). Not modelled: `place_again` also spreads an instance
+packed onto fewer nodes once a node is back; that chooses where a generation goes, after every runner of
+the last one is gone, which no invariant here depends on.
 
 It explores breadth-first, so the first violation found has a shortest trace,
 and checks these invariants (numbered as the specs number them) on every transition and state:
