@@ -55,7 +55,9 @@ chaos: $(STAMP)
 ATTACK_TESTS := tests/test_attacks.py tests/test_admission.py tests/test_degraded.py tests/test_host_failures.py \
                 tests/test_state_dir.py tests/test_drain.py tests/test_retention.py tests/test_cluster_nodes.py \
                 tests/test_request_safety.py tests/test_host_allowlist.py tests/test_durations.py \
-                tests/test_cluster_state_damage.py tests/test_agent_generation_rule.py
+                tests/test_cluster_state_damage.py tests/test_agent_generation_rule.py \
+                tests/test_cluster_failover_clients.py tests/test_runner_liveness.py tests/test_lease_renewal.py \
+                tests/test_spread.py
 RELIABILITY_CHAOS_S ?= 1800
 reliability: $(STAMP)
 	EXOD_WRITE_RELIABILITY=1 $(BIN)/python -m pytest -q tests/test_fault_matrix.py $(ATTACK_TESTS)

@@ -48,6 +48,12 @@ ATTACKS: dict[str, str] = {
     "unbounded durations": "keep_alive 1e18 or '99999999999999999h' per request, stop_grace = 1e308 or '5m5m' "
     "in the configuration: refused with the ceiling named; GET /api/ps never answers 500",
     "ranks beyond the layers": "the 422 names the limit that binds (the model's layers, not ranks_per_instance)",
+    # issue #46: a stalled runner noticed in seconds (tests/test_runner_liveness.py)
+    "runner stopped while idle": "a Ready runner with no request SIGSTOPped: within [timeouts] heartbeat "
+    "/instances says it failed, naming the missed heartbeat, charged; the stopped process is killed and a new "
+    "generation serves; never two runner processes alive",
+    "runner stopped while busy": "the same mid-answer: the chat in flight ends with an error event and [DONE] "
+    "within the heartbeat, never a hang",
 }
 OBSERVED: dict[str, str] = {}
 
@@ -74,6 +80,14 @@ CLUSTER: dict[str, str] = {
     "is no longer moved on and its watchdog process ends it before the lease can expire; the next generation "
     "starts once the runner's key is gone: never two alive, nothing charged",
     "etcd member loss": "a 3-member etcd loses the member every node talks to first: nothing is disrupted",
+    "etcd leader killed": "a 3-member etcd whose leader (the member every node talks to first) is SIGKILLed: "
+    "no controller steps down, no runner ends, every request is answered",
+    "etcd member hangs": "the etcd member a node renews its lease through (the leader) is SIGSTOPped: the "
+    "renewal gives up on it within the authority left and goes on through another; the authority never lapses",
+    "renewal under load": "busy processes take the CPU from before the daemons start: the lease renewals "
+    "start late but leave authority to spare; no controller steps down, no runner ends",
+    "node back": "a node that died comes back: the instance's next generation spreads its ranks over it "
+    "again rather than staying packed on the nodes that were left",
     "etcd outage shorter than the lease": "degraded, the instance serves throughout, no new generation",
     "etcd outage longer than the lease": "every node fences itself (its runners stop before a lease could "
     "expire); all converges when etcd returns, no retry charged",
@@ -84,6 +98,25 @@ CLUSTER: dict[str, str] = {
     "replayed spawn": "a spawn of an earlier generation replayed with the cluster token (the term and stream "
     "of a 409): refused by the agent itself while etcd holds a key of an earlier generation or the term is "
     "not etcd's now; refusals reveal no term or stream; never two generations alive, watched from outside",
+    # issue #46: failover as clients see it (tests/test_cluster_failover_clients.py)
+    "controller silent mid-answer (dropped)": "a streamed and a plain chat forwarded by another node, alive but "
+    "silent past [cluster] forward_idle (keep-alives, the controller's /health), then its host drops every "
+    "packet: within forward_idle the stream ends with the dialect's error event and [DONE], the plain one is "
+    "504 with Retry-After; never a hang",
+    "controller silent mid-answer (paused)": "the same with the controller's daemon SIGSTOPped (its kernel still "
+    "answers TCP): within forward_idle, the error event and [DONE], and 504 with Retry-After",
+    "forwarded request at a node that is not the controller": "the cluster token is the cluster's at every "
+    "node: 503 with Retry-After in each dialect, never 401; a wrong token is 401",
+    "placement racing a step-down": "etcd refuses the placement's write (the turn ended): 503 with Retry-After, "
+    "nothing stored; asked again, the next turn places it",
+    "node cut from etcd alone": "it forwards to the controller it last knew: chats answered throughout the cut; "
+    "cut from that controller too, 503 naming both",
+    "runner stopped on another node": "a runner SIGSTOPped on a node that is not the controller: its agent's "
+    "pings go unanswered, the controller fails it within [timeouts] heartbeat (charged), the agent kills it, "
+    "a new generation serves; never two runner processes alive (tests/test_runner_liveness.py)",
+    "agent paused, heartbeat shorter than a lost node": "an agent's daemon SIGSTOPped, its runner not, with "
+    "[timeouts] heartbeat below the stream's silence bound: its runners are lost as the node's failure "
+    "(uncharged), never failed as a missed heartbeat",
 }
 CLUSTER_OBSERVED: dict[str, str] = {}
 
