@@ -32,7 +32,7 @@ from test_runner_process import spawn as spawn  # a fixture: runner processes wi
 from daemon_harness import runner_pids, start_daemon, wait_instance
 from exod.cluster.remote import SILENCE_S
 from exod.host.heartbeats import PINGS_PER_LIMIT
-from exod.host.tiny_model import make_tiny_model
+from exod.host.tiny_model import SPECIAL_TOKENS, make_tiny_model
 from exod.runner import protocol as p
 
 MODEL = "exod/tiny-qwen2"
@@ -153,10 +153,16 @@ def instance(url: str) -> dict:
     return httpx.get(f"{url}/instances", timeout=10).json()["instances"][0]
 
 
+# the tiny model's special tokens (its end of turn among them) never sampled: a chat that lasts its max_tokens,
+# surely mid-answer when its runner is stopped (otherwise a random model may end it within a few tokens)
+# (the BPE trainer numbers the special tokens first, in order: 0, 1, 2)
+ENDLESS = {str(i): -100 for i in range(len(SPECIAL_TOKENS))}
+
+
 def streamed(url: str, seen: dict) -> None:
     """A streamed chat, its events (and when each came) into ``seen``."""
     seen["events"] = []
-    body = {"model": MODEL, "messages": MESSAGES, "stream": True, "max_tokens": 4000}
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True, "max_tokens": 4000, "logit_bias": ENDLESS}
     try:
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=None) as response:
             for line in response.iter_lines():
