@@ -28,7 +28,7 @@ import fsm
 from exod.chaos import invariants as inv
 from exod.chaos.faults import Injector
 from exod.chaos.history import FaultRecord, History, InstanceSample, Operation, Outcome
-from exod.chaos.rig import API_KEY, TIMEOUTS, Rig, can_mount_tmpfs
+from exod.chaos.rig import API_KEY, TIMEOUTS, Rig, RigError, can_mount_tmpfs
 from exod.chaos.schedule import Abilities, Kind, Step, draw, fault_window
 from exod.chaos.watch import STATE_POLL_S, Watcher, runner_processes, wait
 from exod.chaos.workload import Workload
@@ -45,6 +45,12 @@ MODELS = ("exod/tiny-qwen2", "exod/tiny-qwen2-b")
 LAYERS = 4  # room for 3 ranks
 QUEUE_TIMEOUT_S = 30.0  # [limits] queue_timeout's default: a request no Ready runner takes by then fails
 POLICY = fsm.RetryPolicy()  # the nodes' [retry]: the defaults
+# A set-up request (placing the standing instances) answered "not now" — 502, 503 or 504 (a controller deposed
+# mid-placement, an election under way), or no connection — is asked again, as its Retry-After says, for this
+# long at most; any other answer, or this long without one, is the rig's failure (`RigError`), never a crash.
+SETUP_S = 120.0
+RETRYABLE = frozenset({502, 503, 504})
+RETRY_AFTER_S = 1.0  # between tries where the answer names no Retry-After
 
 
 @attrs.frozen
@@ -108,16 +114,19 @@ def _run(root: Path, settings: Settings, announce: Callable[[str], object]) -> R
         f"`exod chaos --seed {settings.seed} --duration {settings.duration:g}`"
     )
     history = History()
-    rig = Rig(
-        root,
-        hf_home,
-        MODELS,
-        nodes=settings.nodes,
-        members=settings.members,
-        ttl=settings.ttl,
-        namespace=abilities.namespaces,
-        tmpfs=abilities.tmpfs,
-    )
+    try:
+        rig = Rig(
+            root,
+            hf_home,
+            MODELS,
+            nodes=settings.nodes,
+            members=settings.members,
+            ttl=settings.ttl,
+            namespace=abilities.namespaces,
+            tmpfs=abilities.tmpfs,
+        )
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:  # etcd or a node did not come up
+        raise RigError(f"the cluster could not be set up: {exc}") from exc
     leftovers: list[str] = []
     try:
         announce(
@@ -258,23 +267,75 @@ def _place_first(rig: Rig, nodes: int) -> tuple[float, list[tuple[str, float, fl
     return cold, placed
 
 
+def _client() -> httpx.Client:
+    """The set-up's client (a test gives it a transport of its own)."""
+    return httpx.Client(headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+
+
 def _place(rig: Rig, model: str, body: dict[str, Any]) -> tuple[str, float, float]:
+    """A standing instance placed (on node-2, which the schedule never cuts first); `RigError` if it cannot be."""
     started = time.monotonic()
-    answer = httpx.post(
-        f"{rig.urls()['node-2']}/instances",
-        json={"model": model, **body},
-        headers={"Authorization": f"Bearer {API_KEY}"},
-        timeout=60,
-    )
-    answer.raise_for_status()
-    return answer.json()["instance_id"], started, time.monotonic()
+    with _client() as client:
+        answer = setup_request(client, "POST", lambda: f"{rig.urls()['node-2']}/instances", {"model": model, **body})
+    try:
+        return answer.json()["instance_id"], started, time.monotonic()
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RigError(f"placing {model}: an answer without its instance: {answer.text[:200]!r}") from exc
+
+
+def setup_request(
+    client: httpx.Client, method: str, url: Callable[[], str], body: Any = None, *, within: float = SETUP_S
+) -> httpx.Response:
+    """A set-up request's success, asked again while the answer is "not now" (`RETRYABLE`, or no connection),
+    for ``within`` seconds at most; `RigError` saying what was answered otherwise. ``url``: where to ask now (a
+    restarted node has a new port)."""
+    give_up, what = time.monotonic() + within, method
+    while True:
+        try:
+            target = url()
+            what = f"{method} {target}"
+            answer = client.request(method, target, json=body)
+        except (httpx.TransportError, KeyError, OSError, ValueError) as exc:  # no answer, or the node's URL unknown
+            said, wait_s = f"no answer ({type(exc).__name__}: {exc})", RETRY_AFTER_S
+        else:
+            if answer.is_success:
+                return answer
+            said = f"{answer.status_code} {_error_message(answer)}"
+            if answer.status_code not in RETRYABLE:
+                raise RigError(f"{what} was answered {said}: the rig cannot place its standing instances")
+            wait_s = _retry_after(answer)
+        if time.monotonic() + wait_s > give_up:
+            raise RigError(f"{what} was still answered {said} after {within:.0f} s of asking again")
+        time.sleep(wait_s)
+
+
+def _error_message(answer: httpx.Response) -> str:
+    try:
+        return str(answer.json()["error"]["message"])[:300]
+    except (ValueError, KeyError, TypeError):
+        return repr(answer.text[:300])
+
+
+def _retry_after(answer: httpx.Response) -> float:
+    """The seconds its Retry-After asks for (a date, or nothing, is `RETRY_AFTER_S`), at most a minute."""
+    try:
+        return min(60.0, max(0.0, float(answer.headers.get("retry-after", RETRY_AFTER_S))))
+    except ValueError:
+        return RETRY_AFTER_S
 
 
 def _ready(rig: Rig, iid: str, timeout: float = 180.0) -> float:
-    """When ``iid`` was seen Ready."""
+    """When ``iid`` was seen Ready; `RigError` if not within ``timeout`` (no node answering counts as not yet)."""
     ready = fsm.InstanceState.READY.value
-    if not wait(lambda: rig.get(f"/instances/{iid}")["state"] == ready, timeout):
-        raise RuntimeError(f"{iid} was not Ready within {timeout:.0f} s of its placement: the rig is broken")
+
+    def seen() -> bool:
+        try:
+            return rig.get(f"/instances/{iid}")["state"] == ready
+        except (RigError, KeyError, TypeError):
+            return False
+
+    if not wait(seen, timeout):
+        raise RigError(f"{iid} was not Ready within {timeout:.0f} s of its placement: the rig is broken")
     return time.monotonic()
 
 

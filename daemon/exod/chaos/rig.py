@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -123,11 +124,20 @@ class Rig:
                 self.nodes.append(self._node(n, tmpfs))
                 self.nodes[-1].start()
                 if n == 1:  # node-1 first, so that it is the controller (and, cut off, the one that must step down)
-                    wait_until(lambda: self.controller() == "node-1", "node-1 to be the controller", 60)
-            wait_until(lambda: len(self.get("/nodes")["nodes"]) == nodes, "every node to join", 60)
+                    wait_until(
+                        lambda: self._seen(lambda: self.controller() == "node-1"), "node-1 to be the controller", 60
+                    )
+            wait_until(lambda: self._seen(lambda: len(self.get("/nodes")["nodes"]) == nodes), "every node to join", 60)
         except BaseException:
             self.close()
             raise
+
+    def _seen(self, check: Callable[[], bool]) -> bool:
+        """``check()``, where no node answering yet (a 503 while etcd elects, say) is not yet, never the end."""
+        try:
+            return check()
+        except RigError:
+            return False
 
     @property
     def etcd_address(self) -> str:

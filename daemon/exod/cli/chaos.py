@@ -10,6 +10,7 @@ import click
 SPEC = Path("specs/reliability.md")
 MATRIX_ROWS = Path("specs/transitions-fault-matrix.json")  # written by the fault matrix (make reliability)
 AROUND_S = 5.0  # seconds of history shown either side of a violation
+RIG_FAILED = 3  # the exit status when the rig could not be set up: nothing was checked (1: a violation)
 
 
 @click.command()
@@ -40,14 +41,20 @@ def chaos(seed, duration, nodes, ttl, no_netns, report, keep) -> None:
     """Start a 3-member etcd and NODES exod nodes, place instances, run a client workload and inject faults
     drawn from SEED (runners, daemons, network, etcd, storage); check the seven invariants of issue #26 on
     what an outsider saw. A violation prints the seed, the schedule up to it and the history around it, and
-    exits 1; the same --seed replays the same schedule. Needs etcd (installed with exod's test extra); network
-    faults and a full disk need root."""
+    exits 1; the same --seed replays the same schedule. A rig that cannot be set up (etcd or a node not up,
+    the standing instances not placed) says why and exits 3: nothing was checked. Needs etcd (installed with
+    exod's test extra); network faults and a full disk need root."""
     from exod.chaos import campaign
     from exod.chaos import report as reporting
+    from exod.chaos.rig import RigError
 
     seed = secrets.randbelow(2**31) if seed is None else seed
     settings = campaign.Settings(seed, duration, nodes=nodes, ttl=ttl, namespaces=not no_netns, keep=keep)
-    result = campaign.run(settings, announce=lambda line: click.echo(line, err=True))
+    try:
+        result = campaign.run(settings, announce=lambda line: click.echo(line, err=True))
+    except RigError as exc:
+        click.echo(f"seed {seed}: the rig failed, nothing was checked: {exc}", err=True)
+        raise SystemExit(RIG_FAILED) from None
     if keep is not None:
         result.history.dump(keep / "history.jsonl")
     if report is not None:

@@ -117,6 +117,11 @@ def _tail(path: Path, lines: int = TAIL_LINES) -> str:
         return ""
 
 
+class Unfenced(RuntimeError):
+    """A cluster's runner (`RunnerSpec.fenced`) asked to start without its deadline: it could outlive its node's
+    authority, so it is not started (DESIGN §5). Its agent gives it one first (`Supervisor.extend`)."""
+
+
 class Watchdog:
     """Stall detection for one runner's generation: armed by a request, fed by the reports that show progress,
     firing ``on_stall("generating", seconds)`` once when it goes silent for its timeout (trio time). The phases
@@ -237,6 +242,8 @@ class Supervisor:
         s = self.spec
         argv = [sys.executable, "-m", "exod.runner", "--runner-id", s.runner_id, "--incarnation", str(s.incarnation)]
         argv += ["--rank", str(s.rank), "--world-size", str(s.world_size), "--control-fd", str(control_fd)]
+        if s.fenced and deadline_fd is None:
+            raise Unfenced(f"runner {s.runner_id}/{s.incarnation} is fenced: it runs only with its deadline pipe")
         if deadline_fd is not None:
             argv += ["--deadline-fd", str(deadline_fd)]
         if s.hostfile is not None:
@@ -248,7 +255,11 @@ class Supervisor:
         return argv + s.batch.argv()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Spawn, serve until the process ends, report the exit. Cancelling it kills and reaps the process."""
+        """Spawn, serve until the process ends, report the exit. Cancelling it kills and reaps the process.
+        `Unfenced` (nothing started) for a fenced runner without its first deadline."""
+        if self.spec.fenced and self.deadline is None:
+            s = self.spec
+            raise Unfenced(f"runner {s.runner_id}/{s.incarnation} is fenced but has no deadline: it is not started")
         private_dir(self.spec.log_path.parent)  # a log holds the runner's output: 0700 dirs, a 0600 file
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         deadline_r, deadline_w = os.pipe() if self.spec.fenced else (None, None)
