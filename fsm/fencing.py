@@ -50,7 +50,11 @@ Two more keep the cluster live (off, it can be stuck, never Ready again):
    lives on with no controller behind it for as long as the node renews its lease.
 
 The invariant: the runner processes alive (not yet exited: killed, stopped, or past their deadline) are
-all of one generation. It explores breadth-first, so a violation comes with a shortest trace.
+all of one generation, and no rank has two of them (of one generation or two: a process is counted, not only
+its generation, as `bench/overlap.py` and the chaos campaign watch them from /proc). It explores
+breadth-first, so a violation comes with a shortest trace; `tests/test_model_replay.py` replays the trace of
+each mechanism switched off against the daemon's real classes, so a model that drifts from the code is
+noticed.
 
 Liveness: after every heal that leaves no fault in force (and from the start), the instance can be Ready
 again — a controller of the term etcd holds runs a generation whose every rank is alive — within
@@ -113,6 +117,7 @@ class _Proc(NamedTuple):
     gen: int
     deadline: int  # ticks left (NONE: it holds none)
     direct: bool  # spawned by the controller itself, not by its node's agent (ONE_PATH off)
+    rank: int  # its rank in its generation: two processes of one rank are a violation too
 
 
 class _Msg(NamedTuple):
@@ -122,6 +127,7 @@ class _Msg(NamedTuple):
     gen: int
     term: int
     stream: int  # the sender's report stream in that term
+    rank: int = 0  # the rank a spawn starts (a stop's: 0, unused)
 
 
 class _State(NamedTuple):
@@ -145,7 +151,7 @@ class _State(NamedTuple):
     faults: int
 
 
-SAFETY = "two generations alive at once"
+SAFETY = "two generations, or two processes of a rank, alive at once"
 LIVENESS = "never Ready again after the heal"
 
 
@@ -181,7 +187,7 @@ class FencingResult:
         if not self.ok:
             return f"{head}\n{self.violation.report()}"  # type: ignore[union-attr]
         live = "; Ready again after every heal" if self.exhaustive else ""
-        return f"{head}\nnever two generations alive{live}"
+        return f"{head}\nnever two generations, nor two processes of a rank, alive{live}"
 
 
 def check_fencing(config: FencingConfig | None = None, *, timer: Callable[[], float] | None = None) -> FencingResult:
@@ -269,9 +275,15 @@ class _Model:
 
     @staticmethod
     def violated(s: _State) -> str | None:
-        alive = {(node, p.gen) for node, procs in enumerate(s.procs) for p in procs}
-        if len({gen for _, gen in alive}) > 1:
-            return ", ".join(f"generation {gen} on n{node}" for node, gen in sorted(alive))
+        """Two generations alive, or two processes of one rank (counted as processes: a set of generations
+        would hide two of one generation)."""
+        alive = sorted((p.rank, p.gen, node, p.direct) for node, procs in enumerate(s.procs) for p in procs)
+        ranks = [rank for rank, *_ in alive]
+        if len({gen for _, gen, _, _ in alive}) > 1 or len(set(ranks)) < len(ranks):
+            return ", ".join(
+                f"generation {gen} rank {rank} on n{node}{' (direct)' if direct else ''}"
+                for rank, gen, node, direct in alive
+            )
         return None
 
     def ready(self, s: _State) -> bool:
@@ -413,11 +425,11 @@ class _Model:
     def _start(self, s: _State, n: int, placed: tuple[int, ...]) -> _State:
         gen, term = s.allocated + 1, s.believes[n]
         msgs, procs = set(s.msgs), s.procs
-        for m in placed:
+        for rank, m in enumerate(placed):
             if m == n and Mechanism.ONE_PATH not in self.on:
-                procs = _set(procs, n, procs[n] | {_Proc(gen, NONE, True)})
+                procs = _set(procs, n, procs[n] | {_Proc(gen, NONE, True, rank)})
             else:
-                msgs.add(_Msg(n, m, True, gen, term, s.stream[n]))
+                msgs.add(_Msg(n, m, True, gen, term, s.stream[n], rank))
         return s._replace(allocated=gen, running=_set(s.running, n, gen), msgs=frozenset(msgs), procs=procs)
 
     def _abandon(self, s: _State, n: int) -> _State:
@@ -462,7 +474,7 @@ class _Model:
             )
         if d in s.off_etcd or s.authority[d] == 0:  # the claim: under the node's lease, while it surely lives
             return s
-        proc = _Proc(m.gen, s.authority[d] if Mechanism.DEADLINE in self.on else NONE, False)
+        proc = _Proc(m.gen, s.authority[d] if Mechanism.DEADLINE in self.on else NONE, False, m.rank)
         return s._replace(keys=s.keys | {(d, m.gen)}, procs=_set(s.procs, d, s.procs[d] | {proc}))
 
     def _tick(self, s: _State) -> _State:

@@ -24,8 +24,8 @@ from fsm.fencing import Mechanism  # a small pure module: the choices of --witho
     help="Switch a fencing mechanism off (repeatable): plants the bug it prevents.",
 )
 def check_fencing(nodes, ranks, max_faults, generations, horizon, max_states, without) -> None:
-    """Model-check the cluster's control plane (fsm.fencing): never two generations alive, and Ready again after
-    every heal; a violation prints its shortest trace and exits 1."""
+    """Model-check the cluster's control plane (fsm.fencing): never two generations, nor two processes of a rank,
+    alive, and Ready again after every heal; a violation prints its shortest trace and exits 1."""
     import time
 
     from fsm.fencing import MECHANISMS, FencingConfig
