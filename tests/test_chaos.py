@@ -8,13 +8,20 @@ import random
 import resource
 import subprocess
 import sys
+import time
 
+import httpx
 import psutil
+import pytest
+from click.testing import CliRunner
 
+from exod.chaos import campaign
 from exod.chaos import invariants as inv
 from exod.chaos.history import FaultRecord, History, InstanceSample, Operation, Outcome, ProcessLife
 from exod.chaos.report import percentile, recoveries
+from exod.chaos.rig import RigError
 from exod.chaos.schedule import Abilities, Area, Kind, draw
+from exod.cli.chaos import RIG_FAILED, chaos
 
 BOUNDS = inv.Bounds(request_s=60.0, recovery_s=40.0)
 
@@ -388,3 +395,141 @@ def test_a_placement_pins_its_ranks_only_to_nodes_that_are_up_and_enough_of_them
     assert all("nodes" not in b for b in bodies if b["ranks"] > 1)
     up = [placement_body(rng, ["m"], ["node-1", "node-2", "node-3"]) for _ in range(200)]
     assert any(len(b.get("nodes", ())) == 3 for b in up)
+
+
+# -- issue #47: the long faults, always; two processes of one rank ------------------------------
+
+
+def test_two_live_processes_of_one_rank_are_a_violation_whatever_their_generations():
+    """A rank spawned twice (the controller starting its own node's rank beside an agent's, say) is a split brain
+    even within one generation; a rank handed over between two samples is not."""
+    handed_over = [life(1, 1, 0.0, 5.0), life(2, 1, 0.0, 5.0, rank=1), life(3, 2, 5.03, 9.0), life(4, 2, 5.03, 9.0, 1)]
+    assert inv.one_generation_at_a_time(handed_over) == []
+    same_generation = [life(1, 1, 0.0, 5.0), life(2, 1, 0.0, 5.0, rank=1), life(5, 1, 2.0, 3.0, rank=1)]
+    [found] = inv.one_generation_at_a_time(same_generation)
+    assert found.invariant == 1 and found.time == 2.0 and "two processes of rank 1" in found.text
+    assert "pid 2" in found.text and "pid 5" in found.text
+    both = [life(1, 1, 0.0, 5.0), life(3, 2, 4.0, 9.0)]  # rank 0 of generations 1 and 2: one violation says both
+    [found] = inv.one_generation_at_a_time(both)
+    assert "generation 1" in found.text and "generation 2" in found.text and "both rank 0" in found.text
+    other_instance = [life(1, 1, 0.0, 5.0), life(2, 1, 1.0, 6.0, iid="i2")]
+    assert inv.one_generation_at_a_time(other_instance) == []
+
+
+def test_every_seed_draws_a_pause_and_a_cut_longer_than_the_lease_on_the_controller_and_on_a_rank_holding_agent():
+    """Issue #47: the campaign never paused the controller past its lease. Whatever the seed and the duration
+    (CI's 120 s among them), the schedule holds the four long faults, within the fault window, with no other
+    fault on a node while they last; without namespaces, the two pauses."""
+    from exod.chaos.schedule import Role, Step, fault_window, long_faults
+
+    def alone(f: Step, on_nodes: list[Step]) -> bool:  # no other fault on a node while it lasts
+        return not any(s != f and s.at <= f.at + f.hold and f.at <= s.at + s.hold for s in on_nodes)
+
+    able, ttl, areas = Abilities(namespaces=True, tmpfs=True), 5.0, (Area.DAEMON, Area.NETWORK, Area.STORAGE)
+    wanted = {(k, r) for k in (Kind.DAEMON_PAUSE, Kind.NETWORK_ALL) for r in (Role.CONTROLLER, Role.RANK_AGENT)}
+    for seed, duration in itertools.product(range(60), (120.0, 600.0, 1800.0)):
+        steps = draw(seed, duration, able, ttl=ttl)
+        on_nodes = [s for s in steps if s.kind.area in areas and s.kind is not Kind.STORAGE_MODEL_GONE]
+        held = {
+            (s.kind, s.role)
+            for s in long_faults(steps, ttl)
+            if s.hold <= 2 * ttl and s.at + s.hold < fault_window(duration) and alone(s, on_nodes)
+        }
+        assert held >= wanted, (seed, duration, [s.text() for s in steps])
+        assert steps == draw(seed, duration, able, ttl=ttl)  # still a pure function of the seed
+    plain = draw(26, 120, Abilities(), ttl=ttl)
+    assert {(Kind.DAEMON_PAUSE, Role.CONTROLLER), (Kind.DAEMON_PAUSE, Role.RANK_AGENT)} <= {
+        (s.kind, s.role) for s in long_faults(plain, ttl)
+    }
+
+
+def test_a_fault_on_a_rank_holding_agent_hits_only_an_agent_with_a_runner_and_a_cut_only_the_namespaced_node():
+    """The roles the long faults name are resolved when injected: an agent that holds a runner now (none: not
+    injected, said so), and a network fault only on the namespaced node, if it plays the role now."""
+    import types
+
+    from exod.chaos.faults import Injector, NoTarget
+    from exod.chaos.schedule import Role, Step
+
+    nodes = [types.SimpleNamespace(name=f"node-{n}", alive=True, namespaced=n == 1) for n in (1, 2, 3)]
+    rig = types.SimpleNamespace(nodes=nodes, controller=lambda: "node-2", node=lambda name: name)
+    runners = {7: ProcessLife(7, "node-3", "i1", 0, 1, 0.0, 1.0), 8: ProcessLife(8, "node-2", "i1", 1, 1, 0.0, 1.0)}
+    injector = Injector(rig, History(), lambda: 0.0, lambda: runners)
+    assert injector._node(Step(0.0, Kind.DAEMON_PAUSE, Role.RANK_AGENT, 5, 10.0)) == "node-3"
+    assert injector._node(Step(0.0, Kind.DAEMON_PAUSE, Role.CONTROLLER, 5, 10.0)) == "node-2"
+    for role in (Role.RANK_AGENT, Role.CONTROLLER):  # node-1 is neither now
+        with pytest.raises(NoTarget):
+            injector._node(Step(0.0, Kind.NETWORK_ALL, role, 0, 10.0))
+    runners[9] = ProcessLife(9, "node-1", "i1", 2, 1, 0.0, 1.0)
+    assert injector._node(Step(0.0, Kind.NETWORK_ALL, Role.RANK_AGENT, 0, 10.0)) == "node-1"
+    rig.controller = lambda: "node-1"
+    injector._busy.clear()
+    assert injector._node(Step(0.0, Kind.NETWORK_ALL, Role.CONTROLLER, 3, 10.0)) == "node-1"
+
+
+# -- issue #47: the set-up survives any answer ---------------------------------------------------------------
+
+
+class _Answers:
+    """A node's answers to the set-up's placements, in turn (the last one again and again), and when each came."""
+
+    def __init__(self, *answers) -> None:
+        self.answers, self.asked = list(answers), []
+
+    def __call__(self, request):
+        self.asked.append(time.monotonic())
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if isinstance(answer, Exception):
+            raise answer
+        status, headers, body = answer
+        return httpx.Response(status, headers=headers, json=body, request=request)
+
+
+class _Rig:
+    def urls(self) -> dict[str, str]:
+        return {"node-1": "http://node-1", "node-2": "http://node-2"}
+
+
+def _deposed(code: int = 503) -> tuple[int, dict[str, str], dict]:
+    message = "node node-2 is no longer the controller: etcd refused its write: nothing was stored"
+    return code, {"Retry-After": "1"}, {"error": {"message": message, "code": "controller_unavailable"}}
+
+
+def _with_answers(monkeypatch, answers: _Answers) -> None:
+    monkeypatch.setattr(campaign, "_client", lambda: httpx.Client(transport=httpx.MockTransport(answers)))
+
+
+def test_a_placement_at_set_up_answered_not_now_or_not_at_all_is_asked_again_as_retry_after_says(monkeypatch):
+    """A controller deposed mid-placement answers 503 (Retry-After: 1), an election under way no connection: the
+    set-up asks again, after the Retry-After, and places its standing instance."""
+    answers = _Answers(_deposed(), httpx.ConnectError("connection refused"), (201, {}, {"instance_id": "m-1"}))
+    _with_answers(monkeypatch, answers)
+    iid, asked, acknowledged = campaign._place(_Rig(), "exod/tiny-qwen2", {"ranks": 1})
+    assert iid == "m-1" and len(answers.asked) == 3
+    assert answers.asked[1] - answers.asked[0] >= 1.0  # the Retry-After, waited
+    assert asked <= answers.asked[0] and acknowledged >= answers.asked[-1]
+
+
+def test_a_placement_at_set_up_refused_for_good_or_not_now_for_too_long_is_the_rigs_failure(monkeypatch):
+    """A 500 will not become a placement: not asked again. A 503 that lasts past the bound is given up."""
+    broken = _Answers((500, {}, {"error": {"message": "internal error (Deposed)"}}))
+    _with_answers(monkeypatch, broken)
+    with pytest.raises(RigError, match=r"answered 500 internal error \(Deposed\)"):
+        campaign._place(_Rig(), "exod/tiny-qwen2", {"ranks": 1})
+    assert len(broken.asked) == 1  # not asked again: it will not become a placement
+    _with_answers(monkeypatch, deposed := _Answers(_deposed()))
+    with campaign._client() as client, pytest.raises(RigError, match=r"still answered 503 .*after 2 s"):
+        campaign.setup_request(client, "POST", lambda: "http://node-2/instances", {}, within=2.0)
+    assert len(deposed.asked) == 2  # asked again once a second later, not past the bound
+
+
+def test_exod_chaos_whose_rig_fails_at_set_up_says_why_and_exits_with_its_own_status_not_a_traceback(monkeypatch):
+    """Any answer at set-up: here every placement is a 500. `exod chaos` exits 3 (1 is a violation), saying
+    the seed and what the node answered."""
+    _with_answers(monkeypatch, _Answers((500, {}, {"error": {"message": "internal error (Deposed)"}})))
+    monkeypatch.setattr(campaign, "run", lambda settings, announce: campaign._place_first(_Rig(), 3))
+    done = CliRunner().invoke(chaos, ["--seed", "7", "--duration", "30"])
+    assert done.exit_code == RIG_FAILED == 3, done.output
+    assert isinstance(done.exception, SystemExit), done.exception
+    assert "seed 7: the rig failed, nothing was checked" in done.output and "500 internal error" in done.output
+    assert "Traceback" not in done.output

@@ -1217,3 +1217,138 @@ def test_a_node_on_a_secured_etcd_joins_serves_and_its_log_replays(tmp_path, sec
     assert answered.status_code == 200
     assert replayed.returncode == 0, replayed.stderr
     assert refused.returncode == 1 and "etcd" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def ranks_of(iid: str) -> dict[int, tuple[int, int, int]]:
+    """The live runner processes of ``iid`` on this machine: pid → (generation, rank, parent pid)."""
+    found = {}
+    for pid in runner_pids():
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            if argv[argv.index("--runner-id") + 1].startswith(f"{iid}/"):
+                found[pid] = (int(argv[argv.index("--incarnation") + 1]), int(argv[argv.index("--rank") + 1]), parent)
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not a runner's command line
+    return found
+
+
+class ProcSampler:
+    """``ranks_of(iid)`` every 20 ms from a thread, while the block runs: (time, sample) pairs."""
+
+    def __init__(self, iid: str) -> None:
+        self.iid, self.samples = iid, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> ProcSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.monotonic(), ranks_of(self.iid)))
+            self._stop.wait(0.02)
+
+    def most_generations(self) -> int:
+        return max((len({g for g, _, _ in alive.values()}) for _, alive in self.samples), default=0)
+
+    def most_per_rank(self) -> int:
+        counts = [[r for _, r, _ in alive.values()] for _, alive in self.samples]
+        return max((ranks.count(r) for ranks in counts for r in ranks), default=0)
+
+
+@pytest.mark.parametrize("ranks_on", ["controller", "spread"])
+def test_a_controller_paused_two_leases_has_its_runners_end_by_their_deadline_and_steps_down_doing_nothing(
+    tmp_path, etcd, hf_home, ranks_on
+):
+    """Issue #47: node-1, the controller, its daemon SIGSTOPped for 2 × the lease TTL (its runners not). Watched
+    from outside, /proc every 20 ms and etcd: its runners are ended by their deadline before its node key (its
+    lease) goes; another node is elected and the instance is Ready in a newer generation on the others; never
+    two generations, nor two processes of one rank, alive at once. Continued, node-1 knows its term is over:
+    it spawns nothing and the instance stays as the new controller left it.
+
+    ``controller``: the instance's only rank on node-1 (no peer's loss tells anyone; two ranks packed on one
+    node of three are spread before they start, `fsm.place_again`). ``spread``: ranks on node-1 and node-2, whose
+    runner the new controller must see gone before the next generation starts."""
+    env = {**os.environ, "HF_HOME": str(hf_home)}
+    pinned = ["node-1"] if ranks_on == "controller" else ["node-1", "node-2"]
+    controller_key, node_1_key = DEFAULT_PREFIX.encode() + b"controller", node_key(DEFAULT_PREFIX.encode(), "node-1")
+
+    def holder(key: bytes) -> str | None:
+        found = run_with_client(etcd, lambda client: client.get(key))
+        return found.value.decode() if found is not None else None
+
+    daemons = []
+    try:
+        daemons.append(start(tmp_path, etcd, 1, env))
+        until(lambda: nodes(daemons[0][1]), lambda v: v["controller"] == "node-1", 30)
+        daemons += [start(tmp_path, etcd, n, env) for n in (2, 3)]
+        url = daemons[1][1]  # node-2: never paused
+        until(lambda: nodes(url), lambda v: len(v["nodes"]) == 3, 30)
+        body = {"model": "exod/tiny-qwen2", "ranks": len(pinned), "nodes": pinned}
+        iid = httpx.post(f"{url}/instances", json=body, timeout=30).json()["instance_id"]
+        before = until(lambda: instance_at(url, iid), lambda i: i["state"] == "ready", 60)
+        paused = daemons[0][0]
+        on_node_1 = {pid for pid, (_, _, parent) in ranks_of(iid).items() if parent == paused.pid}
+        assert len(on_node_1) == 1, (before["runners"], ranks_of(iid))  # rank 0
+
+        with ProcSampler(iid) as watch:
+            paused.send_signal(signal.SIGSTOP)
+            paused_at, expired_after, elected, held_before = time.monotonic(), None, None, set()
+            try:
+                while (now := time.monotonic() - paused_at) < 2 * TTL:
+                    if expired_after is None and holder(node_1_key) is None:
+                        expired_after = now
+                    if expired_after is None:  # its lease alive: no one else may be the controller
+                        held_before.add(holder(controller_key))
+                    elif elected is None and (elected := holder(controller_key)) in (None, "node-1"):
+                        elected = None
+                    time.sleep(0.1)
+            finally:
+                paused.send_signal(signal.SIGCONT)
+            continued_at = time.monotonic()
+            if elected is None:  # the election came after the pause ended
+                elected = until(lambda: holder(controller_key), lambda h: h not in (None, "node-1"), TTL)
+            after = until(
+                lambda: instance_at(url, iid),
+                lambda i: i.get("state") == "ready" and i["generation"] > before["generation"],
+                6 * TTL,
+            )
+            stepped_down = until(lambda: nodes(daemons[0][1]), lambda v: v["controller"] not in (None, "node-1"), TTL)
+            time.sleep(TTL)  # the old controller, continued, has had a whole lease to act: nothing moves
+            settled = instance_at(url, iid)
+            still = holder(controller_key)
+    finally:
+        stop_all(daemons)
+    gone = [t for t, alive in watch.samples if t > paused_at and not on_node_1 & set(alive)]
+    ended_after = gone[0] - paused_at if gone else None
+    spawned_by_node_1 = {
+        pid for t, alive in watch.samples if t > continued_at for pid, (*_, p) in alive.items() if p == paused.pid
+    }
+    assert ended_after is not None and expired_after is not None, (ended_after, expired_after)
+    assert ended_after < expired_after < 2 * TTL  # the runners by their deadline, before its lease could expire
+    assert watch.most_generations() == 1 and watch.most_per_rank() == 1  # never two at once, in any sample
+    assert held_before == {"node-1"}  # no other controller while node-1's lease lived
+    assert elected in ("node-2", "node-3") and still == elected == stepped_down["controller"]
+    assert after["state"] == "ready" and {r["node"] for r in after["runners"]} <= {"node-2", "node-3"}
+    assert after["attempts"] == before["attempts"]  # a paused host is not the model's failure
+    assert not spawned_by_node_1  # continued, node-1 started nothing
+    assert (settled["state"], settled["generation"]) == ("ready", after["generation"])
+    samples = len(watch.samples)
+    every_ms = 1000 * (watch.samples[-1][0] - watch.samples[0][0]) / (samples - 1)  # the sweep's own time included
+    where = "every rank on the controller" if ranks_on == "controller" else "ranks on the controller and an agent"
+    cluster_fault(
+        f"controller paused 2× TTL, {where}",
+        f"node-1's daemon SIGSTOPped {2 * TTL} s: its runner ended {ended_after:.1f} s in (its deadline), its "
+        f"lease gone at {expired_after:.1f} s; {elected} elected, generation {after['generation']} Ready on "
+        f"{' and '.join(sorted({r['node'] for r in after['runners']}))}, attempts {after['attempts']}; continued, "
+        f"node-1 named {stepped_down['controller']} the controller and spawned nothing, generation "
+        f"{settled['generation']} still Ready a lease later; in {samples} samples of /proc (one per "
+        f"{every_ms:.0f} ms), at most "
+        f"{watch.most_generations()} generation and {watch.most_per_rank()} process per rank alive (lease TTL {TTL} s)",
+    )

@@ -17,7 +17,7 @@ import psutil
 
 from exod.chaos.history import FaultRecord, History, ProcessLife
 from exod.chaos.rig import Node, Rig, RigError
-from exod.chaos.schedule import Kind, Role, Step
+from exod.chaos.schedule import Area, Kind, Role, Step
 from exod.cluster.devcluster import DevClusterError, LocalEtcd
 
 FILLER = ".chaos-filler"
@@ -119,14 +119,16 @@ class Injector:
     # -- daemons, node-1's links, state dirs, fd limits -----------------------------------
 
     def _node(self, step: Step) -> Node:
-        if step.role is Role.NAMESPACED:
-            candidates = [n.name for n in self.rig.nodes if n.namespaced and n.alive]
-        else:
+        """A live node of the step's role; for a network fault, the namespaced one, if it plays that role now."""
+        alive = [n.name for n in self.rig.nodes if n.alive and (n.namespaced or step.kind.area is not Area.NETWORK)]
+        if step.role is not Role.NAMESPACED:
             controller = self._controller()
-            alive = [n.name for n in self.rig.nodes if n.alive]
             is_controller = step.role is Role.CONTROLLER
-            candidates = [name for name in alive if (name == controller) == is_controller]
-        return self.rig.node(self._claim(candidates, step))
+            alive = [name for name in alive if (name == controller) == is_controller]
+        if step.role is Role.RANK_AGENT:
+            holding = {life.node for life in self.runners().values()}
+            alive = [name for name in alive if name in holding]
+        return self.rig.node(self._claim(alive, step))
 
     def _controller(self) -> str | None:
         try:

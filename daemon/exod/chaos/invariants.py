@@ -38,24 +38,39 @@ class Bounds:
 
 
 def one_generation_at_a_time(processes: Iterable[ProcessLife]) -> list[Violation]:
-    """1. Never two generations of one instance with processes alive at the same moment (seen in one sample)."""
+    """1. Never two generations of one instance with processes alive at the same moment, and never two processes
+    of one rank, whatever their generations (seen in one sample): a rank spawned twice in one generation is as
+    much a split brain as two generations (of two generations, one violation says both)."""
     found = []
     by_instance: dict[str, list[ProcessLife]] = defaultdict(list)
     for life in processes:
         by_instance[life.instance].append(life)
     for iid, lives in sorted(by_instance.items()):
-        told = set()  # one violation per pair of generations: the first moment they were seen together
+        told = set()  # one violation per pair of generations, or rank: the first moment they were seen together
         for a, b in itertools.combinations(sorted(lives, key=lambda p: p.first), 2):
-            pair = tuple(sorted((a.generation, b.generation)))
-            if a.generation != b.generation and max(a.first, b.first) <= min(a.last, b.last) and pair not in told:
+            if max(a.first, b.first) > min(a.last, b.last):
+                continue
+            together = f"from t+{max(a.first, b.first):.2f}s to t+{min(a.last, b.last):.2f}s"
+            pair = ("generations", *sorted((a.generation, b.generation)))
+            if a.generation != b.generation and pair not in told:
                 told.add(pair)
+                twice = f", both rank {a.rank}" if a.rank == b.rank else ""
                 found.append(
                     Violation(
                         1,
                         max(a.first, b.first),
                         f"{iid}: generation {a.generation} (pid {a.pid} on {a.node}) and generation {b.generation} "
-                        f"(pid {b.pid} on {b.node}) alive together from t+{max(a.first, b.first):.2f}s "
-                        f"to t+{min(a.last, b.last):.2f}s",
+                        f"(pid {b.pid} on {b.node}){twice} alive together {together}",
+                    )
+                )
+            elif a.generation == b.generation and a.rank == b.rank and ("rank", a.rank) not in told:
+                told.add(("rank", a.rank))
+                found.append(
+                    Violation(
+                        1,
+                        max(a.first, b.first),
+                        f"{iid}: two processes of rank {a.rank}, pid {a.pid} on {a.node} (generation {a.generation}) "
+                        f"and pid {b.pid} on {b.node} (generation {b.generation}), alive together {together}",
                     )
                 )
     return found

@@ -74,6 +74,7 @@ class Role(enum.Enum):
     MEMBER = "member"  # an etcd member that is not the leader
     LEADER = "leader"  # etcd's leader
     RANK = "rank"  # a runner of an instance
+    RANK_AGENT = "rank-agent"  # a node that is not the controller and holds a runner now
     MODEL = "model"  # a model in the cache the nodes share
 
 
@@ -125,8 +126,8 @@ _KIND_ROLES: dict[Kind, tuple[Role, ...]] = {Kind.STORAGE_MODEL_GONE: (Role.MODE
 
 def draw(seed: int, duration: float, abilities: Abilities, *, ttl: float) -> tuple[Step, ...]:
     """The faults of a campaign of ``duration`` seconds: one every few seconds, sometimes two at once, sometimes
-    one while the cluster still recovers from the last; holds both shorter and longer than the lease ``ttl``.
-    Faults stop at `fault_window` so the last heal leaves time to recover in."""
+    one while the cluster still recovers from the last; holds both shorter and longer than the lease ``ttl``;
+    and always the `LONG_FAULTS`. Faults stop at `fault_window` so the last heal leaves time to recover in."""
     rng = random.Random(seed)
     kinds = abilities.kinds()
     steps: list[Step] = []
@@ -138,7 +139,51 @@ def draw(seed: int, duration: float, abilities: Abilities, *, ttl: float) -> tup
             steps.append(Step(round(at, 1), kind, role, rng.randrange(1 << 16), round(_hold(rng, kind, ttl), 1)))
         # during recovery from the last one, or after it settled
         at += rng.uniform(0.5, ttl) if rng.random() < 0.4 else rng.uniform(ttl, 2 * ttl)
-    return tuple(steps)
+    return _with_long_faults(rng, steps, abilities, duration, ttl)
+
+
+# The faults a campaign always holds (issue #47): a pause and a cut longer than the lease, on the controller and on
+# an agent holding a rank, at these fractions of the fault window. Network faults reach only the namespaced node
+# (node-1, the first controller): its cut comes first, while it is surely the controller; its cut as an agent
+# comes after it lost that role and a later generation placed a rank on it again.
+LONG_FAULTS: tuple[tuple[float, Kind, Role], ...] = (
+    (0.0, Kind.NETWORK_ALL, Role.CONTROLLER),
+    (0.3, Kind.DAEMON_PAUSE, Role.RANK_AGENT),
+    (0.55, Kind.NETWORK_ALL, Role.RANK_AGENT),
+    (0.8, Kind.DAEMON_PAUSE, Role.CONTROLLER),
+)
+LONG_HOLD = (1.5, 2.0)  # × the lease TTL: surely past it, whatever the renewal's margin
+
+
+def long_faults(steps: tuple[Step, ...], ttl: float) -> list[Step]:
+    """The steps of ``steps`` that pause or cut a node for longer than the lease ``ttl``."""
+    return [s for s in steps if s.kind in (Kind.DAEMON_PAUSE, Kind.NETWORK_ALL) and s.hold > ttl]
+
+
+def _with_long_faults(
+    rng: random.Random, drawn: list[Step], abilities: Abilities, duration: float, ttl: float
+) -> tuple[Step, ...]:
+    """``drawn`` with the `LONG_FAULTS` the machine can inject added. A drawn fault on a node (its daemon, its
+    links, its disk) that would still hold when one starts, or that starts while it lasts, is dropped, so that
+    none claims its target first or deposes the controller it is aimed at; faults on runners, etcd and the
+    model cache go on beside it."""
+    window = fault_window(duration)
+    first = drawn[0].at if drawn else 1.0
+    forced = [
+        Step(round(first + share * (window - first), 1), kind, role, rng.randrange(1 << 16), round(hold, 1))
+        for share, kind, role in LONG_FAULTS
+        if abilities.why_not(kind) is None
+        for hold in [rng.uniform(*LONG_HOLD) * ttl]
+    ]
+    on_nodes = (Area.DAEMON, Area.NETWORK, Area.STORAGE)
+    kept = [
+        s
+        for s in drawn
+        if s.kind.area not in on_nodes
+        or s.kind is Kind.STORAGE_MODEL_GONE
+        or not any(s.at <= f.at + f.hold and f.at - 1.0 <= s.at + s.hold for f in forced)
+    ]
+    return tuple(sorted([*kept, *forced], key=lambda s: s.at))
 
 
 def fault_window(duration: float) -> float:

@@ -50,7 +50,7 @@ class Watcher:
         overlap: Callable[[str], object] = lambda _: None,
     ):
         self.history, self.clock, self.daemons, self.etcd = history, clock, daemons, etcd
-        self.overlap = overlap  # told at once when a sweep sees two generations of one instance alive
+        self.overlap = overlap  # told at once when a sweep sees two generations, or two processes of a rank, alive
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=t, daemon=True) for t in (self._processes, self._state)]
         self.latest: dict[int, ProcessLife] = {}  # the runners alive at the last sweep
@@ -84,12 +84,15 @@ class Watcher:
                 alive[pid] = life
         self.latest = alive
         generations: dict[str, set[int]] = {}
+        ranks: dict[str, list[int]] = {}
         for life in alive.values():
             generations.setdefault(life.instance, set()).add(life.generation)
+            ranks.setdefault(life.instance, []).append(life.rank)
         for iid, seen in generations.items():
-            if len(seen) > 1 and iid not in self._told:
+            twice = sorted({rank for rank in ranks[iid] if ranks[iid].count(rank) > 1})
+            if (len(seen) > 1 or twice) and iid not in self._told:
                 self._told.add(iid)
-                self.overlap(f"t+{now:.2f}s {iid}: generations {sorted(seen)} alive at once")
+                self.overlap(f"t+{now:.2f}s {iid}: generations {sorted(seen)} alive at once, ranks twice: {twice}")
 
     def _processes(self) -> None:
         while not self._stop.is_set():
