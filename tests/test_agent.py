@@ -493,6 +493,21 @@ def test_a_command_without_an_open_stream_of_its_term_is_refused(tmp_path):
     with_agent(tmp_path, body)
 
 
+def test_a_spawn_naming_the_new_term_on_the_old_terms_stream_is_refused_and_claims_nothing(tmp_path):
+    """etcd has moved on to a new controller's term; a spawn that names that term but rides the stream the
+    old term opened (a replayed or forged command) is no command of the new term: 409, nothing claimed. The
+    claim's transaction alone would let it through (the term it names is etcd's), so the agent checks the
+    stream's own term first (a planted regression found this unguarded: tools/plants.py)."""
+
+    async def body(agent, etcd, presence, processes):
+        etcd.term = TERM + 1
+        with pytest.raises(Refused) as refused:
+            await agent.spawn(TERM + 1, request(stream=1))
+        assert refused.value.status == 409 and processes == [] and KEY not in etcd.keys
+
+    with_agent(tmp_path, body)
+
+
 def test_once_etcd_shows_the_term_over_its_runners_stop_without_waiting_for_its_silence(tmp_path):
     async def body(agent, etcd, presence, processes):
         await agent.spawn(TERM, request())
