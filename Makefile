@@ -57,11 +57,18 @@ ATTACK_TESTS := tests/test_attacks.py tests/test_admission.py tests/test_degrade
                 tests/test_request_safety.py tests/test_host_allowlist.py tests/test_durations.py \
                 tests/test_cluster_state_damage.py tests/test_agent_generation_rule.py \
                 tests/test_cluster_failover_clients.py tests/test_runner_liveness.py tests/test_lease_renewal.py \
-                tests/test_spread.py
+                tests/test_spread.py tests/test_wiring.py
 RELIABILITY_CHAOS_S ?= 1800
 reliability: $(STAMP)
 	EXOD_WRITE_RELIABILITY=1 $(BIN)/python -m pytest -q tests/test_fault_matrix.py $(ATTACK_TESTS)
 	$(BIN)/exod chaos $(if $(SEED),--seed $(SEED)) --duration $(RELIABILITY_CHAOS_S) --report specs/reliability.md
+
+## plants: planted regressions (tools/plants.py): each safety mechanism removed in a scratch copy, the fast tests named
+##         for it run there; exits 1 if a plant survives; writes specs/plants.md. PLANTS="name ..." for some of them
+PLANTS ?=
+.PHONY: plants
+plants: $(STAMP)
+	$(BIN)/python tools/plants.py --baseline $(PLANTS)
 
 ## screenshots: the dashboard's browser tests, writing docs/dashboard*.png (shown in the README); needs chromium and chromium-driver
 .PHONY: screenshots

@@ -79,6 +79,13 @@ CLUSTER: dict[str, str] = {
     "paused agent daemon": "an agent's daemon SIGSTOPped past its lease, its runner not: the runner's deadline "
     "is no longer moved on and its watchdog process ends it before the lease can expire; the next generation "
     "starts once the runner's key is gone: never two alive, nothing charged",
+    "controller paused 2× TTL, every rank on the controller": "the controller's daemon SIGSTOPped for two leases, "
+    "its runner not: its deadline ends it before its lease can expire; another node is elected only once "
+    "it has, and runs the next generation; continued, the old controller steps down and spawns nothing: never "
+    "two generations nor two processes of a rank alive, nothing charged",
+    "controller paused 2× TTL, ranks on the controller and an agent": "the same with a rank on an agent too: the "
+    "new controller starts the next generation only once the agent's runner is gone; never two generations nor "
+    "two processes of a rank alive, nothing charged",
     "etcd member loss": "a 3-member etcd loses the member every node talks to first: nothing is disrupted",
     "etcd leader killed": "a 3-member etcd whose leader (the member every node talks to first) is SIGKILLed: "
     "no controller steps down, no runner ends, every request is answered",
@@ -117,6 +124,11 @@ CLUSTER: dict[str, str] = {
     "agent paused, heartbeat shorter than a lost node": "an agent's daemon SIGSTOPped, its runner not, with "
     "[timeouts] heartbeat below the stream's silence bound: its runners are lost as the node's failure "
     "(uncharged), never failed as a missed heartbeat",
+    # issue #47: the wiring of the fence, and refusals (tests/test_wiring.py)
+    "frozen agent daemon, its runner's watchdog": "an agent's event loop frozen: its runner (a real process, "
+    "its real Supervisor) is killed by its own watchdog at the node's authority, before the lease can expire",
+    "placement, park or delete meeting a deposition": "etcd refuses the change's write (the term ended): 503 "
+    "with Retry-After and the reason, never a 500; nothing of it stored",
 }
 CLUSTER_OBSERVED: dict[str, str] = {}
 
