@@ -8,10 +8,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import pytest
@@ -203,3 +204,38 @@ def no_runner_left_behind():
     """Modules that start runners use it: after each test, none of this session's runners is alive."""
     yield
     assert runner_pids() == [], "a runner process outlived its test"
+
+
+class Background:
+    """What a test keeps doing on a thread of its own while it does something else (a sampler of the process
+    table, a client sending chats): `step`, again and again `EVERY` seconds apart, from `start` (or the start of
+    a ``with`` block) until `stop` (or its end)."""
+
+    EVERY = 0.0
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def start(self) -> Self:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.step()
+            self._stop.wait(self.EVERY)

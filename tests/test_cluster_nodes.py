@@ -22,7 +22,7 @@ from reliability_report import cluster_fault
 from test_degraded import fill
 from test_degraded import small_disk as small_disk  # a fixture: a 4 MiB tmpfs
 
-from daemon_harness import exod, runner_pid, runner_pids
+from daemon_harness import Background, exod, runner_pid, runner_pids
 from exod.cluster.devcluster import LocalEtcd, cluster_token_file
 from exod.cluster.etcd_state import EtcdState
 from exod.cluster.membership import DEFAULT_PREFIX
@@ -729,7 +729,6 @@ def test_a_forged_controller_key_gets_no_clients_key_and_its_threat_is_etcds_to_
     (README, Securing etcd: TLS and etcd's own users keep them out); what exod itself promises is that a
     client's key never leaves the node it was sent to: the forger gets the request without it."""
     import http.server
-    import threading
 
     from exod.cluster.election import election_key
 
@@ -1023,28 +1022,19 @@ def test_every_dialect_answers_from_a_node_that_is_not_the_controller(tmp_path, 
     assert found.id == model
 
 
-class Chats:
+class Chats(Background):
     """Chats sent to ``url`` one after another from a thread, while the block runs: an instance in use."""
 
+    BODY = {"model": "exod/tiny-qwen2", "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}]}
+
     def __init__(self, url: str) -> None:
+        super().__init__()
         self.url, self.sent = url, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> Chats:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        body = {"model": "exod/tiny-qwen2", "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}]}
-        while not self._stop.is_set():
-            self.sent += 1
-            with contextlib.suppress(httpx.HTTPError):  # an error is the instance failing: what it is for
-                httpx.post(f"{self.url}/v1/chat/completions", json=body, timeout=60)
+    def step(self) -> None:
+        self.sent += 1
+        with contextlib.suppress(httpx.HTTPError):  # an error is the instance failing: what it is for
+            httpx.post(f"{self.url}/v1/chat/completions", json=self.BODY, timeout=60)
 
 
 @pytest.mark.parametrize("serving", [False, True], ids=["idle", "serving"])
@@ -1233,26 +1223,17 @@ def ranks_of(iid: str) -> dict[int, tuple[int, int, int]]:
     return found
 
 
-class ProcSampler:
+class ProcSampler(Background):
     """``ranks_of(iid)`` every 20 ms from a thread, while the block runs: (time, sample) pairs."""
 
+    EVERY = 0.02
+
     def __init__(self, iid: str) -> None:
+        super().__init__()
         self.iid, self.samples = iid, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> ProcSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append((time.monotonic(), ranks_of(self.iid)))
-            self._stop.wait(0.02)
+    def step(self) -> None:
+        self.samples.append((time.monotonic(), ranks_of(self.iid)))
 
     def most_generations(self) -> int:
         return max((len({g for g, _, _ in alive.values()}) for _, alive in self.samples), default=0)

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import attrs
@@ -23,7 +22,7 @@ from reliability_report import cluster_fault
 from test_cluster_nodes import TTL, instance_at, nodes, start, stop_all, until
 from test_cluster_nodes import hf_home as hf_home  # a fixture: the tiny model, 2 layers
 
-from daemon_harness import exod, runner_pids
+from daemon_harness import Background, exod, runner_pids
 from exod.cluster.etcd import Etcd
 from exod.cluster.nodes import FENCE_MARGIN, RENEWALS_PER_TTL, NodeRecord, Presence
 
@@ -32,26 +31,21 @@ AUTHORITY = TTL * (1 - FENCE_MARGIN)  # what one renewal buys: the controller st
 INTERVAL = TTL / RENEWALS_PER_TTL  # between renewals, as scheduled
 
 
-class Watch:
+class Watch(Background):
     """Every 20 ms, the runner processes alive (/proc): each pid seen, and the first and last time it was."""
 
+    EVERY = 0.02
+
     def __init__(self) -> None:
+        super().__init__()
         self.seen: dict[int, tuple[float, float]] = {}
         self.rounds = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
 
-    def _run(self) -> None:
-        while not self._stop.wait(0.02):
-            now = time.monotonic()
-            for pid in runner_pids():
-                self.seen[pid] = (self.seen.get(pid, (now, now))[0], now)
-            self.rounds += 1
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
+    def step(self) -> None:
+        now = time.monotonic()
+        for pid in runner_pids():
+            self.seen[pid] = (self.seen.get(pid, (now, now))[0], now)
+        self.rounds += 1
 
 
 @attrs.frozen
@@ -63,31 +57,24 @@ class Answer:
     took: float
 
 
-class Clients:
+class Clients(Background):
     """Chat requests, one after another, to each node in turn (the controller's and a forwarding node's)."""
 
+    BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
     def __init__(self, urls: list[str]) -> None:
-        self.urls, self.answers = urls, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        super().__init__()
+        self.urls, self.answers, self.sent = urls, [], 0
 
-    def _run(self) -> None:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-        n = 0
-        while not self._stop.is_set():
-            node, n = n % len(self.urls), n + 1
-            sent = time.monotonic()
-            try:
-                answer = httpx.post(f"{self.urls[node]}/v1/chat/completions", json=body, timeout=60)
-                status, retry = answer.status_code, answer.headers.get("retry-after")
-            except httpx.HTTPError:
-                status, retry = 0, None
-            self.answers.append(Answer(sent, node, status, retry, time.monotonic() - sent))
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
+    def step(self) -> None:
+        node, self.sent = self.sent % len(self.urls), self.sent + 1
+        sent = time.monotonic()
+        try:
+            answer = httpx.post(f"{self.urls[node]}/v1/chat/completions", json=self.BODY, timeout=60)
+            status, retry = answer.status_code, answer.headers.get("retry-after")
+        except httpx.HTTPError:
+            status, retry = 0, None
+        self.answers.append(Answer(sent, node, status, retry, time.monotonic() - sent))
 
     def not_ok(self) -> list[Answer]:
         return [a for a in self.answers if a.status != 200]
@@ -174,7 +161,7 @@ def test_a_three_member_etcd_whose_leader_is_killed_disrupts_nothing(tmp_path, e
         view = until(lambda: nodes(urls[0]), lambda v: len(v["nodes"]) == 2 and v["controller"], 30)
         placed = httpx.post(f"{urls[0]}/instances", json={"model": MODEL, "ranks": 2}, timeout=30).json()
         before = until(lambda: instance_at(urls[0], placed["instance_id"]), lambda i: i["state"] == "ready", 60)
-        watch, clients = Watch(), Clients(urls)
+        watch, clients = Watch().start(), Clients(urls).start()
         pids = runner_pids()
         time.sleep(TTL)  # serving before the fault
         killed_at = time.monotonic()
@@ -232,7 +219,7 @@ def test_the_lease_is_renewed_in_time_while_busy_processes_take_the_cpu(tmp_path
         view = until(lambda: nodes(urls[0]), lambda v: len(v["nodes"]) == 2 and v["controller"], 60)
         placed = httpx.post(f"{urls[0]}/instances", json={"model": MODEL, "ranks": 2}, timeout=60).json()
         before = until(lambda: instance_at(urls[0], placed["instance_id"]), lambda i: i["state"] == "ready", 120)
-        watch, clients = Watch(), Clients(urls)
+        watch, clients = Watch().start(), Clients(urls).start()
         pids = runner_pids()
         began = time.monotonic()
         time.sleep(3 * TTL)

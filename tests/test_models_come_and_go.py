@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from daemon_harness import assert_log_conforms, exod, runner_pids, start_daemon
+from daemon_harness import Background, assert_log_conforms, exod, runner_pids, start_daemon
 from exod.host.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("no_runner_left_behind")
@@ -91,26 +91,17 @@ def metric(url: str, name: str) -> float:
     return 0.0 if found is None else float(found.group(1))
 
 
-class MostRunners:
+class MostRunners(Background):
     """Polls the process table every few ms while it runs: the most runner processes alive at one moment."""
 
+    EVERY = 0.01
+
     def __init__(self) -> None:
+        super().__init__()
         self.most = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
 
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            self.most = max(self.most, len(runner_pids()))
-            time.sleep(0.01)
-
-    def __enter__(self) -> MostRunners:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+    def step(self) -> None:
+        self.most = max(self.most, len(runner_pids()))
 
 
 def test_an_idle_instance_is_parked_and_a_request_brings_it_back(tmp_path):

@@ -29,7 +29,7 @@ from test_cluster_nodes import instance_at, nodes, start, stop_all
 from test_runner_process import model_dir as model_dir  # a fixture: a tiny model's directory
 from test_runner_process import spawn as spawn  # a fixture: runner processes with their channel
 
-from daemon_harness import runner_pids, start_daemon, wait_instance
+from daemon_harness import Background, runner_pids, start_daemon, wait_instance
 from exod.cluster.remote import SILENCE_S
 from exod.host.heartbeats import PINGS_PER_LIMIT
 from exod.host.tiny_model import SPECIAL_TOKENS, make_tiny_model
@@ -71,31 +71,22 @@ def no_runner_left_behind() -> Iterator[None]:
     assert runner_pids() == [], "a runner process outlived its test"
 
 
-class Watch:
+class Watch(Background):
     """The runner processes of this session, from /proc every 20 ms: each pid's first and last sighting, and
     the most seen alive at once."""
 
+    EVERY = 0.02
+
     def __init__(self) -> None:
+        super().__init__()
         self.seen: dict[int, tuple[float, float]] = {}
         self.most_at_once = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> Watch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            now, pids = time.monotonic(), runner_pids()
-            self.most_at_once = max(self.most_at_once, len(pids))
-            for pid in pids:
-                self.seen[pid] = (self.seen.get(pid, (now, now))[0], now)
-            time.sleep(0.02)
+    def step(self) -> None:
+        now, pids = time.monotonic(), runner_pids()
+        self.most_at_once = max(self.most_at_once, len(pids))
+        for pid in pids:
+            self.seen[pid] = (self.seen.get(pid, (now, now))[0], now)
 
 
 @contextlib.contextmanager
