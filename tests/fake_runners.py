@@ -16,7 +16,8 @@ the Supervisor's own; only what a real process does is simulated:
   Status(LOADED); ``WarmUp`` → Status(WARMING_UP), Status(READY); ``Generate`` → rank 0 streams `TOKENS`
   (other ranks send a `Heartbeat` per token), then every rank sends `Done`. Each step takes the `Timing`'s
   virtual seconds.
-* ``Shutdown`` ends the process (exit 0) after ``Timing.exit``, as the runner's reader thread does.
+* ``Shutdown`` ends the process (exit 0) after ``Timing.exit``, as the runner's reader thread does; a ``Ping``
+  (the heartbeat) is answered at once, hung or not, as that thread does.
 * A fault comes the way it comes to a real runner: `DaemonConfig.faults` → `RunnerSpec.fault`
   (``PHASE:KIND``, `exod.runner.faults`), with the injector's meaning: ``sigkill`` ends it (exit −9, unannounced),
   ``exception`` reports a retryable `Failed` and exits 1, ``exit0`` exits 0 unannounced, ``hang`` goes
@@ -129,6 +130,11 @@ class FakeRunner(Supervisor):
 
     async def _read_commands(self) -> None:
         async for command in self.outbox:
+            if isinstance(command, p.Ping):  # the heartbeat: answered here at once, whatever the main thread does
+                if not self._gone.is_set():  # (not kept in `reports`: no test reads the heartbeat there)
+                    pong = p.Pong(runner_id=self.spec.runner_id, incarnation=self.spec.incarnation)
+                    self.listener.on_report(self.spec, pong)
+                continue
             if not isinstance(command, p.Shutdown):
                 self._work_send.send_nowait(command)
                 continue
