@@ -217,14 +217,16 @@ def place_again(
     """Before a new generation of ``instance_id``: where its ranks go now, if a node it was on is not among
     the live ``nodes`` any more (its ranks move), or if its ranks share a node while a live node it is not on
     could take one (a node came back after its ranks were moved off it: they spread again, as a new
-    placement would put them, never while a runner of it is alive). None when it stays where it is, or
-    nothing fits (its next generation then fails on the dead node, as the host's failure, and tries again
-    after a backoff).
+    placement would put them, never while a runner of it is alive, never before its first generation). None
+    when it stays where it is, or nothing fits (its next generation then fails on the dead node, as the
+    host's failure, and tries again after a backoff).
     """
     inst = view.instances[instance_id]
     where = [slot.node_id for slot in inst.slots]
     gone = not all(node in nodes for node in where)
-    packed = len(set(where)) < len(where) and not set(nodes) <= set(where)
+    # packed onto fewer nodes than it could be, after a generation ran: a node came back (before its first,
+    # it is where its placement put it, pinned there perhaps: `--nodes`)
+    packed = inst.retry.generation >= 1 and len(set(where)) < len(where) and not set(nodes) <= set(where)
     if not gone and (not packed or any(r is not None and r.alive for _, r in view.slot_runners(inst))):
         return None
     others = [i for i in _reserving(view) if i is not inst]

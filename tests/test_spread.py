@@ -18,7 +18,9 @@ from test_cluster_nodes import hf_home as hf_home  # a fixture: the tiny model, 
 import fsm
 from daemon_harness import runner_pid
 from exod.cluster.devcluster import cluster_token_file
-from fsm.view import ClusterView, RunnerStatus
+from fsm.view import ClusterView, InstanceView, RetryStatus, RunnerStatus, Slot
+
+PENDING = fsm.InstanceState.PENDING
 
 THREE = {"n1": 4 * GIB, "n2": 4 * GIB, "n3": 4 * GIB}
 
@@ -49,6 +51,12 @@ def test_ranks_spread_only_where_there_is_room_and_never_while_a_runner_lives():
     instances = list(placed(("a", "org/qwen", ["n1", "n1"])).instances.values())
     running = ClusterView.build(instances=instances, runners=[alive])
     assert again(running, {"n1": 4 * GIB, "n2": 4 * GIB}) is None  # only between generations
+
+
+def test_a_placement_packed_by_choice_starts_where_it_was_placed():
+    """Three ranks pinned to one node (`--nodes`) start there: only a later generation may spread."""
+    pinned = InstanceView("a", "org/qwen", [Slot(r, "n1", f"a/{r}") for r in range(3)], RetryStatus(PENDING))
+    assert again(ClusterView.build(instances=[pinned]), THREE) is None
 
 
 def test_a_node_gone_still_moves_its_ranks_to_the_live_ones():
