@@ -479,13 +479,16 @@ def test_a_forward_whose_controller_dies_mid_stream_ends_with_an_error_event(tmp
         body = {"model": "exod/tiny-qwen2", "messages": [{"role": "user", "content": "hi"}], "stream": True}
         path = "/v1/chat/completions" if dialect == "openai" else "/v1/messages"
         events: list = []
+        killed = False
         with httpx.stream("POST", f"{follower}{path}", json={**body, "max_tokens": 4096}) as response:
             for line in response.iter_lines():
                 if line.startswith("data: "):
                     data = line.removeprefix("data: ")
                     events.append(data if data == "[DONE]" else json.loads(data))
-                    if len(events) == 2:
-                        victim.send_signal(signal.SIGKILL)  # the controller, mid-stream
+                # its first event, or a keep-alive (a first token that is a lone byte of a character is held)
+                if not killed and (line.startswith("data: ") or line.startswith(":")):
+                    victim.send_signal(signal.SIGKILL)  # the controller, mid-stream
+                    killed = True
     finally:
         stop_all(daemons)
     if dialect == "openai":
