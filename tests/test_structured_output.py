@@ -28,6 +28,7 @@ from daemon_harness import ready_daemon, runner_pids
 from exod.host.models import resolve_model
 from exod.host.tiny_model import make_tiny_model
 from exod.runner import protocol as p
+from exod.runner.tool_prompt import call_head
 
 MODEL = "exod/tiny-qwen2"
 
@@ -168,6 +169,84 @@ def test_a_prompt_prefilled_in_chunks_or_read_from_the_prompt_cache_leaves_the_c
         assert cls is p.Done and fields["finish_reason"] is p.FinishReason.STOP
         assert 0 <= json.loads(text)["a"] <= 99
     assert fields["cached_tokens"] > 0
+
+
+# -- a forced tool call: compact, so it ends well within max_tokens ---------------------------------------
+
+FORECAST = {
+    "type": "object",
+    "properties": {
+        "unit": {"enum": ["C", "F"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        "alerts": {"type": "boolean"},
+    },
+    "required": ["unit", "days", "alerts"],
+    "additionalProperties": False,
+}
+CLOCK = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+FORCED_TOOLS = [
+    {"type": "function", "function": {"name": "get_forecast", "parameters": FORECAST}},
+    {"type": "function", "function": {"name": "get_time", "parameters": CLOCK}},
+]
+# the longest compact call of each tool: with one token of at least a byte each, and the end of sequence,
+# no forced call without free whitespace takes more tokens than the longest of them has bytes, plus one
+LONGEST = [
+    call_head("get_forecast") + '{"unit":"C","days":14,"alerts":false}}\n</tool_call>',
+    call_head("get_time") + '{"zone":"UTC"}}\n</tool_call>',
+]
+STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+@pytest.mark.parametrize("choice", [p.REQUIRED, "get_forecast"])
+def test_a_forced_call_has_no_free_whitespace_and_ends_well_within_max_tokens(tiny, choice):
+    """#48: a model that favours whitespace (here a logit bias on every whitespace token) still writes a
+    forced call as compact JSON: no whitespace between its tokens but the envelope's fixed spaces, so each of
+    18 seeds, decoded together, ends with a call that validates, within the tokens its longest form needs."""
+    from exod.runner.batch import Batch, BatchLimits, prompt_tokens
+    from exod.runner.output import forced_call
+
+    model, tokenizer = tiny
+    spaces = [i for i in range(len(tokenizer._tokenizer)) if (t := tokenizer.decode([i])) and t.isspace()]
+    assert spaces, "the tiny vocabulary has whitespace tokens to favour"
+    sent: list[tuple[type, dict[str, Any]]] = []
+    send = lambda cls, **f: sent.append((cls, f))  # noqa: E731
+    batch = Batch(model, tokenizer, limits=BatchLimits(), send=send, rank=0, lockstep=_Alone())
+    most = max(len(text.encode()) for text in LONGEST) + 1
+    requests = [
+        p.Generate(
+            f"s{seed}",
+            prompt_messages=ASK,
+            max_tokens=most,
+            temperature=1.0,
+            seed=seed,
+            tools=FORCED_TOOLS,
+            tool_choice=choice,
+            logit_bias={str(i): 8.0 for i in spaces},
+        )
+        for seed in range(18)
+    ]
+    for request in requests:
+        batch.join(request, prompt_tokens(tokenizer, request))
+    while not batch.idle:
+        batch.step()
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in FORCED_TOOLS}
+    for request in requests:
+        said = [f for cls, f in sent if f["request_id"] == request.request_id]
+        ids = [f["token_id"] for f in said if "token_id" in f and f["token_id"] is not None]
+        (done,) = [f for f in said if "finish_reason" in f]
+        assert done["finish_reason"] is p.FinishReason.TOOL_CALLS, (request.seed, tokenizer.decode(ids), done)
+        (call,) = [f for f in said if "arguments" in f]
+        jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+        assert choice in (p.REQUIRED, call["name"])
+        written = forced_call(tokenizer, request).removeprefix("<tool_call>\n") + tokenizer.decode(ids)
+        head = call_head(call["name"])
+        assert written.startswith(head) and written.endswith("}\n</tool_call>"), written
+        assert not re.search(r"\s", STRINGS.sub("", written[len(head) : -len("}\n</tool_call>")])), written
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from exod.runner.tool_prompt import takes_tools, with_tools
+from exod.runner.tool_prompt import call_head, takes_tools, with_tools
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
@@ -37,4 +37,6 @@ def test_earlier_calls_and_their_results_become_text_the_model_can_read():
         "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
     }
     assert rendered[3] == {"role": "user", "content": "<tool_response>\n18 C\n</tool_response>"}
+    # the form a forced call's prompt begins and its grammar writes (`exod.runner.grammar`)
+    assert rendered[2]["content"].startswith("<tool_call>\n" + call_head("get_weather"))
     assert messages[1]["content"] is None  # the caller's messages are left as they were

@@ -13,8 +13,11 @@ runner, which refuses one that blows a limit (a schema that requires itself, a p
 as the caller's 400. One that still fails mid-decode fails its own sequence alone (`ConstraintFailed`).
 
 Forced tool calls are constrained too, where the model writes calls as JSON (``{"name": …, "arguments":
-…}``, mlx-lm's ``json_tools`` parsers): the arguments are held to the tool's schema and the call is closed
-with the tokenizer's end marker, so a forced call always parses. Other call formats stay unconstrained.
+…}``, mlx-lm's ``json_tools`` parsers): the call's envelope is fixed text, the one exod writes into the prompt
+(`exod.runner.tool_prompt.call_head`), the arguments are held to the tool's schema as compactly as a response
+format (no whitespace between JSON tokens: a model that has not learned where to stop would otherwise spend
+its ``max_tokens`` on it), and the call is closed with the tokenizer's end marker, so a forced call always
+parses. Other call formats stay unconstrained.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 import attrs
 
 from exod.runner import protocol as p
+from exod.runner.tool_prompt import call_head
 
 # compact JSON: no runaway whitespace from a model that has not learned where to stop
 _JSON_OPTIONS = {"whitespace_flexible": False}
@@ -138,7 +142,8 @@ def source(constraint: dict[str, Any]) -> str:
 
 def forced_call_grammar(tokenizer: Any, request: p.Generate) -> str | None:
     """The rest of a forced tool call, as a grammar: the prompt ended with its beginning
-    (`exod.runner.output.forced_call`). None where calls are not written as JSON."""
+    (`exod.runner.output.forced_call`). None where calls are not written as JSON. Nothing in it is free
+    whitespace: the envelope is fixed text and the arguments are compact JSON of the tool's schema."""
     import llguidance as llg
 
     if not request.tool_choice or not request.tools or not getattr(tokenizer, "has_tool_calling", False):
@@ -148,21 +153,24 @@ def forced_call_grammar(tokenizer: Any, request: p.Generate) -> str | None:
     schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in request.tools}
     end = json.dumps("\n" + tokenizer.tool_call_end)
     if request.tool_choice == p.REQUIRED:  # the prompt ends with the marker: the whole call, any tool
-        calls = [
-            {
-                "type": "object",
-                "properties": {"name": {"const": name}, "arguments": schema},
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-            for name, schema in schemas.items()
-        ]
-        body = json.dumps({"anyOf": calls})
-        return llg.LLMatcher.grammar_from_lark(f"start: call {end}\ncall: %json {body}")
+        names = list(schemas)
+        rules = [f"start: call {end}", "call: " + " | ".join(f"call_{i}" for i in range(len(names)))]
+        for i, name in enumerate(names):
+            rules.append(f'call_{i}: {json.dumps(call_head(name))} arguments_{i} "}}"')
+            rules.append(f"arguments_{i}: %json {json.dumps(_compact(schemas[name]))}")
+        return llg.LLMatcher.grammar_from_lark("\n".join(rules))
     if request.tool_choice not in schemas:
         raise GrammarError(f"tool_choice names {request.tool_choice!r}, which is not one of the tools")
-    arguments = json.dumps(schemas[request.tool_choice])  # the prompt ends with `"arguments": `
+    arguments = json.dumps(_compact(schemas[request.tool_choice]))  # the prompt ends with `call_head(name)`
     return llg.LLMatcher.grammar_from_lark(f'start: arguments "}}" {end}\narguments: %json {arguments}')
+
+
+def _compact(schema: Any) -> Any:
+    """A tool's parameter schema compiled as `source` compiles a response format's: `_JSON_OPTIONS`, where
+    the schema's own ``x-guidance`` options may say otherwise (llguidance reads them only at its top)."""
+    if not isinstance(schema, dict):
+        return schema
+    return {**schema, "x-guidance": {**_JSON_OPTIONS, **(schema.get("x-guidance") or {})}}
 
 
 @attrs.define

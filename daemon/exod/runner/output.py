@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from exod.runner import protocol as p
+from exod.runner.tool_prompt import call_head
 
 log = logging.getLogger("exod.runner")
 
@@ -130,7 +131,7 @@ def forced_call(tokenizer: Any, request: p.Generate) -> str:
     json_calls = getattr(tokenizer.tool_parser, "__module__", "").endswith(".json_tools")
     if choice == p.REQUIRED or not json_calls:  # another form names the function its own way: any call, then
         return start
-    return start + '{"name": ' + json.dumps(choice) + ', "arguments": '
+    return start + call_head(choice)
 
 
 def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:

@@ -15,7 +15,7 @@ import contextlib
 import json
 from typing import Any
 
-__all__ = ["JSON_TOOLS", "takes_tools", "with_tools"]
+__all__ = ["JSON_TOOLS", "call_head", "takes_tools", "with_tools"]
 
 JSON_TOOLS = {"tool_parser_type": "json_tools"}  # mlx-lm's tokenizer option: <tool_call>{json}</tool_call>
 
@@ -25,6 +25,13 @@ _PREAMBLE = (
     "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
     'XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
 )
+
+
+def call_head(name: str) -> str:
+    """How a JSON tool call begins, up to its arguments: as the preamble shows it and `_call` writes it, and as
+    the prompt of a call forced by name ends (`exod.runner.output.forced_call`). The grammar of a forced call
+    writes it so too (`exod.runner.grammar`): fixed text, no whitespace for the model to choose."""
+    return '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
 
 
 def takes_tools(chat_template: Any) -> bool:
