@@ -31,7 +31,7 @@ from exod.api.auth import authentication, node_authentication
 from exod.api.errors import install
 from exod.api.forward import Follower
 from exod.api.metrics import Metrics
-from exod.api.middleware import BodyCap, HeadAsGet, HostAllowList, RequestId, cors
+from exod.api.middleware import BodyCap, HeadAsGet, HostAllowList, JsonBodies, RequestId, cors
 from exod.cluster.agent import Agent
 from exod.cluster.agent import router as agent_router
 from exod.cluster.membership import Membership
@@ -89,4 +89,5 @@ def create_app(
     dashboard.install(app, api_key=bool(api_key))
     served: ASGIApp = app if membership is None else Follower(app, membership, controller, api_key)
     names = ["localhost", *allowed_hosts, *([] if membership is None else [membership.config.advertise])]
-    return RequestId(HeadAsGet(HostAllowList(cors(BodyCap(served, max_body_bytes), cors_origins), names)))
+    bodies = BodyCap(JsonBodies(served, cors_origins), max_body_bytes)  # every body read as JSON, whatever its type
+    return RequestId(HeadAsGet(HostAllowList(cors(bodies, cors_origins), names)))

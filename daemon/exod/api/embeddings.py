@@ -87,12 +87,7 @@ def router(controller: Controller, metrics: Any, _max_tokens_ceiling: int) -> AP
         vectors, tokens = await embed(controller, metrics, body.model, body.inputs())
         width = len(vectors[0])
         if body.dimensions is not None and body.dimensions != width:
-            raise ApiError(
-                400,
-                f"dimensions: this model's embeddings have {width} dimensions; it was not trained to be cut "
-                f"shorter, so only {width} is honoured (or leave it out)",
-                param="dimensions",
-            )
+            raise ApiError(400, not_honoured(body.dimensions, width), param="dimensions")
         data = [
             {"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
             for i, v in enumerate(vectors)
@@ -101,6 +96,18 @@ def router(controller: Controller, metrics: Any, _max_tokens_ceiling: int) -> AP
         return {"object": "list", "data": data, "model": body.model, "usage": usage}
 
     return api
+
+
+def not_honoured(dimensions: int, width: int) -> str:
+    """Why ``dimensions`` cannot be given, and the one value that can. Embeddings here are the last layer's
+    hidden states, mean-pooled: cut short they are not a smaller embedding of the same text, as they are of a
+    model trained for it (Matryoshka), so none shorter is offered, and none longer can be."""
+    return (
+        f"dimensions: {dimensions} cannot be honoured: this model's embeddings have {width} dimensions, and "
+        f"the only value dimensions can take is {width} (or leave it out). exod does not cut embeddings "
+        "shorter: they are the model's mean-pooled hidden states, which no model was trained to keep meaning "
+        "when cut (Matryoshka)"
+    )
 
 
 def _encoded(vector: list[float], encoding: str) -> list[float] | str:

@@ -1,5 +1,5 @@
-"""What wraps every request before a route sees it: the Host it names, the body's cap, the request's id, HEAD,
-and CORS.
+"""What wraps every request before a route sees it: the Host it names, the body's cap, the body read as JSON
+whatever its type, the request's id, HEAD, and CORS.
 
 ASGI middleware rather than FastAPI dependencies, because each must act on answers no route makes: a 421
 before anything is read, a 413 before the body is read, the id on a 401, HEAD on a path that declares only
@@ -8,6 +8,7 @@ GET, a browser's preflight.
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from collections.abc import Iterable, Sequence
@@ -100,19 +101,100 @@ class BodyCap:
             if len(body) > self.max_body:
                 await self._too_big(scope["path"])(scope, receive, send)
                 return
-        replayed = False
-
-        async def replay() -> dict[str, Any]:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(body, receive), send)
 
     def _too_big(self, path: str) -> ASGIApp:
         return ApiError(413, f"request body over {self.max_body} bytes").response(path)
+
+
+def replaying(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that gives the body already read, whole, then what the connection says next (a disconnect)."""
+    replayed = False
+
+    async def replay() -> dict[str, Any]:
+        nonlocal replayed
+        if replayed:
+            return await receive()
+        replayed = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+def is_json_type(content_type: bytes) -> bool:
+    """``application/json`` or ``application/…+json``, with any parameters: the types FastAPI itself reads as JSON."""
+    media = content_type.split(b";")[0].strip().lower()
+    return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
+
+
+class JsonBodies:
+    """Every request body is read as JSON, whatever its ``Content-Type`` says, as Ollama and mlx_lm.server read
+    theirs: ``curl URL -d '{…}'`` (sent as a form) is Ollama's own documented example. A body that is not JSON
+    is a 400 in the path's dialect that says so, and how it came. Inside `BodyCap`, so the body is bounded.
+
+    Not from a web page of another site, though: a browser sends a form or ``text/plain`` body to any address
+    without asking first (no CORS preflight), so a page a user visits could otherwise drive this daemon (place
+    models, run generations: cross-site request forgery). Such a request (an ``Origin`` the ``[api]
+    cors_origins`` do not list) is refused 403 unless it says ``Content-Type: application/json``, which a
+    browser lets a page send only once this daemon allowed it (the preflight `cors` answers)."""
+
+    def __init__(self, app: ASGIApp, cors_origins: Sequence[str] = ()) -> None:
+        self.app, self.origins = app, frozenset(o.encode() for o in cors_origins)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):  # none of those reads a body
+            await self.app(scope, receive, send)
+            return
+        headers = scope.get("headers") or []
+        declared = next((value for key, value in headers if key == b"content-type"), None)
+        if declared is not None and is_json_type(declared):
+            await self.app(scope, receive, send)  # FastAPI reads it, and says where it is not JSON (`errors`)
+            return
+        sent = "no Content-Type" if declared is None else f"Content-Type: {declared.decode('latin-1')}"
+        if (origin := self._foreign(headers)) is not None:
+            refusal = (
+                f"a web page's request (Origin: {origin.decode('latin-1')}) must say Content-Type: application/json "
+                f"(this one: {sent}), since a page of any site can send other types here unasked. To let a page "
+                "call this daemon, list its origin in [api] cors_origins"
+            )
+            await ApiError(403, refusal, code="forbidden").response(scope["path"])(scope, receive, send)
+            return
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        if body:
+            if (why := _not_json(body)) is not None:
+                error = f"the request body must be JSON (read as JSON whatever its type; this one has {sent}): {why}"
+                await ApiError(400, error).response(scope["path"])(scope, receive, send)
+                return
+            others = [(key, value) for key, value in headers if key != b"content-type"]
+            scope = {**scope, "headers": [*others, (b"content-type", b"application/json")]}
+        await self.app(scope, replaying(body, receive), send)
+
+    def _foreign(self, headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+        """The ``Origin`` of a page of another site, not listed in ``cors_origins``; None for any other request
+        (no browser's: no Origin; this daemon's own pages: their origin is the Host they call, which
+        `HostAllowList` already checked)."""
+        named = dict(headers)
+        origin, host = named.get(b"origin"), named.get(b"host", b"")
+        if origin is None or origin in self.origins or b"*" in self.origins:
+            return None
+        return None if host and origin.partition(b"://")[2].lower() == host.lower() else origin
+
+
+def _not_json(body: bytes) -> str | None:
+    """Why ``body`` is not JSON, where, as an editor says it; None if it is."""
+    try:
+        json.loads(body)
+    except json.JSONDecodeError as exc:
+        return f"{exc.msg} at line {exc.lineno}, column {exc.colno}"
+    except UnicodeDecodeError as exc:
+        return f"it is not UTF-8 text ({exc.reason} at byte {exc.start})"
+    except (ValueError, RecursionError) as exc:  # nested past Python's limit, say
+        return f"it cannot be read ({type(exc).__name__})"
+    return None
 
 
 class RequestId:

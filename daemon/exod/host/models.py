@@ -22,6 +22,7 @@ import attrs
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 import fsm
+from exod.host.tokenizer_info import tokenizer_info
 
 __all__ = [
     "CachedModel",
@@ -262,6 +263,8 @@ class ModelCard:
     size_bytes: int = 0  # the weights'
     revision: str = ""  # the snapshot's commit (the cache's directory name)
     tools: bool = False  # whether it takes tools: any chat template does (exod writes them where it has no place)
+    # its tokenizer's configuration as vLLM's /tokenizer_info gives it (`exod.host.tokenizer_info`); None: unreadable
+    tokenizer: dict[str, Any] | None = attrs.field(default=None, eq=False)
 
 
 def read_card(directory: Path) -> ModelCard:
@@ -286,6 +289,7 @@ def read_card(directory: Path) -> ModelCard:
         size_bytes=size,
         revision=directory.name,
         tools=_has_chat_template(directory),
+        tokenizer=tokenizer_info(directory),
     )
 
 
