@@ -24,6 +24,7 @@ from exod.api import (
     instances,
     messages,
     ollama,
+    ollama_models,
     responses_api,
     tokens,
 )
@@ -79,7 +80,7 @@ def create_app(
             raise ValueError("a cluster node's agent needs the cluster's token (`exod cluster-token`)")
         app.include_router(agent_router(agent), dependencies=node_authentication(cluster_token))
     metrics = Metrics(controller, None if membership is None else membership.malformed)
-    for dialect in (chat, completions, messages, responses_api, tokens, embeddings, ollama):
+    for dialect in (chat, completions, messages, responses_api, tokens, embeddings, ollama, ollama_models):
         app.include_router(dialect.router(controller, metrics, max_tokens_ceiling), dependencies=authenticated)
     app.include_router(health.router(controller, metrics, membership, authenticated, agent))  # /health: no key
     app.include_router(instances.router(controller, membership), dependencies=authenticated)

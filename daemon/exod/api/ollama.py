@@ -1,5 +1,7 @@
 """Ollama's API, as its clients use it: ``/api/chat`` and ``/api/generate`` (streamed as NDJSON unless asked not
-to), ``/api/embed``, ``/api/tags``, ``/api/show``, ``/api/ps``, ``/api/version``.
+to; generate's ``context`` returned and taken back), ``/api/embed`` and the legacy ``/api/embeddings``,
+``/api/tags`` (the models served and those of this node's cache), ``/api/show``, ``/api/ps``, ``/api/version``.
+Pull, delete, copy, create and push: `exod.api.ollama_models`.
 
 Many desktop apps and editor plugins speak only Ollama. Like the other dialects this translates shapes only;
 errors are Ollama's ``{"error": "..."}`` (`exod.api.errors`). A model may be named as Ollama users write it:
@@ -14,9 +16,10 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
+import trio
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field, field_validator
@@ -30,12 +33,15 @@ from exod.api.generation import Generation, Held, Output, ToolCall
 from exod.api.instances import refused, unstored
 from exod.config import DEFAULT, Default, keep_alive
 from exod.controller import Controller, StoreUnavailable
+from exod.host.model_store import local_models
 from exod.host.models import ModelCard
+from exod.host.packaged import packaged
 from exod.placer import InstanceBusy, PlacementRefused
 from exod.requests import InstanceNotFound, ModelNotReady, RequestFailed, RequestStream
 
 log = logging.getLogger("exod.ollama")
 
+MAX_CONTEXT_IDS = 1 << 17  # a context's token ids: more than any model here reads
 API_VERSION = "0.6.0"  # the Ollama API this speaks, for clients that check it before using a feature
 
 
@@ -152,6 +158,7 @@ class OllamaGenerateRequest(_Request):
     system: Text | None = Field(None, max_length=MAX_MESSAGE_CHARS)
     raw: bool = False  # the prompt as it is, no chat template
     images: list[str] | None = None
+    context: list[int] | None = Field(None, max_length=MAX_CONTEXT_IDS)  # a previous answer's: the talk so far
 
 
 class OllamaEmbedRequest(BaseModel):
@@ -161,6 +168,17 @@ class OllamaEmbedRequest(BaseModel):
     input: Text | list[Text] = Field(..., description="a string, or strings")
     truncate: bool = True  # Ollama's default; here an input over the context is refused, never cut
     dimensions: int | None = Field(None, ge=1)
+    keep_alive: float | str | None = None
+
+
+class OllamaEmbeddingsRequest(BaseModel):
+    """The legacy ``/api/embeddings`` (the ollama client's ``embeddings()``, many RAG tools): one prompt."""
+
+    model_config = LENIENT
+
+    model: Text = Field(..., min_length=1, max_length=200)
+    prompt: Text = Field("", max_length=MAX_MESSAGE_CHARS)
+    options: dict[str, Any] | None = None  # Ollama's model options: nothing here changes an embedding
     keep_alive: float | str | None = None
 
 
@@ -177,8 +195,13 @@ class AmbiguousModel(ValueError):
 
 def resolve(name: str, served: list[str]) -> str:
     """The served model that ``name`` means, as Ollama users write one; ``name`` itself if none does (the
-    request then says which are served). `AmbiguousModel` if several do."""
-    bare = name.removesuffix(":latest")
+    request then says which are served). `AmbiguousModel` if several do. A tag other than ``latest`` is part of
+    the name (``llama3:mine``: ``llama3-mine``, as `exod.api.ollama_models` names a copy), and a packaged model's
+    short name (``smollm2``) is the model it is pulled as."""
+    base, _, tag = name.partition(":")
+    bare = base if tag in ("", "latest") else f"{base}-{tag}"
+    if (shipped := packaged(bare)) is not None:
+        return shipped.model_id
     if bare in served or "/" in bare:
         return bare
     matches = [m for m in served if m.rsplit("/", 1)[-1] == bare]
@@ -218,14 +241,30 @@ def _listed(model_id: str, card: ModelCard) -> dict[str, Any]:
     }
 
 
+async def local_ids(controller: Controller) -> list[str]:
+    """The whole models of this node's cache (read on a thread: a large cache takes a while to scan)."""
+    found = await trio.to_thread.run_sync(local_models, controller.config.hf_home)
+    return [m.repo_id for m in found]
+
+
+async def model_named(controller: Controller, name: str) -> str:
+    """The model ``name`` means (`resolve`) among those served and those in this node's cache; 400 if ambiguous.
+    The cache is read only where the name is not a served model's."""
+    placed = controller.placed_models()
+    try:
+        found = resolve(name, placed)
+        if found in placed or "/" in found:
+            return found
+        return resolve(name, sorted({*placed, *await local_ids(controller)}))
+    except AmbiguousModel as exc:
+        raise ApiError(400, str(exc), param="model") from exc
+
+
 def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> APIRouter:
     api = APIRouter(prefix="/api")
 
-    def model_of(name: str) -> str:
-        try:
-            return resolve(name, controller.placed_models())
-        except AmbiguousModel as exc:
-            raise ApiError(400, str(exc), param="model") from exc
+    async def model_of(name: str) -> str:
+        return await model_named(controller, name)
 
     @api.get("/version")
     async def version() -> dict[str, str]:
@@ -233,19 +272,21 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
 
     @api.get("/tags")
     async def tags() -> dict[str, Any]:
-        """The models served here (placed), as Ollama lists its local ones."""
-        return {"models": [_listed(m, controller.model_card(m)) for m in controller.placed_models()]}
+        """The models here, as Ollama lists its local ones: those served (placed) and the whole ones of this
+        node's cache (pulled, copied, created), which a request places where ``[models] on_demand`` is on."""
+        known = sorted({*controller.placed_models(), *await local_ids(controller)})
+        return {"models": [_listed(m, controller.model_card(m)) for m in known]}
 
     @api.get("/ps")
     async def ps() -> dict[str, Any]:
         """The models in memory (an instance loaded, or on its way back from being parked), each with when it
-        will be parked (``expires_at``; kept forever: Ollama's zero time)."""
+        will be parked (``expires_at``; kept forever: what Ollama writes for ``keep_alive`` -1, `_forever`)."""
         running: dict[str, dict[str, Any]] = {}
         for inst in controller.status()["instances"]:
             if inst["residency"] not in _IN_MEMORY or inst["model_id"] in running:
                 continue
             card = controller.model_card(inst["model_id"])
-            expires = _FOREVER if inst["park_at"] is None else _at(inst["park_at"])
+            expires = _forever() if inst["park_at"] is None else _at(inst["park_at"])
             running[inst["model_id"]] = _listed(inst["model_id"], card) | {
                 "expires_at": expires,
                 "size_vram": 0,
@@ -259,8 +300,9 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
         name = body.model or body.name
         if not name:
             raise ApiError(400, "model is required", param="model")
-        model_id = model_of(name)
-        _served(model_id, controller)
+        model_id = await model_of(name)
+        if model_id not in controller.placed_models() and model_id not in await local_ids(controller):
+            raise ApiError(404, f"model {name!r} not found: GET /api/tags lists those here", code="model_not_found")
         card = controller.model_card(model_id)
         details = _details(card)
         info = {"general.architecture": details["family"], f"{details['family']}.context_length": card.context_length}
@@ -277,7 +319,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
     @api.post("/embed", responses=responses(400, 404, 429, 502, 503, ollama=True))
     async def embed_inputs(body: OllamaEmbedRequest) -> dict[str, Any]:
         """Ollama's embeddings: each input's, normalised (`exod.api.embeddings`)."""
-        model_id = model_of(body.model)
+        model_id = await model_of(body.model)
         texts = [body.input] if isinstance(body.input, str) else body.input
         if not texts or not all(texts):
             raise ApiError(400, "input: send a non-empty string, or non-empty strings", param="input")
@@ -294,9 +336,19 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
             "prompt_eval_count": tokens,
         }
 
+    @api.post("/embeddings", responses=responses(400, 404, 429, 502, 503, ollama=True))
+    async def embeddings(body: OllamaEmbeddingsRequest) -> dict[str, Any]:
+        """Ollama's legacy embedding of one prompt, ``{"embedding": [...]}``; an empty prompt, an empty one (Ollama
+        answers so, having loaded the model). exod's is normalised, as ``/api/embed``'s; Ollama's legacy one is not."""
+        model_id = await model_of(body.model)
+        if not body.prompt:
+            return {"embedding": []}
+        vectors, _tokens = await embed(controller, metrics, model_id, [{"prompt_text": body.prompt}])
+        return {"embedding": vectors[0]}
+
     @api.post("/chat", response_model=None, responses=responses(400, 404, 429, 502, 503, ollama=True))
     async def chat(body: OllamaChatRequest) -> JSONResponse | StreamingResponse:
-        model_id = model_of(body.model)
+        model_id = await model_of(body.model)
         generation = Generation(controller, metrics, model_id, constraint="format")
         head = {"model": body.model}
         if not body.messages:  # Ollama's way to load a model, or (keep_alive 0) to unload it
@@ -321,7 +373,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
 
     @api.post("/generate", response_model=None, responses=responses(400, 404, 429, 502, 503, ollama=True))
     async def generate(body: OllamaGenerateRequest) -> JSONResponse | StreamingResponse:
-        model_id = model_of(body.model)
+        model_id = await model_of(body.model)
         generation = Generation(controller, metrics, model_id, prompt="prompt", constraint="format")
         head = {"model": body.model}
         if body.images:
@@ -329,19 +381,34 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
         if not body.prompt:  # Ollama's way to load a model, or (keep_alive 0) to unload it
             reason = await _load(controller, model_id, body.kept())
             return JSONResponse(head | {"created_at": _now(), "response": "", "done": True, "done_reason": reason})
-        if body.raw:
+        if body.raw:  # as Ollama: the prompt alone, and no context returned
             prompt: dict[str, Any] = {"prompt_text": body.prompt}
         else:
             system = [{"role": "system", "content": body.system}] if body.system else []
             prompt = {"messages": [*system, {"role": "user", "content": body.prompt}]}
+            if body.context:  # the talk so far, then this turn: as Ollama, the ids before the new prompt's
+                turn = await _tokens(Generation(controller, metrics, model_id, prompt="prompt"), prompt)
+                prompt = {"prompt_tokens": [*body.context, *turn]}
+            prompt["echo_prompt"] = True  # its ids start the answer's context
+
+        def context(output: Output, said: list[int]) -> dict[str, Any]:
+            read = output.prompt.tokens if output.prompt is not None and not body.raw else None
+            return {} if read is None else {"context": [*read, *said]}
+
         streams = await generation.start(
             **prompt, grammar=body.grammar(), keep_alive=body.kept(), **body.options.sampling(max_tokens_ceiling)
         )
         if not body.stream:
-            [output] = await generation.outputs()
-            return JSONResponse(head | {"created_at": _now(), "response": output.text} | _final(output, generation))
+            ids = _Ids(streams[0])
+            try:
+                output = await generation.collect(ids)  # type: ignore[arg-type]  # a RequestStream's iteration
+                generation.finished([output])
+            finally:
+                generation.close()
+            done = head | {"created_at": _now(), "response": output.text} | _final(output, generation)
+            return JSONResponse(done | context(output, ids.ids))
 
-        return _streamed(generation, streams[0], head, lambda text, _calls: {"response": text})
+        return _streamed(generation, streams[0], head, lambda text, _calls: {"response": text}, last=context)
 
     return api
 
@@ -349,7 +416,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
 _IN_MEMORY = frozenset({fsm.Residency.LOADED.value, fsm.Residency.UNPARKING.value})
 
 
-_FOREVER = "0001-01-01T00:00:00Z"  # Ollama's zero time: a model kept loaded forever
+_FOREVER_NS = 2**63 - 1  # Ollama's keep_alive -1: the longest Go duration (api.Duration), ~292 years
 _LAST = datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC).timestamp()  # the latest time a date can say
 
 
@@ -357,8 +424,15 @@ def _at(when: float) -> str:
     """``when`` as Ollama writes a time, clamped to what a date can say: whatever is stored (a park time from a
     keep-alive of 1e18 s, taken before keep-alives were bounded), the listing never fails. Not finite: forever."""
     if not math.isfinite(when):
-        return _FOREVER
+        return _forever()
     return datetime.fromtimestamp(min(max(when, 0.0), _LAST), UTC).isoformat().replace("+00:00", "Z")
+
+
+def _forever() -> str:
+    """When a model kept loaded forever is unloaded, as Ollama writes it: now plus the longest Go duration (its
+    ``keep_alive`` -1 is ``math.MaxInt64`` nanoseconds), a date in the 2300s that every client's parser reads."""
+    when = datetime.now(UTC) + timedelta(microseconds=_FOREVER_NS // 1000)
+    return when.isoformat().replace("+00:00", "Z")
 
 
 async def _load(controller: Controller, model_id: str, kept: float | Default | None) -> str:
@@ -390,11 +464,6 @@ async def _load(controller: Controller, model_id: str, kept: float | Default | N
     except PlacementRefused as exc:
         raise refused(exc) from exc
     return "load"
-
-
-def _served(model_id: str, controller: Controller) -> None:
-    if model_id not in controller.placed_models():
-        raise ApiError(404, f"model {model_id!r} not found: GET /api/tags lists those served", code="model_not_found")
 
 
 def _message(content: str, calls: list[ToolCall] | None = None) -> dict[str, Any]:
@@ -434,16 +503,21 @@ def _streamed(
     stream: RequestStream,
     head: dict[str, Any],
     said: Callable[[str, list[ToolCall]], dict[str, Any]],
+    last: Callable[[Output, list[int]], dict[str, Any]] = lambda _output, _ids: {},
 ) -> StreamingResponse:
     """A generation as Ollama streams it: an object per piece (``said`` shapes text or calls as the endpoint
-    does), then the last with the counts; a failure is an ``error`` object, never a cut stream."""
+    does), then the last with the counts (and what ``last`` adds, from the output and the ids of the tokens
+    said); a failure is an ``error`` object, never a cut stream."""
 
     async def lines() -> AsyncIterator[bytes]:
         output = Output()
         held = Held()
+        ids: list[int] = []
         try:
             async for item in generation.pieces(stream):
                 Generation.take(output, item)
+                if isinstance(item, g.Token) and item.token_id is not None:
+                    ids.append(item.token_id)
                 if isinstance(item, g.Token) and item.text:
                     held.add(_line(head | {"created_at": _now()} | said(item.text, []) | {"done": False}))
                 elif isinstance(item, ToolCall):
@@ -451,7 +525,9 @@ def _streamed(
                 if due := held.due(stream):
                     yield due
             generation.finished([output])
-            held.add(_line(head | {"created_at": _now()} | said("", []) | _final(output, generation)))
+            held.add(
+                _line(head | {"created_at": _now()} | said("", []) | _final(output, generation) | last(output, ids))
+            )
         except RequestFailed as exc:
             generation.record("error")
             held.add(_line({"error": str(exc)}))
@@ -460,6 +536,29 @@ def _streamed(
         yield held.take()
 
     return _ndjson(lines())
+
+
+class _Ids:
+    """A request's stream that keeps the ids of the tokens it says (Ollama's ``context``)."""
+
+    def __init__(self, stream: RequestStream) -> None:
+        self.stream, self.ids = stream, list[int]()
+
+    def __aiter__(self) -> _Ids:
+        return self
+
+    async def __anext__(self) -> Any:
+        item = await self.stream.__anext__()
+        if isinstance(item, g.Token) and item.token_id is not None:
+            self.ids.append(item.token_id)
+        return item
+
+
+async def _tokens(generation: Generation, prompt: dict[str, Any]) -> list[int]:
+    """The ids of ``prompt`` as the model reads it (its chat template applied), nothing generated."""
+    await generation.start(max_tokens=0, echo_prompt=True, **prompt)
+    [output] = await generation.outputs()
+    return [] if output.prompt is None else list(output.prompt.tokens)
 
 
 def _line(obj: dict[str, Any]) -> bytes:

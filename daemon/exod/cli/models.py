@@ -118,6 +118,27 @@ class _bar:
             self.bar.close()
 
 
+@model.command("rm")
+@click.argument("model_id")
+@click.option("--hf-home", type=click.Path(file_okay=False, path_type=Path), default=None, help="Cache root.")
+def rm(model_id: str, hf_home: Path | None) -> None:
+    """Remove MODEL_ID (org/name) from the cache: every snapshot and its files (what Ollama's /api/delete does).
+
+    A daemon serving it keeps what it loaded; delete its instances first (`exod delete`), or use /api/delete, which
+    does both.
+    """
+    from exod.host.model_store import remove_model
+    from exod.host.models import InvalidModelId
+
+    try:
+        removed = remove_model(model_id, hf_home)
+    except InvalidModelId as exc:
+        raise click.BadParameter(str(exc)) from exc
+    if not removed:
+        raise click.ClickException(f"{model_id} is not in the cache; `exod model list` lists those that are")
+    click.echo(f"removed {model_id}")
+
+
 @model.command("list")
 @click.option("--hf-home", type=click.Path(file_okay=False, path_type=Path), default=None, help="Cache root.")
 def list_models(hf_home: Path | None) -> None:

