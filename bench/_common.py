@@ -30,7 +30,7 @@ from fsm.cluster import LogEntry
 RESULTS = Path(__file__).resolve().parent / "results"
 
 # a short backoff and a budget that a benchmark never exhausts
-BENCH_POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(initial=0.05, factor=1.0, cap=0.05), max_retries=100_000)
+BENCH_POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(initial=0.05, factor=1.0, cap=0.05), max_failures=100_000)
 BENCH_TIMEOUTS = Timeouts(connect=30, load_progress=60, warm_up=60, stop_grace=2, term_grace=2)
 
 

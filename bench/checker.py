@@ -22,7 +22,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-retries", type=int, default=3)
     args = parse_args(parser, smoke={"max_retries": 1})
-    config = CheckConfig(policy=fsm.RetryPolicy(max_retries=args.max_retries))
+    config = CheckConfig(policy=fsm.RetryPolicy(max_failures=args.max_retries))
     runs = {
         "table": check(config, timer=time.perf_counter),
         "no table": check(attrs.evolve(config, transition_table=False), timer=time.perf_counter),

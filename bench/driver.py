@@ -28,7 +28,7 @@ from fsm import runner as rn
 
 GOAL = 1.2
 NODES = ("a", "b")
-POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(0.5, 1.0, 0.5), max_retries=1_000)
+POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(0.5, 1.0, 0.5), max_failures=1_000)
 
 
 class World:

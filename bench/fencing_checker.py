@@ -23,7 +23,7 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=3, help="the exhaustive configuration's, by default")
     args = parse_args(parser, smoke={"nodes": 2})
     fencing = check_fencing(FencingConfig(nodes=args.nodes), timer=time.perf_counter)
-    machines = check(CheckConfig(policy=fsm.RetryPolicy(max_retries=1)), timer=time.perf_counter)
+    machines = check(CheckConfig(policy=fsm.RetryPolicy(max_failures=1)), timer=time.perf_counter)
     if not (fencing.ok and fencing.exhaustive and machines.ok):
         raise SystemExit(f"a checker found a violation or stopped short:\n{fencing.report()}\n{machines.report()}")
     rate, baseline = fencing.states / fencing.seconds, machines.states / machines.seconds

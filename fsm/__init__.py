@@ -26,9 +26,13 @@ Where to start (the rest of this page is the reference, class by class):
   (``ParkInstance``); a request for a parked instance unparks it
   (``UnparkInstance``); ``admit(..., evict=True)`` and ``admit_unpark`` name the
   idle instances to park for memory (``Admission.evict``); ``Residency``.
-* Restarts. ``Cluster.to_dict`` / ``Cluster.from_dict``, ``Cluster.recover(now,
-  adopt=...)``, ``Handle`` (your process id on a runner), ``log`` (the
-  transition log as JSON lines), ``Clock`` (which clock the times are on).
+* Restarts. ``Cluster.to_dict`` / ``Cluster.from_dict(data, now=...)`` (times
+  rebased on your clock's reading), ``Cluster.runners()`` /
+  ``Cluster.instances()`` (read-only: each runner's ``Handle``, whether it
+  is alive), ``Cluster.recover(now, adopt=...)`` (one_for_one adopts each live
+  replica and restarts only the missing ones), ``log`` (the transition log as
+  JSON lines), ``Clock``: feed a monotonic clock, time.monotonic() (a wall clock
+  that steps back is clamped, never refused). The recipe: docs/reattach.rst.
 * Errors. ``FsmError`` and its subclasses: a refusal changes nothing.
 * Proof. ``fsm.check`` explores every interleaving of a small cluster;
   ``fsm.diagram`` draws the machines (``diagram.mermaid``, ``diagram.transition_table``).
@@ -67,10 +71,10 @@ from fsm.actions import (
 from fsm.admit import Admission, Limits, ModelFacts, Refusal, UnknownModel, admit, admit_unpark, place_again
 from fsm.backoff import Backoff, KeyedBackoff
 from fsm.clock import Clock, ClockKind
-from fsm.cluster import Cluster, Handle
+from fsm.cluster import Cluster, Handle, InstanceInfo, RunnerInfo
 from fsm.desired import to_place
 from fsm.download import DEFAULT_DOWNLOAD_BACKOFF, DownloadLifecycle, DownloadState
-from fsm.driver import Adapter, Driver, Round, Skipped
+from fsm.driver import Adapter, Driver, HandlerFailed, Round, Skipped
 from fsm.errors import (
     FsmError,
     IllegalTransition,
@@ -134,8 +138,10 @@ __all__ = [
     "ForwardRequest",
     "FsmError",
     "Handle",
+    "HandlerFailed",
     "IllegalTransition",
     "IncarnationMismatch",
+    "InstanceInfo",
     "InstanceRetry",
     "InstanceState",
     "InstanceView",
@@ -164,6 +170,7 @@ __all__ = [
     "RetryPolicy",
     "RetryStatus",
     "Round",
+    "RunnerInfo",
     "RunnerLifecycle",
     "RunnerPhase",
     "RunnerState",

@@ -61,7 +61,7 @@ and checks these invariants (numbered as the specs number them) on every transit
 2. Failed is left only to Shutdown.
 3. Each backoff delay lies in [min(initial, cap), cap] (jitter: [0, cap]) and, jitter off,
    never decreases within a failure streak.
-4. Charged generations started per streak ≤ max_retries + 1 (a start after a host failure is free;
+4. Charged generations started per streak ≤ max_failures + 1 (a start after a host failure is free;
    invariant 5 holds it to the backoff all the same).
 5. No start before its deadline.
 6. Never two generations alive at once, never more than N live runners; with hosts, never two generations
@@ -304,7 +304,7 @@ Event = (
 ) | (Confirm | Park | Place)
 
 UP, CUT, DEAD = "up", "cut", "dead"  # a node's link, with hosts
-NEVER_GIVE_UP_HORIZON = 4  # with max_retries None: time runs as far as that many failed generations take
+NEVER_GIVE_UP_HORIZON = 4  # with max_failures None: time runs as far as that many failed generations take
 
 
 def _faults(values: Any) -> tuple[Fault, ...]:
@@ -358,7 +358,7 @@ class CheckConfig:
         if self.horizon is not None:
             return self.horizon
         backoff = self.policy.backoff
-        retries = self.policy.max_retries or NEVER_GIVE_UP_HORIZON  # never giving up: as far as that many
+        retries = self.policy.max_failures or NEVER_GIVE_UP_HORIZON  # never giving up: as far as that many
         give_up = sum(backoff.ceiling(n) for n in range(1, retries + 1))
         return (self.policy.reset_after or 0.0) + give_up + 1.0
 
@@ -929,7 +929,7 @@ class _System:
                 streaks[iid] = (0.0, 0)
         self._check_transition(state, before, world.now, streaks)
         for iid, (_, starts) in streaks.items():
-            if self.config.policy.max_retries is not None and starts > self.config.policy.max_retries + 1:
+            if self.config.policy.max_failures is not None and starts > self.config.policy.max_failures + 1:
                 where = "" if len(self.ids) == 1 else f" of {iid}"
                 raise _Fail("4 creations per streak", f"{starts} generations{where} started in one failure streak")
         self._check_memory()

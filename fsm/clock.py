@@ -1,13 +1,20 @@
 """Which clock a cluster's times are read from: every ``now`` fed to it and every deadline it stores.
 
-`fsm` never reads a clock; it compares the numbers it is given. So the caller
-must feed one clock's readings, in order (a `Cluster` refuses a ``now`` earlier
-than one it has seen), and a snapshot's deadlines mean something only on the
-clock they were read from. Wall time means the same on every boot (a restarted
-supervisor waits out what is left of a backoff); a monotonic clock means
-something only within its epoch — the boot it counts from — so a snapshot says
-which, and restoring it under another epoch is refused rather than waiting out
-deadlines that may lie days in the future.
+The clock story (docs/reattach.rst, "Clocks"):
+
+* `fsm` never reads a clock; it compares the numbers it is given. Deadlines (backoffs, watchdogs, keep-alive,
+  a budget's reset) are differences of those numbers, so feed a **monotonic** clock (``time.monotonic()``,
+  or trio's/asyncio's loop time): it never steps. Keep wall time (``time.time()``) for what people read.
+* A reading earlier than one already seen (a wall clock stepped back by NTP or an operator) is not an error:
+  the cluster takes it as the latest reading seen, so time stands still until the clock catches up. No
+  deadline fires early, none is lost; each waits as long as the clock stood still.
+* Across a restart, a reboot or a move to another host, a monotonic clock starts from another origin (its
+  *epoch*, e.g. the boot id). A snapshot (`fsm.cluster.Cluster.to_dict`) keeps the ``now`` it was written
+  at; ``Cluster.from_dict(data, now=reading)`` rebases every stored time on the new clock, so what was left
+  of a backoff is left of it (the supervisor's downtime does not count: never skipped, never refilled).
+  Restored without ``now``, its times are taken as they are: this `Clock` then says which clock they were
+  read from, and a monotonic clock of another epoch is refused rather than waiting out deadlines that may
+  lie days in the future. Wall time (the default, for compatibility) means the same on every boot.
 """
 
 from __future__ import annotations

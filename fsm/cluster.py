@@ -17,15 +17,23 @@ Shutdown.stopped          ``rank_stopped``
 `execute` applies the *machine side* of a planner action (a created runner
 gets its machine, a stop is recorded …); whoever owns the I/O (the daemon, or
 a test's fake world) does the rest and reports back with events. Still pure:
-no I/O, and time is the caller's ``now``: one clock's readings (`fsm.clock`), never
-earlier than one already seen. Every accepted step is appended to ``log`` — the
-transition log the daemon persists and replays.
+no I/O, and time is the caller's ``now``: one clock's readings, monotonic for choice
+(`fsm.clock`); a reading earlier than one already seen is taken as that one (the clock
+stands still until it catches up). Every accepted step is appended to ``log`` — the
+transition log the daemon persists and replays — and every report ignored as a
+duplicate or a late one, as an ``ignored`` entry.
+
+After a supervisor restart: `Cluster.from_dict` (``now=`` rebases the snapshot's
+times on your clock), ``Cluster.runners()`` (each runner's `Handle`, and whether
+its process is owed an exit), then `Cluster.recover` with the runners found alive
+(docs/reattach.rst).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, Generic, TypeVar
 
 import attrs
 import cattrs
@@ -37,10 +45,10 @@ from fsm import runner as rn
 from fsm._machine import Lifecycle, Outcome, converter, describe_structure_error
 from fsm._validate import as_finite_float, show
 from fsm.backoff import Backoff
-from fsm.clock import Clock, ClockKind
-from fsm.errors import InvalidConfig, InvalidEvent, SnapshotError
+from fsm.clock import Clock
+from fsm.errors import IllegalTransition, InvalidConfig, InvalidEvent, SnapshotError
 from fsm.failure import Failure
-from fsm.log import LogEntry
+from fsm.log import IGNORED, LogEntry
 from fsm.owed import Owed, owed
 from fsm.view import (
     ClusterView,
@@ -79,6 +87,61 @@ class RunnerEntry:
     liveness: Liveness = UNHEARD  # its heartbeat (`Cluster.heard`, `Cluster.listened`); never persisted
 
 
+T = TypeVar("T")
+V = TypeVar("V")
+
+
+class Table(dict[str, T], Generic[T, V]):
+    """One of a cluster's tables (id → its entry), which, called, gives read-only views of its entries:
+    ``cluster.runners()``, ``cluster.instances()``. Each call is a snapshot of the moment."""
+
+    __slots__ = ("_views",)
+
+    def __init__(self, views: Callable[[], Mapping[str, V]], items: Mapping[str, T] = MappingProxyType({})) -> None:
+        super().__init__(items)
+        self._views = views
+
+    def __call__(self) -> Mapping[str, V]:
+        return self._views()
+
+
+@attrs.frozen
+class RunnerInfo:
+    """A read-only view of a runner slot's latest incarnation (``Cluster.runners()``): what a re-attaching
+    supervisor needs to find its process (``handle``) and to know what became of it."""
+
+    runner_id: str
+    instance_id: str
+    node_id: str
+    rank: int  # its rank in the instance's slots
+    incarnation: int  # the generation its process was created for (every report names it)
+    state: rn.RunnerState
+    phase: rn.RunnerPhase | None
+    alive: bool  # its process is not reaped yet (a report of its exit is owed)
+    failure: Failure | None
+    handle: Handle | None  # what `Cluster.attach` kept: the pid and start time of its process
+    endpoint: str | None
+
+
+@attrs.frozen
+class InstanceInfo:
+    """A read-only view of an instance (``Cluster.instances()``): its state, its ranks' runners and budget."""
+
+    instance_id: str
+    model_id: str
+    state: inst.InstanceState
+    strategy: inst.RestartStrategy
+    runner_ids: tuple[str, ...]  # by rank
+    rank_generations: tuple[int, ...]  # the generation each rank runs (one_for_all: all alike)
+    failed_ranks: tuple[int, ...]  # one_for_one: ranks waiting for their own restart
+    rank_deadlines: tuple[tuple[int, float], ...]  # one_for_one: (rank, when it may restart)
+    deadline: float | None  # one_for_all: when the next generation may start (backing off)
+    attempts: int  # charged failed generations (or replicas) in the current budget
+    max_failures: int | None  # the give-up threshold (`RetryPolicy.max_failures`)
+    last_failure: Failure | None
+    delete_reason: inst.DeleteReason | None
+
+
 @attrs.define
 class _Placement:
     model_id: str
@@ -91,7 +154,13 @@ class _Placement:
 
 
 class Cluster:
-    """In-memory state of every machine; see the module docstring."""
+    """In-memory state of every machine; see the module docstring.
+
+    ``clock`` says which clock every ``now`` is read from (`fsm.clock`: feed a monotonic one); ``limits`` are the
+    watchdogs (`fsm.watchdog`), kept in snapshots. ``runners`` and ``instances`` are the cluster's own tables;
+    call them (``cluster.runners()``, ``cluster.instances()``) for read-only views, and change them only
+    through events.
+    """
 
     def __init__(
         self,
@@ -107,11 +176,32 @@ class Cluster:
         self.clock = clock or Clock.wall()
         self.limits = limits or PhaseLimits()  # the watchdogs (`fsm.watchdog`); none by default
         self.now_seen: float | None = None  # the latest ``now`` fed: time never goes back
-        self.instances: dict[str, _Placement] = {}
-        self.runners: dict[str, RunnerEntry] = {}
+        self.instances = {}  # type: ignore[assignment]  # the property makes it a `Table`
+        self.runners = {}  # type: ignore[assignment]
         self.downloads: dict[tuple[str, str], dl.DownloadLifecycle] = {}
         self.download_policy = download_policy or dl.DEFAULT_DOWNLOAD_BACKOFF
         self.log: list[LogEntry] = []
+
+    @property
+    def runners(self) -> Table[RunnerEntry, RunnerInfo]:
+        """The runner table, by runner id (the cluster's own: change it only through events). Call it,
+        ``cluster.runners()``, for read-only `RunnerInfo` views: after `from_dict`, the processes to look for
+        (``handle``) and which are still owed an exit (``alive``); see docs/reattach.rst."""
+        return self._runners
+
+    @runners.setter
+    def runners(self, table: dict[str, RunnerEntry]) -> None:
+        self._runners = Table(self._runner_views, table)
+
+    @property
+    def instances(self) -> Table[_Placement, InstanceInfo]:
+        """The instance table, by instance id (the cluster's own). Call it, ``cluster.instances()``, for
+        read-only `InstanceInfo` views: state, runners by rank, budget and backoffs."""
+        return self._instances
+
+    @instances.setter
+    def instances(self, table: dict[str, _Placement]) -> None:
+        self._instances = Table(self._instance_views, table)
 
     # -- desired state --------------------------------------------------------------
 
@@ -161,7 +251,7 @@ class Cluster:
 
     def park(self, instance_id: str, now: float, reason: act.ParkReason = act.ParkReason.REQUESTED) -> Outcome:
         """Park the instance (`fsm.instance`): refused while requests are in flight on its runners."""
-        self._check_time(now)
+        now = self._time(now)
         placement = self._placement(instance_id)
         busy = sum(
             e.machine.in_flight for s in placement.slots if (e := self.runners.get(s.runner_id)) and e.machine.alive
@@ -186,8 +276,7 @@ class Cluster:
         _check_keep_alive(keep_alive)
         placement = self._placement(instance_id)
         if now is not None:
-            self._check_time(now)
-            placement.last_used = now
+            placement.last_used = self._time(now)
         placement.keep_alive_now = keep_alive
 
     def forget(self, instance_id: str) -> None:
@@ -206,15 +295,24 @@ class Cluster:
     def instance_event(self, event: inst.InstanceEvent) -> Outcome:
         """Apply an instance event (`fsm.instance`) and log it. Runner events reach the instance on their own
         (`runner_event`); a caller sends ``Tick`` so a budget reset is seen without another event."""
-        self._check_time(event.now)
+        event = self._timed(event)
         placement = self._placement(event.instance_id)
         outcome = placement.machine.apply(event)
         self._record("instance", event.instance_id, event.now, outcome)
         return outcome
 
     def runner_event(self, event: rn.RunnerEvent, now: float) -> Outcome:
-        """Apply a runner event and forward what it means to the runner's instance."""
-        self._check_time(now)
+        """Apply a runner event and forward what it means to the runner's instance.
+
+        A *report* (``Connected``, ``Progress``, ``WeightsLoaded``, ``Warmed``, ``RequestFinished``, ``Fail``,
+        ``Exited``) that the runner cannot take — a second ``Exited`` (two watchers: a pidfd and a poll), news
+        of an older incarnation, a report from a process already failed or reaped — changes nothing: it
+        returns an ignored `Outcome` whose note says why, and is logged as an ``ignored`` entry (`fsm.log`).
+        Two watchers may race; neither ends the supervisor. A *command* the runner refuses (``Load`` before
+        it joined …) is the caller's mistake and still raises `IllegalTransition`; a runner id never known
+        raises `InvalidEvent`.
+        """
+        now = self._time(now)
         if event.runner_id not in self.runners:
             raise InvalidEvent(f"no runner {event.runner_id!r}")
         entry = self.runners[event.runner_id]
@@ -223,7 +321,15 @@ class Cluster:
         was_failed = machine.failure is not None
         was_stopping = machine.runner_state is rn.RunnerState.SHUTDOWN
         leaf, asked = machine.leaf, machine.stop_requested
-        outcome = machine.apply(event)
+        try:
+            outcome = machine.apply(event)
+        except IllegalTransition as exc:
+            if not isinstance(event, _REPORTS):
+                raise
+            outcome = Outcome.ignored(f"{event.name} refused in {machine.leaf}: a duplicate or late report ({exc})")
+        if not outcome.accepted and isinstance(event, _REPORTS):
+            self._record_ignored(event, machine, now, outcome)
+            return outcome
         news = machine.leaf != leaf or machine.stop_requested != asked or isinstance(event, rn.Progress)
         if outcome.accepted and news:  # the watchdog's clock starts again (`fsm.watchdog`)
             self.runners[event.runner_id] = attrs.evolve(self.runners[event.runner_id], since=now)
@@ -254,7 +360,7 @@ class Cluster:
     def download_event(self, node_id: str, event: dl.DownloadEvent) -> Outcome:
         """A download's report on ``node_id`` (``download.Complete``, ``DownloadFailed``, ``BytesProgress``,
         ``Invalidate``: the files went missing), applied and logged; the machine is made on first use."""
-        self._check_time(event.now)
+        event = self._timed(event)
         machine = self._download(node_id, event.model_id)
         outcome = machine.apply(event)
         self._record("download", f"{node_id}:{event.model_id}", event.now, outcome, getattr(event, "reason", ""))
@@ -264,36 +370,49 @@ class Cluster:
         """After a supervisor restart: make the machines say what became of the runners it had.
 
         By default every runner is taken as killed with the old supervisor (exod kills its orphans). Runners
-        named in ``adopt`` are ones the caller found still alive and healthy (its `Handle` says which process):
-        a Ready instance whose current generation is adopted whole carries on as it was (the requests it
-        was serving went with the old supervisor: each adopted runner is left idle); anything less is not
-        enough to serve, and the instance resumes as below, its adopted runners then stopped by the plan.
+        named in ``adopt`` are ones the caller found still alive and healthy (its `Handle` says which process;
+        `runners` lists them). An adopted runner is kept only if it is Ready in its rank's current generation
+        (the requests it was serving went with the old supervisor: each is left idle); the plan stops an
+        adopted runner that is not kept. What is kept depends on the restart strategy:
 
-        Starting/Ready instances whose generation had runners resume with a new generation (no retry
-        charged; one with none yet lost nothing, and keeps its generation: a graceful stop, which says the
-        same, followed by a restart resumes once, not twice); then every runner that was alive and is not
-        kept is stopped and reaped, which a Recovering instance counts as reaped ranks.
+        * one_for_all (a ring): a Ready instance whose current generation is adopted whole carries on as it
+          was; anything less cannot serve, and a Starting/Ready instance whose generation had runners resumes
+          with a new generation (no retry charged; one with none yet lost nothing, and keeps its generation: a
+          graceful stop, which says the same, followed by a restart resumes once, not twice).
+        * one_for_one (independent replicas): each replica on its own. An adopted Ready replica serves on; a
+          replica that is gone is restarted alone at once (``RankLost``: no retry charged, no backoff); a rank
+          that had failed keeps its backoff as it was (a restart neither refills nor skips it).
+
+        Then every runner that was alive and is not kept is stopped and reaped, which a Recovering instance
+        counts as reaped ranks. Times are on the cluster's clock: after a reboot or a clock step, restore the
+        snapshot with `from_dict`'s ``now`` so that its deadlines are rebased first (`fsm.clock`).
         """
-        self._check_time(now)
+        now = self._time(now)
         adopted = set(adopt)
         if unknown := adopted - {rid for rid, e in self.runners.items() if e.machine.alive}:
             raise InvalidConfig(f"cannot adopt {sorted(unknown)}: no live runner of that id")
         kept: set[str] = set()
         for instance_id, placement in self.instances.items():
             m = placement.machine
-            current = [(s, self.runners.get(s.runner_id)) for s in placement.slots]
-            whole = m.instance_state is inst.InstanceState.READY and all(
-                e is not None
-                and e.machine.incarnation == m.rank_generations[s.rank]
-                and e.machine.runner_state is rn.RunnerState.READY
-                and e.machine.runner_id in adopted
+            current = [(s, e) for s in placement.slots if (e := self.runners.get(s.runner_id)) is not None]
+            current = [(s, e) for s, e in current if e.machine.incarnation == m.rank_generations[s.rank]]
+            serving = {
+                s.runner_id
                 for s, e in current
-            )
-            if whole:
-                kept.update(s.runner_id for s in placement.slots)
+                if e.machine.runner_state is rn.RunnerState.READY
+                and e.machine.runner_id in adopted
+                and s.rank not in m.failed_ranks
+            }
+            if m.one_for_one:
+                if m.instance_state in _RESUMING:
+                    kept |= serving
+                    lost = [(s, e) for s, e in current if s.runner_id not in serving]
+                    self._lose_replicas(instance_id, now, lost, adopted)
                 continue
-            had_runners = any(e is not None and e.machine.incarnation == m.rank_generations[s.rank] for s, e in current)
-            if m.instance_state in _RESUMING and had_runners:
+            if m.instance_state is inst.InstanceState.READY and len(serving) == len(placement.slots):
+                kept |= serving
+                continue
+            if m.instance_state in _RESUMING and current:
                 self.instance_event(inst.Resume(instance_id, now))
         for rid in sorted(kept):
             machine = self.runners[rid].machine
@@ -304,15 +423,42 @@ class Cluster:
                 continue
             if machine.runner_id in adopted:
                 continue  # alive, but its instance could not keep it: the plan stops it (a stale generation)
-            if machine.runner_state not in (rn.RunnerState.FAILED, rn.RunnerState.SHUTDOWN):
-                self.runner_event(rn.Stop(machine.runner_id, machine.incarnation), now)
-            self.runner_event(rn.Exited(machine.runner_id, machine.incarnation, exit_code=-9), now)
+            self._reap_orphan(machine, now, forward=True)
+
+    def _lose_replicas(
+        self, instance_id: str, now: float, lost: list[tuple[Slot, RunnerEntry]], adopted: set[str]
+    ) -> None:
+        """one_for_one's part of `recover`: each live replica not kept is gone (unless the caller adopted it,
+        alive but not Ready: the plan stops it, a failure of the host's, so charged nothing)."""
+        for slot, entry in lost:
+            machine = entry.machine
+            if not machine.alive or slot.rank in self._placement(instance_id).machine.failed_ranks:
+                continue  # reaped already, or failed on its own: its backoff goes on as it was
+            gen = machine.incarnation
+            if machine.runner_id in adopted:  # its runner fails (the host's doing): the plan stops and reaps it
+                failure = Failure.host("adopted after a supervisor restart, but not Ready: restarted")
+                self.runner_event(rn.Fail(machine.runner_id, gen, failure=failure), now)
+                continue
+            self._reap_orphan(machine, now, forward=False)  # the instance hears of it as lost, not as an exit
+            self.instance_event(inst.RankLost(instance_id, now, gen, slot.rank))
+
+    def _reap_orphan(self, machine: rn.RunnerLifecycle, now: float, *, forward: bool) -> None:
+        """A runner that went with the old supervisor: stopped (unless failed or stopping) and reaped, killed."""
+        events: list[rn.RunnerEvent] = []
+        if machine.runner_state not in (rn.RunnerState.FAILED, rn.RunnerState.SHUTDOWN):
+            events.append(rn.Stop(machine.runner_id, machine.incarnation))
+        events.append(rn.Exited(machine.runner_id, machine.incarnation, exit_code=-9))
+        for event in events:
+            if forward:
+                self.runner_event(event, now)
+            else:
+                self._record("runner", machine.runner_id, now, machine.apply(event))
 
     # -- the machine side of the planner's actions ---------------------------------------
 
     def execute(self, action: act.Action, now: float) -> Outcome:
         """Apply what ``action`` means to the machines; returns what the machine said."""
-        self._check_time(now)
+        now = self._time(now)
         match action:
             case act.StartGeneration(instance_id, generation):
                 return self.instance_event(inst.Start(instance_id, now, generation))
@@ -444,6 +590,51 @@ class Cluster:
             limits=self.limits,
         )
 
+    def _runner_views(self) -> Mapping[str, RunnerInfo]:
+        """``cluster.runners()``: every runner slot's latest incarnation, by runner id, as read-only `RunnerInfo`."""
+        views = {}
+        for rid, e in self.runners.items():
+            placement = self.instances.get(e.instance_id)
+            slot = None if placement is None else slot_of(placement.slots, rid)
+            m = e.machine
+            views[rid] = RunnerInfo(
+                rid,
+                e.instance_id,
+                e.node_id,
+                m.rank if slot is None else slot.rank,
+                m.incarnation,
+                m.runner_state,
+                m.phase,
+                m.alive,
+                m.failure,
+                e.handle,
+                e.endpoint,
+            )
+        return MappingProxyType(views)
+
+    def _instance_views(self) -> Mapping[str, InstanceInfo]:
+        """``cluster.instances()``: every instance, by id, as read-only `InstanceInfo`."""
+        return MappingProxyType(
+            {
+                iid: InstanceInfo(
+                    iid,
+                    p.model_id,
+                    p.machine.instance_state,
+                    p.machine.policy.strategy,
+                    tuple(s.runner_id for s in sorted(p.slots, key=lambda s: s.rank)),
+                    tuple(p.machine.rank_generations),
+                    tuple(sorted(p.machine.failed_ranks)),
+                    tuple(sorted(p.machine.rank_deadlines.items())),
+                    p.machine.deadline,
+                    p.machine.attempts,
+                    p.machine.policy.max_failures,
+                    p.machine.last_failure,
+                    p.machine.delete_reason,
+                )
+                for iid, p in self.instances.items()
+            }
+        )
+
     def instance(self, instance_id: str) -> inst.InstanceRetry:
         """The instance's machine, to read (feed it events through `instance_event`, which logs them)."""
         return self._placement(instance_id).machine
@@ -471,7 +662,7 @@ class Cluster:
         return self._missed(runner_id, incarnation) is not None
 
     def _liveness(self, runner_id: str, incarnation: int, now: float, change: Callable[[Liveness], Liveness]) -> bool:
-        self._check_time(now)
+        now = self._time(now)
         entry = self.runners.get(runner_id)
         if entry is None or entry.machine.incarnation != incarnation or not entry.machine.alive:
             return False
@@ -516,7 +707,8 @@ class Cluster:
 
     def to_dict(self) -> dict[str, Any]:
         """Every machine and what ties them together, as JSON-ready data: persist it to survive a restart
-        (`from_dict`, then `recover`)."""
+        (`from_dict`, then `recover`). It keeps the watchdogs (``limits``, the stop grace among them) and the
+        latest ``now`` seen, which `from_dict` rebases every time on (`fsm.clock`)."""
         return {
             "instances": {
                 iid: {
@@ -540,7 +732,8 @@ class Cluster:
             },
             "downloads": [{"node_id": node, "machine": m.to_dict()} for (node, _), m in self.downloads.items()],
             "clock": self.clock.to_dict(),
-        } | ({"now": self.now_seen} if self.now_seen is not None and self.clock.kind is ClockKind.MONOTONIC else {})
+            "limits": attrs.asdict(self.limits),
+        } | ({"now": self.now_seen} if self.now_seen is not None else {})
 
     @classmethod
     def from_dict(
@@ -550,35 +743,62 @@ class Cluster:
         *,
         clock: Clock | None = None,
         limits: PhaseLimits | None = None,
+        now: float | None = None,
     ) -> Cluster:
         """Restore what `to_dict` wrote; raises `SnapshotError` naming the field, and builds nothing, on bad input.
 
-        The snapshot's times are on its ``clock`` (wall time if it names none); a ``clock`` given must be that
-        one, or its deadlines would mean nothing here (a monotonic clock of another boot): the snapshot is
-        refused. On a monotonic clock, time goes on from the snapshot's ``now``; wall time may step back across
-        a restart or a host (NTP, skew), so there it starts afresh.
+        Times (the clock story, `fsm.clock`): pass ``now``, a reading of the clock you will feed from here on,
+        and every time in the snapshot — backoff deadlines, watchdog starts, the instances' clocks — is rebased
+        by ``now`` minus the snapshot's ``now``: what was left of a backoff when the snapshot was written is
+        left of it now (neither refilled nor skipped; the supervisor's downtime does not count towards it).
+        That holds across a reboot, a clock step, or another host, so ``clock`` may then be any clock (say
+        ``Clock.monotonic(boot_id)`` of this boot). Without ``now``, times go on as they were written: the
+        snapshot's ``clock`` must be the one given (a monotonic clock of another boot is refused: its deadlines
+        would mean nothing here), and a reading earlier than the snapshot's ``now`` is taken as that ``now``
+        (time stands still until the clock catches up).
+
+        Watchdogs: the snapshot's ``limits`` (every phase limit and the stop grace) are restored; ``limits``
+        given replaces them (configuration changed across the restart). A snapshot written before limits were
+        saved is refused unless ``limits`` is given: restoring it with none would silently turn every watchdog
+        off (pass ``PhaseLimits()`` to mean that).
 
         Beyond each machine's own checks, the machines must agree: slots list ranks 0..N-1 of one
         instance each, a runner belongs to a slot of an existing instance and matches it, a download
         appears once. (A top-level ``requests`` key, written before requests left the snapshot, is ignored.)
         """
-        body = _fields(data, "", ("instances", "runners", "downloads"), ignored=("requests", "clock", "now"))
+        body = _fields(data, "", ("instances", "runners", "downloads"), ignored=("requests", "clock", "now", "limits"))
         stored = Clock.from_dict(data["clock"]) if "clock" in data else Clock.wall()
-        if clock is not None and clock != stored:
+        then = data.get("now")
+        if then is not None and as_finite_float(then) is None:
+            raise SnapshotError(f"now: expected a finite number, got {show(then)}")
+        if now is not None:
+            if as_finite_float(now) is None:
+                raise InvalidConfig(f"now must be a finite number (a reading of your clock), got {now!r}")
+            if then is None:
+                raise SnapshotError(
+                    "now: missing: this snapshot does not say when it was written, so its times cannot be rebased; "
+                    "restore it without now= on the clock it was written on"
+                )
+            body = _rebased(body, float(now) - float(then))
+            then, stored = float(now), clock or stored
+        elif clock is not None and clock != stored:
             raise SnapshotError(
                 f"clock: the snapshot's times are on {stored}, not on {clock}: its deadlines mean nothing on this "
-                "clock (restore it where it was written, or keep times on wall time)"
+                "clock (pass now=, a reading of this clock, to rebase them; or restore it where it was written)"
             )
-        now = data.get("now")
-        if now is not None and (isinstance(now, bool) or not isinstance(now, (int, float))):
-            raise SnapshotError(f"now: expected a number, got {show(now)}")
         placements = _restore_placements(body["instances"])
         runners = _restore_runners(body["runners"], placements)
         downloads = _restore_downloads(body["downloads"])
-        cluster = cls(download_policy, clock=stored, limits=limits)  # limits are configuration, not state
+        saved = _limits(data["limits"]) if "limits" in data else None
+        if saved is None and limits is None:
+            raise SnapshotError(
+                "limits: missing: this snapshot was written before the watchdogs were saved; pass limits= (the "
+                "phase limits and stop grace you run with; PhaseLimits() for none) rather than lose them"
+            )
+        cluster = cls(download_policy, clock=stored, limits=limits if limits is not None else saved)
         cluster.instances, cluster.runners, cluster.downloads = placements, runners, downloads
-        if stored.kind is ClockKind.MONOTONIC and now is not None:
-            cluster.now_seen = float(now)
+        if then is not None:
+            cluster.now_seen = float(then)
         return cluster
 
     # -- internals -----------------------------------------------------------------------
@@ -595,14 +815,24 @@ class Cluster:
             self.downloads[key] = self.download_cls(model_id, policy=self.download_policy)
         return self.downloads[key]
 
-    def _check_time(self, now: float) -> None:
-        """Refuse a ``now`` earlier than one seen (`_record` remembers the latest: a refused event moves nothing,
-        not even time)."""
-        if self.now_seen is not None and now < self.now_seen:
-            raise InvalidEvent(
-                f"time went backwards: now={now!r} after now={self.now_seen!r}; feed readings of one clock "
-                f"({self.clock}) in the order they were read"
-            )
+    def _time(self, now: float) -> float:
+        """The ``now`` to use: the caller's, or the latest seen if the caller's clock stepped back (`fsm.clock`).
+
+        A reading earlier than one seen is clamped, never refused: time stands still until the clock catches up
+        (deadlines wait that much longer; none fires early), and no report is lost to a wall-clock step. A
+        refused event moves nothing, not even time (`_record` remembers the latest)."""
+        return now if self.now_seen is None or now >= self.now_seen else self.now_seen
+
+    def _timed(self, event: E) -> E:
+        """``event`` at `_time` of its ``now``."""
+        now = self._time(event.now)
+        return event if now == event.now else attrs.evolve(event, now=now)
+
+    def _record_ignored(self, event: rn.RunnerEvent, machine: rn.RunnerLifecycle, now: float, why: Outcome) -> None:
+        """A report that moved nothing, kept in the log (`fsm.log.IGNORED`) so a duplicate is seen, not lost."""
+        self.now_seen = now if self.now_seen is None else max(self.now_seen, now)
+        cause = f"{event.name} of incarnation {event.incarnation}: {why.note}"
+        self.log.append(LogEntry(now, "runner", event.runner_id, IGNORED, machine.leaf, machine.leaf, cause))
 
     def _record(self, machine: str, key: str, now: float, outcome: Outcome, cause: str = "") -> None:
         self.now_seen = now if self.now_seen is None else max(self.now_seen, now)
@@ -610,6 +840,9 @@ class Cluster:
             self.log.append(LogEntry(now, machine, key, step.event, step.source, step.target, cause))
 
 
+# What a runner's process (or its watcher) reports, as opposed to what the plan commands: a refused report is a
+# duplicate or a late one, ignored and logged (`Cluster.runner_event`).
+_REPORTS = (rn.Connected, rn.Progress, rn.WeightsLoaded, rn.Warmed, rn.RequestFinished, rn.Fail, rn.Exited)
 # Where a runner may be created: a generation starting, or (one_for_one) a rank restarted alone.
 _CREATING = (inst.InstanceState.STARTING, inst.InstanceState.DEGRADED)
 # Where a generation runs: runners lost with the supervisor make it start again (`Cluster.recover`).
@@ -619,6 +852,7 @@ _RESUMING = (inst.InstanceState.STARTING, inst.InstanceState.READY, inst.Instanc
 # -- Cluster.from_dict's checks ----------------------------------------------------------------------
 
 M = TypeVar("M", bound=Lifecycle)
+E = TypeVar("E", inst.InstanceEvent, dl.DownloadEvent)
 
 
 def _restore_placements(value: object) -> dict[str, _Placement]:
@@ -651,6 +885,51 @@ def _restore_placements(value: object) -> dict[str, _Placement]:
             raise SnapshotError(f"{where}.machine.world_size: {machine.world_size}, but {len(slots)} slots")
         placements[iid] = _Placement(p["model_id"], slots, machine, local, keep_alive, keep_alive_now, last_used)
     return placements
+
+
+def _limits(value: object) -> PhaseLimits:
+    """The snapshot's watchdogs: every field of `PhaseLimits`, each seconds > 0 or None."""
+    names = tuple(f.name for f in attrs.fields(PhaseLimits))
+    _fields(value, "limits", (), ignored=names)  # a dict of known keys
+    try:
+        return PhaseLimits(**value)  # type: ignore[arg-type]
+    except (InvalidConfig, TypeError, ValueError) as exc:
+        raise SnapshotError(f"limits: {exc}") from None
+
+
+def _rebased(body: dict[str, Any], delta: float) -> dict[str, Any]:
+    """A copy of the snapshot's body with every time moved by ``delta`` (durations such as keep-alive stay);
+    what is not a number is left for the restore to refuse."""
+
+    def move(value: Any) -> Any:
+        return value + delta if as_finite_float(value) is not None else value
+
+    def moved(raw: Any, keys: tuple[str, ...]) -> Any:
+        return {k: move(v) if k in keys else v for k, v in raw.items()} if isinstance(raw, dict) else raw
+
+    def instance(raw: Any) -> Any:
+        raw = moved(raw, ("last_used",))
+        if isinstance(raw, dict) and isinstance(raw.get("machine"), dict):
+            m = moved(raw["machine"], ("deadline", "ready_since", "clock"))
+            if isinstance(m.get("rank_deadlines"), list):
+                m["rank_deadlines"] = [
+                    [p[0], move(p[1])] if isinstance(p, (list, tuple)) and len(p) == 2 else p
+                    for p in m["rank_deadlines"]
+                ]
+            raw = {**raw, "machine": m}
+        return raw
+
+    def download(raw: Any) -> Any:
+        if isinstance(raw, dict) and isinstance(raw.get("machine"), dict):
+            return {**raw, "machine": moved(raw["machine"], ("retry_at", "clock"))}
+        return raw
+
+    instances, runners, downloads = body["instances"], body["runners"], body["downloads"]
+    return {
+        "instances": {k: instance(v) for k, v in instances.items()} if isinstance(instances, dict) else instances,
+        "runners": {k: moved(v, ("since",)) for k, v in runners.items()} if isinstance(runners, dict) else runners,
+        "downloads": [download(d) for d in downloads] if isinstance(downloads, list) else downloads,
+    }
 
 
 def _optional_time(value: object, where: str) -> float | None:

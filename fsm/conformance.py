@@ -14,7 +14,8 @@ suffix of a conforming log conforms.
 
 Markers that are not transitions: ``create`` (a runner process was started:
 its machine begins again in its initial state), ``place`` (an instance was
-placed) and ``forget`` (a deleted instance was dropped).
+placed) and ``forget`` (a deleted instance was dropped); ``ignored`` entries (a report that moved
+nothing) are skipped.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import attrs
 from statemachine import State, StateMachine
 
 from fsm.diagram import Transition, transition_table
-from fsm.log import LogEntry
+from fsm.log import IGNORED, LogEntry
 
 MARKERS = ("create", "place", "forget")
 
@@ -127,6 +128,8 @@ def replay(entries: Iterable[LogEntry], machines: Mapping[str, type[StateMachine
             divergence = Divergence(index, entry, f"one of {sorted(models)}", "unknown machine")
             break
         key = (entry.machine, entry.key)
+        if entry.event == IGNORED:  # a report that moved nothing (`Cluster.runner_event`)
+            continue
         if entry.event in MARKERS:
             problem = _marker_problem(entry, model, current.get(key), key in forgotten)
             if problem:

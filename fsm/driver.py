@@ -10,9 +10,20 @@ as reports, through the driver's methods (`report`, `published`, `downloaded`):
 the contract of `fsm.owed`, which `owed` lists while it is outstanding.
 
 A handler may return an awaitable (an ``async def`` handler): `reconcile` hands
-those back for the caller to await or schedule (``asyncio.create_task``,
-``nursery.start_soon``); anything else a handler returns is ignored, but for
-`Adapter.create_runner`, whose string return is the rank's ring endpoint.
+those back in `Round.work` for the caller to await or schedule. asyncio takes the
+awaitable itself (``asyncio.create_task(work)``); trio takes an async *function*,
+never a coroutine object, so wrap it: ``nursery.start_soon(_await, work)`` with
+``async def _await(w): await w``. Anything else a handler returns is ignored, but
+for `Adapter.create_runner`, whose string return is the rank's ring endpoint.
+
+A handler that raises does not end the loop: the action is reported failed
+(`Round.failed` keeps the exception) and the machines hear of it as the world
+would tell them: a runner's action fails that runner (``runner.Fail`` with the
+exception as cause, charged like a crash: the plan stops it and its instance
+retries), a download's fails the download (retried after its backoff); a
+cancel or a kill that raised moves nothing (a kill is asked again while the
+process lingers). An awaitable that raises later is the caller's to catch: the
+driver never sees it run.
 
 The caller calls `reconcile` after every report and at `next_wakeup`, and never
 from two threads at once (the driver is not locked: one owner, like the machines).
@@ -33,6 +44,7 @@ from fsm import runner as rn
 from fsm._machine import Outcome
 from fsm.cluster import Cluster
 from fsm.errors import FsmError
+from fsm.failure import Failure
 from fsm.owed import Owed
 from fsm.plan import next_deadline
 from fsm.plan import plan as default_plan
@@ -101,14 +113,25 @@ class Skipped:
 
 @attrs.frozen
 class Round:
-    """What one `Driver.reconcile` did: the actions taken, those skipped, the handlers' awaitables, and whether
-    the plan came out empty (False: ``max_rounds`` ran out first; the next call goes on)."""
+    """What one `Driver.reconcile` did: the actions taken, those skipped, the handlers' awaitables, whether
+    the plan came out empty (False: ``max_rounds`` ran out first; the next call goes on), and the taken
+    actions whose handler raised (`HandlerFailed`)."""
 
     now: float
     taken: tuple[act.Action, ...] = ()
     skipped: tuple[Skipped, ...] = ()
     work: tuple[Awaitable[Any], ...] = ()
     settled: bool = True
+    failed: tuple[HandlerFailed, ...] = ()
+
+
+@attrs.frozen
+class HandlerFailed:
+    """An action whose handler raised: the loop went on, and ``reported`` is what the machines were told."""
+
+    action: act.Action
+    error: Exception
+    reported: Outcome | None = None  # the runner's Fail or the download's failure; None: nothing to tell
 
 
 class Driver:
@@ -153,13 +176,14 @@ class Driver:
 
     def reconcile(self) -> Round:
         """Plan and act until the plan is empty (or ``max_rounds`` rounds); see the module docstring."""
-        now = self.clock()
+        now = self._now()
         for instance_id, placement in list(self.cluster.instances.items()):
             if not placement.machine.is_deleted:  # a backoff's end or a budget reset is seen when it comes
                 self.cluster.instance_event(inst.Tick(instance_id, now))
         taken: list[act.Action] = []
         skipped: dict[act.Action, Skipped] = {}  # each once, however many rounds planned it again
         work: list[Awaitable[Any]] = []
+        failed: list[HandlerFailed] = []
         stalled: list[act.Action] | None = None  # the last plan, if none of it was taken
         for _ in range(self._max_rounds):
             view = self.view()
@@ -172,7 +196,7 @@ class Driver:
                     if self._before is not None and not self._before(action):
                         skipped[action] = Skipped(action, "held back by the caller")
                         continue
-                    outcome = self.cluster.execute(action, self.clock())  # the caller's last look took time
+                    outcome = self.cluster.execute(action, self._now())  # the caller's last look took time
                 except FsmError as exc:
                     skipped[action] = Skipped(action, str(exc), exc)
                     continue
@@ -181,12 +205,29 @@ class Driver:
                     continue
                 took = True
                 taken.append(action)
-                if (done := self._dispatch(action)) is not None:
+                try:
+                    done = self._dispatch(action)
+                except Exception as exc:  # the adapter's bug or the world's refusal: the loop goes on
+                    failed.append(HandlerFailed(action, exc, self._handler_failed(action, exc)))
+                    continue
+                if done is not None:
                     work.append(done)
             stalled = None if took else actions  # a caller's last look may have changed the cluster: plan again
         else:
-            return Round(now, tuple(taken), tuple(skipped.values()), tuple(work), settled=False)
-        return Round(now, tuple(taken), tuple(skipped.values()), tuple(work))
+            return Round(now, tuple(taken), tuple(skipped.values()), tuple(work), False, tuple(failed))
+        return Round(now, tuple(taken), tuple(skipped.values()), tuple(work), True, tuple(failed))
+
+    def _handler_failed(self, action: act.Action, exc: Exception) -> Outcome | None:
+        """Tell the machines what a raising handler means (see the module docstring)."""
+        if isinstance(action, act.StartDownload):
+            return self.downloaded(action.node_id, action.model_id, error=f"{type(exc).__name__}: {exc}")
+        if isinstance(action, (act.CancelRequest, act.KillRunner)):
+            return None
+        runner_id, incarnation = getattr(action, "runner_id", None), getattr(action, "incarnation", None)
+        if runner_id is None or incarnation is None:
+            return None
+        cause = Failure.exception(type(exc).__name__, f"the adapter's {_HANDLER[type(action)]} raised: {exc}")
+        return self.report(rn.Fail(runner_id, incarnation, failure=cause))
 
     def _dispatch(self, action: act.Action) -> Awaitable[Any] | None:
         name = _HANDLER.get(type(action))
@@ -201,8 +242,14 @@ class Driver:
     def next_wakeup(self) -> float | None:
         """When to call `reconcile` again if no report comes first (None: only a report or a placement will)."""
         view = self.view()
-        now = self.clock()
+        now = self._now()
         return min((t for n in self.nodes if (t := next_deadline(view, n, now)) is not None), default=None)
+
+    def _now(self) -> float:
+        """The clock's reading, never earlier than one the cluster has seen: a clock that stepped back stands
+        still until it catches up (`fsm.clock`), for the plan as for the machines."""
+        now, seen = self.clock(), self.cluster.now_seen
+        return now if seen is None or now >= seen else seen
 
     def owed(self) -> list[Owed]:
         """The reports the cluster waits for (`fsm.owed`)."""
@@ -212,7 +259,7 @@ class Driver:
 
     def report(self, event: rn.RunnerEvent) -> Outcome:
         """A runner's report (``runner.Connected``, ``Exited``, ``Fail`` …), at the clock's now."""
-        return self.cluster.runner_event(event, self.clock())
+        return self.cluster.runner_event(event, self._now())
 
     def published(self, runner_id: str, incarnation: int, endpoint: str) -> bool:
         """A rank's ring endpoint (HOST:PORT); False if that incarnation is gone."""
@@ -220,6 +267,6 @@ class Driver:
 
     def downloaded(self, node_id: str, model_id: str, *, error: str | None = None) -> Outcome:
         """A download ended: complete, or failed with ``error`` (retried after its backoff)."""
-        now = self.clock()
+        now = self._now()
         event = dl.Complete(model_id, now) if error is None else dl.DownloadFailed(model_id, now, error)
         return self.cluster.download_event(node_id, event)

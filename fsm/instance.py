@@ -32,7 +32,7 @@ snapshots); a leaf's own transitions are tried before its compound's.
 * Backoff before generation n+1 is ``policy.backoff.delay(n)``; the deadline
   is armed when the old generation is fully reaped, and ``start`` is refused
   before it.
-* Give-up: the failure that makes ``max_retries`` failed generations goes to
+* Give-up: the failure that makes ``max_failures`` failed generations goes to
   Deleted(retries_exhausted); a non-retryable cause goes to
   Deleted(non_retryable) at once, whatever the count.
 * Uncharged: a generation ended by the host rather than the model (a spawn
@@ -105,6 +105,7 @@ from __future__ import annotations
 
 import enum
 import random
+import warnings
 from typing import Any, ClassVar
 
 import attrs
@@ -142,26 +143,37 @@ class DeleteReason(enum.Enum):
     """Why an instance reached Deleted: asked by its user, out of retries, or a failure no retry can mend."""
 
     REQUESTED = "requested"  #: its user deleted it (`Cluster.delete`)
-    RETRIES_EXHAUSTED = "retries_exhausted"  #: ``max_retries`` generations failed (charged failures only)
+    RETRIES_EXHAUSTED = "retries_exhausted"  #: ``max_failures`` generations failed (charged failures only)
     NON_RETRYABLE = "non_retryable"  #: a failure with ``retryable=False``: retrying cannot mend it
 
 
-@attrs.frozen
+_UNSET: Any = object()
+
+
+@attrs.frozen(init=False)
 class RetryPolicy:
     """How an instance retries: the backoff, the budget, and when the budget refills.
 
-    ``max_retries=None``: never give up on a retryable failure (a non-retryable one still ends the instance;
-    the backoff still grows to its cap). ``reset_after=None``: the budget never refills.
+    ``max_failures``: how many charged failures (failed generations of one_for_all, failed replicas of
+    one_for_one) the instance takes; the one that makes ``max_failures`` gives up (Deleted,
+    ``retries_exhausted``). So ``max_failures=N`` allows N-1 retries: 1 retries nothing, 5 (the default)
+    retries four times; 0 is refused. A host's or a poison request's failure is not charged and never counts.
+    ``None``: never give up on a retryable failure (a non-retryable one still ends the instance; the backoff
+    still grows to its cap). ``reset_after=None``: the budget never refills.
+
+    ``max_retries`` is its old name, with the same meaning (it never counted retries): accepted with a
+    `DeprecationWarning`, as keyword (it wins over ``max_failures``, so that ``attrs.evolve(policy,
+    max_retries=N)`` still works) and as attribute.
 
     ``strategy``: one_for_all (the default) when the ranks are one ring — a ring that lost a rank hangs in
     its next collective, so they restart together; one_for_one when they are independent replicas (each
     process a world of one, no ring): a failed rank is stopped and restarted alone, after its own backoff,
     while the others serve on (`InstanceState.DEGRADED`). Either way the budget is the instance's: each
-    failed generation of one_for_all, each failed rank of one_for_one, costs one retry.
+    failed generation of one_for_all, each failed rank of one_for_one, counts one failure.
     """
 
     backoff: Backoff = attrs.field(factory=Backoff, validator=attrs.validators.instance_of(Backoff))
-    max_retries: int | None = attrs.field(default=5, validator=integer(InvalidConfig, at_least=1, optional=True))
+    max_failures: int | None = attrs.field(default=5, validator=integer(InvalidConfig, at_least=1, optional=True))
     reset_after: float | None = attrs.field(
         default=600.0, validator=attrs.validators.optional(finite(InvalidConfig, above=0))
     )
@@ -169,10 +181,43 @@ class RetryPolicy:
         default=RestartStrategy.ONE_FOR_ALL, validator=attrs.validators.instance_of(RestartStrategy)
     )
 
+    def __init__(
+        self,
+        backoff: Backoff = _UNSET,
+        max_failures: int | None = _UNSET,
+        reset_after: float | None = 600.0,
+        strategy: RestartStrategy = RestartStrategy.ONE_FOR_ALL,
+        *,
+        max_retries: int | None = _UNSET,
+    ) -> None:
+        if (
+            max_retries is not _UNSET
+        ):  # given with max_failures too, it wins: attrs.evolve(p, max_retries=N) passes both
+            warnings.warn(_RENAMED, DeprecationWarning, stacklevel=2)
+            max_failures = max_retries
+        self.__attrs_init__(  # type: ignore[attr-defined]
+            Backoff() if backoff is _UNSET else backoff,
+            5 if max_failures is _UNSET else max_failures,
+            reset_after,
+            strategy,
+        )
 
-def budget_exhausted(failed_generations: int, max_retries: int | None) -> bool:
+    @property
+    def max_retries(self) -> int | None:
+        """Deprecated: `max_failures`, which it always meant (charged failures before giving up, not retries)."""
+        warnings.warn(_RENAMED, DeprecationWarning, stacklevel=2)
+        return self.max_failures
+
+
+_RENAMED = (
+    "RetryPolicy.max_retries is now max_failures, with the same meaning: the charged failures after which the "
+    "instance gives up (N allows N-1 retries)"
+)
+
+
+def budget_exhausted(failed_generations: int, max_failures: int | None) -> bool:
     """The give-up rule, in one place: the machine and the planner both ask it (None: never)."""
-    return max_retries is not None and failed_generations >= max_retries
+    return max_failures is not None and failed_generations >= max_failures
 
 
 # -- events -----------------------------------------------------------------------
@@ -271,6 +316,15 @@ class RankStopped(RankEvent):
 
 
 @attrs.frozen
+class RankLost(RankEvent):
+    """one_for_one, after a supervisor restart: this rank's process went with the old supervisor (it is gone),
+    while its siblings were adopted. The rank is restarted alone at once: the supervisor, not the model, lost
+    it, so it costs no retry and waits no backoff (`fsm.cluster.Cluster.recover` sends it)."""
+
+    name = "rank_lost"
+
+
+@attrs.frozen
 class Resume(InstanceEvent):
     """The daemon restarted and reaped this generation's orphaned runners: start a fresh generation.
 
@@ -357,7 +411,7 @@ class InstanceRetry(Lifecycle):
 
     machine_name = "instance"
     snapshot_type = InstanceSnapshot
-    snapshot_version = 4  # 2 added `uncharged`, 3 `waking` (and parking, parked), 4 one_for_one's fields
+    snapshot_version = 5  # 2 `uncharged`, 3 `waking` (parking, parked), 4 one_for_one's fields, 5 `max_failures`
 
     class alive(State.Compound):
         pending = State(initial=True)
@@ -430,6 +484,11 @@ class InstanceRetry(Lifecycle):
         | alive.recovering.to.itself(internal=True, on="_rank_gone")
         | alive.backing_off.to.itself(internal=True, on="_rank_gone")
         | alive.parking.to.itself(internal=True, on="_rank_gone")
+    )
+    rank_lost = (
+        alive.running.starting.to(alive.running.degraded, cond="one_for_one", on="_lose_alone")
+        | alive.running.ready.to(alive.running.degraded, cond="one_for_one", on="_lose_alone")
+        | alive.running.degraded.to.itself(internal=True, cond="one_for_one", on="_lose_alone")
     )
     alive.recovering.to(alive.backing_off, cond="nothing_alive", on="_arm_timer")
     alive.parking.to(alive.parked, cond="nothing_alive")
@@ -515,7 +574,7 @@ class InstanceRetry(Lifecycle):
         """Out of retries where a start would come next (Pending, Starting, Backing off): the only place the
         planner gives up (elsewhere a generation runs or is torn down, and a host cause may still give a retry
         back)."""
-        return self.leaf in _WAITING_TO_START and budget_exhausted(self.attempts, self.policy.max_retries)
+        return self.leaf in _WAITING_TO_START and budget_exhausted(self.attempts, self.policy.max_failures)
 
     @staticmethod
     def idle(busy: int) -> bool:
@@ -556,7 +615,7 @@ class InstanceRetry(Lifecycle):
     @property
     def last_allowed_failure(self) -> bool:
         """One more charged failure would spend the budget: the instance gives up on it instead of retrying."""
-        return budget_exhausted(self.attempts + 1, self.policy.max_retries)
+        return budget_exhausted(self.attempts + 1, self.policy.max_failures)
 
     def last_charged_failure(self, failure: Failure) -> bool:
         """A charged cause that spends the budget: the instance gives up at once. Not a consequence (a peer
@@ -595,8 +654,18 @@ class InstanceRetry(Lifecycle):
             self._arm_rank_timer(rank)
 
     def _failed_rank_gone(self, rank: int) -> None:
+        if rank not in self.live_ranks:  # reaped already (a second report, or lost with the supervisor)
+            return  # its deadline stands: a duplicate report neither refills nor skips a backoff
         self.live_ranks.discard(rank)
         self._arm_rank_timer(rank)
+
+    def _lose_alone(self, rank: int) -> None:
+        """The rank's process is gone with the old supervisor: due for a restart now, nothing charged."""
+        self.failed_ranks.add(rank)
+        self.ready_ranks.discard(rank)
+        self.live_ranks.discard(rank)
+        self.ready_since = None
+        self.rank_deadlines[rank] = self.clock  # type: ignore[assignment]  # _observe has set it
 
     def _stopped_alone(self, rank: int) -> None:
         self._fail_alone(rank, _UNEXPECTED_STOP)
@@ -729,11 +798,13 @@ class InstanceRetry(Lifecycle):
                 f"{sorted(self.failed_ranks)}, alive {sorted(self.live_ranks)}, deadlines {self.rank_deadlines}, "
                 f"now {self.clock})"
             )
+        if event == "rank_lost":
+            return "only a one_for_one instance running a generation restarts a lost rank alone (a ring resumes)"
         if event == "start" and self.leaf == "backing_off":
             return f"backoff deadline {self.deadline} not reached (now {self.clock})"
         if event == "give_up":
-            if not budget_exhausted(self.attempts, self.policy.max_retries):
-                return f"budget not exhausted ({self.attempts} of {self.policy.max_retries} failed generations)"
+            if not budget_exhausted(self.attempts, self.policy.max_failures):
+                return f"budget not exhausted ({self.attempts} of {self.policy.max_failures} failed generations)"
             return f"an instance is given up on only where it would start runners, not in {self.leaf}"
         if event == "park" and self.leaf in (_RECOVERING, _BACKING_OFF):
             return "a failed generation is being retried: park it once it runs again, or delete it"
@@ -847,6 +918,13 @@ class InstanceRetry(Lifecycle):
                 "failed_ranks": [],
                 "rank_deadlines": [],
             }
+        if version <= 4:  # max_retries was renamed max_failures, with the same meaning
+            policy = body.get("policy")
+            if isinstance(policy, dict) and "max_failures" in policy and "max_retries" in policy:
+                raise SnapshotError("invalid instance snapshot: policy: max_retries and max_failures are one field")
+            if isinstance(policy, dict) and "max_retries" in policy:
+                renamed = {("max_failures" if k == "max_retries" else k): v for k, v in policy.items()}
+                body = {**body, "policy": renamed}
         return body
 
     @classmethod

@@ -1,6 +1,7 @@
 """The transition log: every step a machine took, in order — what a supervisor persists, ships and replays.
 
-`Cluster` appends a `LogEntry` per accepted step to ``Cluster.log``; the caller
+`Cluster` appends a `LogEntry` per accepted step to ``Cluster.log`` (and an ``ignored`` entry per report it
+ignored: a duplicate ``Exited``, news of an older incarnation; ``cause`` says which and why); the caller
 takes them from there (and clears it) to keep them. JSON lines are the exchange
 shape (``exod replay --jsonl`` reads them, `fsm.conformance.replay` checks them
 against the machines): `dumps` and `loads` here, so that a caller keeps no
@@ -16,6 +17,8 @@ from typing import Any
 import attrs
 
 from fsm.errors import SnapshotError
+
+IGNORED = "ignored"  # the event of an entry that moved nothing: a duplicate or late report (source == target)
 
 
 @attrs.frozen

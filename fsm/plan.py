@@ -143,7 +143,7 @@ def _model_on(view: ClusterView, node_id: str, inst: InstanceView) -> bool:
 
 
 def _exhausted(inst: InstanceView) -> bool:
-    return budget_exhausted(inst.retry.attempts, inst.retry.max_retries)
+    return budget_exhausted(inst.retry.attempts, inst.retry.max_failures)
 
 
 def _our_current_runners(view: ClusterView, inst: InstanceView, node_id: str) -> Iterator[RunnerStatus]:

@@ -119,7 +119,7 @@ class RetryStatus:
     state: InstanceState
     generation: int = 0
     attempts: int = 0
-    max_retries: int | None = 5  # None: never gives up
+    max_failures: int | None = 5  # None: never gives up
     deadline: float | None = None
     delete_reason: DeleteReason | None = None
     ready_since: float | None = None
@@ -154,7 +154,7 @@ class RetryStatus:
             state=machine.instance_state,
             generation=machine.generation,
             attempts=machine.attempts,
-            max_retries=machine.policy.max_retries,
+            max_failures=machine.policy.max_failures,
             deadline=machine.deadline,
             delete_reason=machine.delete_reason,
             ready_since=machine.ready_since,

@@ -24,7 +24,7 @@ from exod.controller import Controller
 from exod.host.supervisor import Timeouts
 from exod.state.sqlite import Store
 
-FAST_RETRY = fsm.RetryPolicy(backoff=fsm.Backoff(initial=0.2, factor=2.0, cap=1.0), max_retries=5)
+FAST_RETRY = fsm.RetryPolicy(backoff=fsm.Backoff(initial=0.2, factor=2.0, cap=1.0), max_failures=5)
 FAST_TIMEOUTS = Timeouts(connect=30, load_progress=60, warm_up=60, stop_grace=2, term_grace=2)
 
 

@@ -259,6 +259,8 @@ def test_a_lone_surrogate_in_a_placement_is_a_400(daemon):
         ("/instances", {"model": MODEL, "ranks": "2"}, "ranks"),
         ("/instances", {"model": MODEL, "ranks": 2.0}, "ranks"),
         ("/instances", {"model": MODEL, "retry": {"max_retries": True}}, "retry.max_retries"),
+        ("/instances", {"model": MODEL, "retry": {"max_failures": True}}, "retry.max_failures"),
+        ("/instances", {"model": MODEL, "retry": {"max_failures": 2, "max_retries": 2}}, "retry"),  # one name only
         ("/instances", {"model": MODEL, "retry": {"initial": "1.5"}}, "retry.initial"),
         ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": "5"}, "max_tokens"),
         ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": True}, "max_tokens"),

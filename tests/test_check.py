@@ -14,7 +14,7 @@ from fsm.check import CheckConfig, check
 
 
 def test_the_real_system_is_exhaustively_correct_for_two_ranks_and_five_retries():
-    result = check(CheckConfig(ranks=2, policy=fsm.RetryPolicy(max_retries=5)))
+    result = check(CheckConfig(ranks=2, policy=fsm.RetryPolicy(max_failures=5)))
     assert result.ok, result.report()
     assert result.exhaustive and result.horizon is not None
     # the space covers every ending, a full give-up included
@@ -23,7 +23,7 @@ def test_the_real_system_is_exhaustively_correct_for_two_ranks_and_five_retries(
 
 
 def test_the_transition_table_changes_nothing_but_speed():
-    config = CheckConfig(policy=fsm.RetryPolicy(max_retries=2))
+    config = CheckConfig(policy=fsm.RetryPolicy(max_failures=2))
     fast, slow = check(config), check(attrs.evolve(config, transition_table=False))
     assert (fast.states, fast.transitions, fast.reached) == (slow.states, slow.transitions, slow.reached)
     assert fast.ok and slow.ok
@@ -95,7 +95,7 @@ def test_both_failed_without_the_failed_before_exception_is_found_as_a_deadlock(
 
 # -- host failures: free, but never early ------------------------------------------------------------
 
-HOST_FAULTS = CheckConfig(ranks=2, policy=fsm.RetryPolicy(max_retries=2), faults=("crash", "host"), horizon=30.0)
+HOST_FAULTS = CheckConfig(ranks=2, policy=fsm.RetryPolicy(max_failures=2), faults=("crash", "host"), horizon=30.0)
 
 
 def test_host_failures_spend_no_retry_and_still_wait_the_backoff():
@@ -125,7 +125,7 @@ def ignores_the_backoff_plan(view, node_id, now):
 
 def test_an_instance_that_charges_nothing_is_found_starting_too_many_generations():
     trace = found(attrs.evolve(HOST_FAULTS, ranks=1, faults=("crash",), instance_cls=ChargesNothing), "4 creations")
-    assert sum(e.startswith("crash") for e in trace) == 3  # max_retries + 1 charged starts, then one too many
+    assert sum(e.startswith("crash") for e in trace) == 3  # max_failures + 1 charged starts, then one too many
 
 
 def test_restarting_before_the_backoff_after_a_host_failure_is_found():
@@ -175,7 +175,7 @@ def test_reload_agrees_with_from_snapshot_on_every_reachable_state(events, world
 
 
 def test_requests_are_forwarded_finished_or_cancelled_and_only_to_ready_runners():
-    result = check(CheckConfig(requests=1, policy=fsm.RetryPolicy(max_retries=2)))
+    result = check(CheckConfig(requests=1, policy=fsm.RetryPolicy(max_failures=2)))
     assert result.ok and result.exhaustive, result.report()
 
 
@@ -194,7 +194,7 @@ def eager_plan(view, node_id, now):
 
 
 def test_forwarding_to_a_runner_that_is_not_ready_is_found():
-    found(CheckConfig(requests=1, policy=fsm.RetryPolicy(max_retries=2), plan=eager_plan), "requests go to Ready")
+    found(CheckConfig(requests=1, policy=fsm.RetryPolicy(max_failures=2), plan=eager_plan), "requests go to Ready")
 
 
 def unpublished_connect_plan(view, node_id, now):
@@ -214,7 +214,7 @@ def test_connecting_before_every_rank_endpoint_is_published_is_found():
 # -- several hosts: nodes die, are cut off, heal; leases expire ----------------------------------------
 
 NODES = CheckConfig(
-    ranks=2, hosts=3, node_failures=2, faults=(), deletes=False, policy=fsm.RetryPolicy(max_retries=1), horizon=30.0
+    ranks=2, hosts=3, node_failures=2, faults=(), deletes=False, policy=fsm.RetryPolicy(max_failures=1), horizon=30.0
 )
 
 
@@ -251,8 +251,8 @@ def test_policy_variants_are_explored_as_themselves():
     up reaches no retries_exhausted deletion within a horizon where two retries are long spent, never
     refilling reaches no reset, each in a space of its own; a planted budget that refills anyway is found."""
     backoff = fsm.Backoff(1.0, 2.0, 4.0)  # a third failed generation starts by t = 7: past the default's give-up
-    base = CheckConfig(ranks=2, horizon=8.0, policy=fsm.RetryPolicy(backoff, max_retries=2, reset_after=10.0))
-    never = check(attrs.evolve(base, policy=attrs.evolve(base.policy, max_retries=None)))
+    base = CheckConfig(ranks=2, horizon=8.0, policy=fsm.RetryPolicy(backoff, max_failures=2, reset_after=10.0))
+    never = check(attrs.evolve(base, policy=attrs.evolve(base.policy, max_failures=None)))
     spent = check(attrs.evolve(base, policy=attrs.evolve(base.policy, reset_after=None), horizon=None))
     default, refilling = check(base), check(attrs.evolve(base, horizon=None))  # horizon None: past a reset
     assert all(r.ok and r.exhaustive for r in (never, spent, default, refilling)), never.report()
@@ -276,7 +276,7 @@ def test_policy_variants_are_explored_as_themselves():
 # One rank, parked by its plan the moment it is idle (keep-alive 0) and once more from outside (an operator,
 # or an eviction for another instance that starts), two requests: requests come while it parks, while it is
 # parked and while it comes back; a rank fails while it parks and while it comes back.
-PARKING = CheckConfig(ranks=1, requests=2, parks=1, keep_alive=0.0, policy=fsm.RetryPolicy(max_retries=2))
+PARKING = CheckConfig(ranks=1, requests=2, parks=1, keep_alive=0.0, policy=fsm.RetryPolicy(max_failures=2))
 
 
 FAULT_KINDS = ("crash", "error", "fatal")
@@ -297,7 +297,7 @@ def test_parking_and_unparking_are_exhaustively_correct():
 
 
 def test_a_keep_alive_parks_a_two_rank_instance_by_its_plan_and_a_request_brings_it_back():
-    result = check(CheckConfig(ranks=2, requests=1, keep_alive=3.0, policy=fsm.RetryPolicy(max_retries=2)))
+    result = check(CheckConfig(ranks=2, requests=1, keep_alive=3.0, policy=fsm.RetryPolicy(max_failures=2)))
     assert result.ok and result.exhaustive, result.report()
     assert {"parking", "parked"} <= result.reached
 
@@ -376,7 +376,7 @@ TWO = CheckConfig(
     faults=("error",),
     deletes=False,
     download_failures=0,
-    policy=fsm.RetryPolicy(fsm.Backoff(1.0, 2.0, 2.0), max_retries=1, reset_after=None),
+    policy=fsm.RetryPolicy(fsm.Backoff(1.0, 2.0, 2.0), max_failures=1, reset_after=None),
 )
 
 

@@ -24,22 +24,31 @@ def test_embedded_default_places_the_real_packaged_model_on_one_rank():
     cfg = load(None, state_dir=Path("/tmp/x"))
     assert (cfg.host, cfg.port) == ("127.0.0.1", 8420)
     assert [(p.model, p.ranks) for p in cfg.placements] == [(DEFAULT_MODEL, 1)]
-    assert cfg.daemon.policy.max_retries == 5 and cfg.daemon.policy.backoff.cap == 30.0
+    assert cfg.daemon.policy.max_failures == 5 and cfg.daemon.policy.backoff.cap == 30.0
     assert cfg.daemon.state_dir == Path("/tmp/x")
 
 
 def test_file_values_and_cli_overrides(tmp_path):
     path = write(
         tmp_path,
-        '[daemon]\nport = 9000\nhf_home = "~/hf"\n[retry]\ninitial = 0.5\nmax_retries = 2\n'
+        '[daemon]\nport = 9000\nhf_home = "~/hf"\n[retry]\ninitial = 0.5\nmax_failures = 2\n'
         '[timeouts]\nconnect = 5\n[[place]]\npath = "/models/m"\nranks = 1\n',
     )
     cfg = load(path, port=0)
     assert cfg.port == 0  # the CLI wins
     assert cfg.daemon.hf_home == Path("~/hf").expanduser()
-    assert cfg.daemon.policy.backoff.initial == 0.5 and cfg.daemon.policy.max_retries == 2
+    assert cfg.daemon.policy.backoff.initial == 0.5 and cfg.daemon.policy.max_failures == 2
     assert cfg.daemon.timeouts.connect == 5.0
     assert cfg.placements[0].path == Path("/models/m") and cfg.placements[0].model is None
+
+
+def test_the_old_name_max_retries_keeps_its_meaning_with_a_warning_and_both_names_at_once_are_refused(tmp_path):
+    """The seeds' cap of 5 failed generations keeps its meaning under the old key."""
+    with pytest.warns(DeprecationWarning, match="max_failures"):
+        cfg = load(write(tmp_path, "[retry]\nmax_retries = 5\n"))
+    assert cfg.daemon.policy.max_failures == 5
+    with pytest.raises(ConfigError, match="give only max_failures"):
+        load(write(tmp_path, "[retry]\nmax_retries = 5\nmax_failures = 5\n"))
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,7 @@ from exod.state.sqlite import Store
 from fsm.cluster import LogEntry
 
 WALL = 1_000_000.0  # the wall time the controller's clock starts at; trio's MockClock starts at 0
-POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(initial=2.0, factor=2.0, cap=30.0), max_retries=5, reset_after=600.0)
+POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(initial=2.0, factor=2.0, cap=30.0), max_failures=5, reset_after=600.0)
 DOWNLOADS = fsm.Backoff(initial=5.0, factor=2.0, cap=60.0)
 TIMEOUTS = Timeouts(connect=60, load_progress=120, warm_up=120, generate=300, stop_grace=5, term_grace=3)
 QUEUE_TIMEOUT = 30.0
@@ -288,7 +288,7 @@ def test_a_request_to_a_deposed_controller_is_not_planned_in_its_callers_task(tm
 
 def test_each_crash_costs_one_generation_the_backoff_is_waited_exactly_and_grows_then_retries_exhausted(tmp_path):
     crash = FaultSpec(Fault(FaultPhase.READY, FaultKind.SIGKILL), rank=1, generation=None)  # every generation
-    policy = attrs.evolve(POLICY, max_retries=6)  # backoffs 2, 4, 8, 16, then the cap: 30
+    policy = attrs.evolve(POLICY, max_failures=6)  # backoffs 2, 4, 8, 16, then the cap: 30
 
     async def body(sim: Sim):
         iid = await sim.controller.place(MODEL, 2)

@@ -23,7 +23,7 @@ offline = true
 [retry]
 initial = 5.0
 cap = 5.0
-max_retries = 5
+max_failures = 5
 
 [timeouts]
 connect = 30

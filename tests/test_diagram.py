@@ -46,6 +46,7 @@ EXPECTED_COUNTS = {
         "rank_failed": 10,
         "rank_failed_while_stopping": 4,
         "rank_stopped": 9,
+        "rank_lost": 3,
         "resume": 3,
         "tick": 1,
         "give_up": 1,

@@ -10,7 +10,7 @@ import fsm
 from fsm import runner as rn
 
 SLOTS = [fsm.Slot(0, "a", "i/0"), fsm.Slot(1, "b", "i/1")]
-POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(2.0, 2.0, 8.0), max_retries=2)
+POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(2.0, 2.0, 8.0), max_failures=2)
 
 
 class Clock:

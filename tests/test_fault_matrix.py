@@ -38,7 +38,7 @@ pytestmark = pytest.mark.usefixtures("no_runner_left_behind")
 
 MODEL = "exod/tiny-qwen2"
 MESSAGES = [{"role": "user", "content": "hello"}]
-POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(0.2, 2.0, 1.0), max_retries=5)
+POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(0.2, 2.0, 1.0), max_failures=5)
 
 # (phase, kind) -> the failure kind rank 1 of generation 1 must show (None: no failure, the fault is survived)
 EXPECTED: dict[FaultKind, fsm.FailureKind | None] = {

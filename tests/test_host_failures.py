@@ -22,7 +22,7 @@ from exod.reports import Reports
 from exod.runner import protocol as p
 from exod.runner.process import _failure_fields, is_host_failure
 
-STRICT = fsm.RetryPolicy(backoff=POLICY.backoff, max_retries=1)  # one charged failure would delete it
+STRICT = fsm.RetryPolicy(backoff=POLICY.backoff, max_failures=1)  # one charged failure would delete it
 
 
 @pytest.mark.parametrize(
@@ -140,7 +140,7 @@ def test_a_squatted_ring_port_costs_nothing_and_the_next_generation_picks_new_po
         return [taken, *ports[1:]] if calls["n"] <= 2 else ports
 
     monkeypatch.setattr(ring, "free_ports", first_two_taken)
-    policy = fsm.RetryPolicy(backoff=FAST_RETRY.backoff, max_retries=1)
+    policy = fsm.RetryPolicy(backoff=FAST_RETRY.backoff, max_failures=1)
     cfg = config(tmp_path, hf)
 
     async def body(controller):
@@ -160,7 +160,7 @@ def test_a_squatted_ring_port_costs_nothing_and_the_next_generation_picks_new_po
     assert runner_pids() == []
     attack(
         "port squatting",
-        f"rank 0's ring port taken for 2 generations (max_retries = 1): '{inst['last_failure']}' twice, "
+        f"rank 0's ring port taken for 2 generations (max_failures = 1): '{inst['last_failure']}' twice, "
         f"{inst['attempts']} retries spent, {inst['uncharged']} uncharged, Ready at generation 3 on new ports",
     )
 

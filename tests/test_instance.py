@@ -96,7 +96,7 @@ def test_start_refused_before_the_deadline_and_machine_unchanged():
 
 @pytest.mark.parametrize("max_retries", [1, 3, 5])
 def test_retries_exhausted_after_exactly_max_retries_failed_generations(max_retries):
-    i = started(policy=RetryPolicy(max_retries=max_retries))
+    i = started(policy=RetryPolicy(max_failures=max_retries))
     delays = []
     for n in range(1, max_retries + 1):
         t = 100.0 * n
@@ -113,7 +113,7 @@ def test_retries_exhausted_after_exactly_max_retries_failed_generations(max_retr
 
 
 def test_default_delay_sequence_is_2_4_8_16_30_30():
-    i = started(policy=RetryPolicy(max_retries=8))
+    i = started(policy=RetryPolicy(max_failures=8))
     delays = []
     for n in range(1, 8):
         fail_generation(i, 1000.0 * n)
@@ -168,7 +168,7 @@ def test_budget_resets_after_ready_for_reset_after():
 
 
 def test_reset_is_applied_before_counting_a_late_failure_without_ticks():
-    i = started(policy=RetryPolicy(reset_after=100.0, max_retries=2))
+    i = started(policy=RetryPolicy(reset_after=100.0, max_failures=2))
     fail_generation(i, 1.0)
     next_generation(i)
     make_ready(i, 10.0)
@@ -179,7 +179,7 @@ def test_reset_is_applied_before_counting_a_late_failure_without_ticks():
 
 
 def test_no_reset_when_ready_was_interrupted():
-    i = started(policy=RetryPolicy(reset_after=100.0, max_retries=5))
+    i = started(policy=RetryPolicy(reset_after=100.0, max_failures=5))
     fail_generation(i, 1.0)
     next_generation(i)
     make_ready(i, 10.0)
@@ -245,18 +245,18 @@ def test_event_for_a_future_generation_is_a_routing_error():
 
 
 def test_give_up_only_when_the_budget_is_spent():
-    i = started(policy=RetryPolicy(max_retries=3))
+    i = started(policy=RetryPolicy(max_failures=3))
     fail_generation(i, 1.0)
     with pytest.raises(fsm.IllegalTransition, match="budget"):
         i.apply(GiveUp("inst", 2.0))
     # a restart with a lower budget: the planner's GiveUp is accepted
-    lowered = InstanceRetry.from_dict(i.to_dict(), policy=RetryPolicy(max_retries=1))
+    lowered = InstanceRetry.from_dict(i.to_dict(), policy=RetryPolicy(max_failures=1))
     lowered.apply(GiveUp("inst", 2.0))
     assert lowered.delete_reason is fsm.DeleteReason.RETRIES_EXHAUSTED
 
 
 def test_jitter_is_full_bounded_and_reproducible_from_the_seed():
-    policy = RetryPolicy(backoff=fsm.Backoff(jitter=True), max_retries=10)
+    policy = RetryPolicy(backoff=fsm.Backoff(jitter=True), max_failures=10)
 
     def schedule(seed: int) -> list[float]:
         i = started(policy=policy, seed=seed)
@@ -301,7 +301,7 @@ def test_invalid_construction(kwargs, message):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"max_retries": 0}, "max_retries"),
+        ({"max_failures": 0}, "max_failures"),
         ({"reset_after": 0}, "reset_after"),
         ({"reset_after": float("nan")}, "reset_after"),
     ],
@@ -331,7 +331,7 @@ def test_snapshot_rejects_bad_input():
     good = started().to_dict()
     for bad in (
         {**good, "machine": "runner"},
-        {**good, "version": 5},
+        {**good, "version": 6},
         {**good, "version": 0},
         {**good, "version": 1},  # version 1 had no `uncharged`
         {**good, "version": 2},  # nor version 2 `waking`
@@ -351,7 +351,7 @@ def test_snapshot_rejects_bad_input():
 def test_resume_after_a_daemon_restart_starts_a_new_generation_for_free():
     from fsm.instance import Resume
 
-    i = started(policy=RetryPolicy(max_retries=2))
+    i = started(policy=RetryPolicy(max_failures=2))
     fail_generation(i, 1.0)
     next_generation(i)
     make_ready(i, 5.0)
@@ -676,8 +676,8 @@ def test_events_refuse_an_instance_id_that_is_no_str():
 def test_world_size_policy_and_seed_are_keyword_only():
     with pytest.raises(TypeError):
         InstanceRetry("inst", 2)
-    i = InstanceRetry(instance_id="inst", world_size=2, policy=RetryPolicy(max_retries=2), seed=9)
-    assert (i.instance_id, i.world_size, i.policy.max_retries, i.seed) == ("inst", 2, 2, 9)
+    i = InstanceRetry(instance_id="inst", world_size=2, policy=RetryPolicy(max_failures=2), seed=9)
+    assert (i.instance_id, i.world_size, i.policy.max_failures, i.seed) == ("inst", 2, 2, 9)
 
 
 def test_a_deadline_of_exactly_zero_round_trips():
@@ -700,7 +700,7 @@ def test_a_rank_of_a_ready_instance_stopping_unreported_costs_one_retry():
 
 
 def test_a_rank_stopping_unreported_on_the_last_retry_gives_up():
-    i = started(world_size=2, policy=RetryPolicy(max_retries=1))
+    i = started(world_size=2, policy=RetryPolicy(max_failures=1))
     make_ready(i, 1.0)
     i.apply(RankStopped("inst", 2.0, 1, 0))
     assert (i.instance_state, i.delete_reason, i.attempts) == (
@@ -721,7 +721,7 @@ def test_start_is_allowed_any_time_after_the_deadline():
 
 def test_the_default_policy_allows_five_failed_generations_and_refills_after_ten_minutes():
     policy = RetryPolicy()
-    assert (policy.max_retries, policy.reset_after, policy.backoff) == (5, 600.0, fsm.Backoff())
+    assert (policy.max_failures, policy.reset_after, policy.backoff) == (5, 600.0, fsm.Backoff())
     i = started(world_size=1)
     for n in range(1, 5):
         fail_generation(i, 100.0 * n)
@@ -731,7 +731,7 @@ def test_the_default_policy_allows_five_failed_generations_and_refills_after_ten
 
 
 def test_the_guards_read_as_booleans():
-    i = started(world_size=2, policy=RetryPolicy(max_retries=2))
+    i = started(world_size=2, policy=RetryPolicy(max_failures=2))
     assert (i.all_ranks_ready, i.nothing_alive, i.deadline_passed) == (False, False, True)
     assert (i.budget_spent, i.last_allowed_failure) == (False, False)
     fail_generation(i, 1.0)
@@ -751,10 +751,10 @@ def test_an_instance_ready_since_time_zero_round_trips():
 
 
 def test_give_up_while_starting_records_that_the_retries_are_exhausted():
-    i = started(world_size=1, policy=RetryPolicy(max_retries=3))
+    i = started(world_size=1, policy=RetryPolicy(max_failures=3))
     fail_generation(i, 1.0)
     next_generation(i)
-    lowered = InstanceRetry.from_dict(i.to_dict(), policy=RetryPolicy(max_retries=1))
+    lowered = InstanceRetry.from_dict(i.to_dict(), policy=RetryPolicy(max_failures=1))
     assert lowered.leaf == "starting"
     out = lowered.apply(GiveUp("inst", 5.0))
     assert out.steps == (fsm.Step("give_up", "starting", "deleted"),)
@@ -792,10 +792,10 @@ def test_the_budget_refills_only_while_ready():
 
 def test_reload_takes_the_policy_of_the_snapshot():
     lenient = instance_in("backing_off").snapshot()
-    strict = attrs.evolve(lenient, policy=RetryPolicy(max_retries=1))
+    strict = attrs.evolve(lenient, policy=RetryPolicy(max_failures=1))
     machine = InstanceRetry.from_snapshot(lenient)
     machine.reload(strict)
-    assert machine.policy == RetryPolicy(max_retries=1)
+    assert machine.policy == RetryPolicy(max_failures=1)
     assert machine.budget_spent
 
 
@@ -822,7 +822,7 @@ def snapshots_of_a_long_life() -> list[fsm.InstanceSnapshot]:
         i.apply(event)
         snapshots.append(i.snapshot())
 
-    one = InstanceRetry("a", world_size=1, policy=RetryPolicy(max_retries=3, reset_after=50.0), seed=4)
+    one = InstanceRetry("a", world_size=1, policy=RetryPolicy(max_failures=3, reset_after=50.0), seed=4)
     snapshots.append(one.snapshot())
     for generation, now in ((1, 1.0), (2, 20.0), (3, 40.0)):
         send(one, Start("a", now, generation))
@@ -848,7 +848,7 @@ def snapshots_of_a_long_life() -> list[fsm.InstanceSnapshot]:
     send(three, RankFailed("inst", 41.0, 2, 2, failure=CORRUPT))
     send(three, Delete("inst", 42.0))
 
-    host = InstanceRetry("h", world_size=1, policy=RetryPolicy(max_retries=2))  # the host's failures, then a crash
+    host = InstanceRetry("h", world_size=1, policy=RetryPolicy(max_failures=2))  # the host's failures, then a crash
     for generation, failure in ((1, PORT_TAKEN), (2, CRASH)):
         send(host, Start("h", 10.0 * generation, generation))
         send(host, RankCreated("h", 10.0 * generation, generation, 0))
@@ -934,7 +934,7 @@ def test_a_non_retryable_failure_deletes_from_starting_and_from_ready_recording_
 @pytest.mark.parametrize("leaf", ["starting", "ready"])
 @pytest.mark.parametrize("how", ["failed", "stopped"])
 def test_the_last_allowed_failure_from_starting_or_ready_records_retries_exhausted(leaf, how):
-    i = started(world_size=2, policy=RetryPolicy(max_retries=1))
+    i = started(world_size=2, policy=RetryPolicy(max_failures=1))
     if leaf == "ready":
         make_ready(i, 1.0)
     if how == "failed":
@@ -992,7 +992,7 @@ PORT_TAKEN = fsm.Failure.host("[ring] Couldn't bind socket (error 98): address i
 
 
 def test_a_host_failure_ends_the_generation_waits_the_backoff_and_spends_no_retry():
-    i = started(world_size=2, policy=RetryPolicy(max_retries=1))
+    i = started(world_size=2, policy=RetryPolicy(max_failures=1))
     out = i.apply(RankFailed("inst", 1.0, 1, 1, failure=PORT_TAKEN))
     assert out.steps == (fsm.Step("rank_failed", "starting", "recovering"),)
     assert (i.attempts, i.uncharged, i.last_failure) == (0, 1, PORT_TAKEN)
@@ -1001,14 +1001,14 @@ def test_a_host_failure_ends_the_generation_waits_the_backoff_and_spends_no_retr
     with pytest.raises(fsm.IllegalTransition, match="backoff deadline"):
         i.apply(Start("inst", 3.0, 2))
     next_generation(i)
-    i.apply(RankFailed("inst", 5.0, 2, 0, failure=PORT_TAKEN))  # max_retries=1: a charged one would give up
+    i.apply(RankFailed("inst", 5.0, 2, 0, failure=PORT_TAKEN))  # max_failures=1: a charged one would give up
     fail_generation(i, 5.0, failures=())
     assert (i.leaf, i.attempts, i.uncharged, i.deadline) == ("backing_off", 0, 2, 9.0)  # the delay still grows
     assert not i.budget_spent
 
 
 def test_a_charged_failure_after_host_ones_counts_alone_and_the_delay_counts_both():
-    i = started(world_size=1, policy=RetryPolicy(max_retries=2))
+    i = started(world_size=1, policy=RetryPolicy(max_failures=2))
     for now in (1.0, 10.0):
         i.apply(RankFailed("inst", now, i.generation, 0, failure=PORT_TAKEN))
         fail_generation(i, now, failures=())
@@ -1040,19 +1040,19 @@ POISONED = fsm.Failure.poisoned("runner killed by SIGSEGV; a poison request: it 
 
 
 def test_a_poison_requests_second_death_is_uncharged_and_gives_back_the_first():
-    i = started(world_size=1, policy=RetryPolicy(max_retries=2))
+    i = started(world_size=1, policy=RetryPolicy(max_failures=2))
     i.apply(RankFailed("inst", 1.0, 1, 0, failure=CRASH))  # its first death: nobody knew yet
     fail_generation(i, 1.0, failures=())
     next_generation(i)
     assert (i.attempts, i.uncharged) == (1, 0)
-    i.apply(RankFailed("inst", 10.0, 2, 0, failure=POISONED))  # max_retries=2: a charged one would be the last
+    i.apply(RankFailed("inst", 10.0, 2, 0, failure=POISONED))  # max_failures=2: a charged one would be the last
     fail_generation(i, 10.0, failures=())
     assert (i.leaf, i.attempts, i.uncharged, i.last_failure) == ("backing_off", 0, 2, POISONED)
     assert not POISONED.charged and not i.budget_spent
 
 
 def test_a_poison_death_reported_after_its_consequence_gives_back_both_charges():
-    i = started(world_size=2, policy=RetryPolicy(max_retries=3))
+    i = started(world_size=2, policy=RetryPolicy(max_failures=3))
     i.apply(RankFailed("inst", 1.0, 1, 0, failure=CRASH))
     fail_generation(i, 1.0, failures=())
     next_generation(i)
@@ -1074,7 +1074,7 @@ def test_a_version_1_snapshot_is_read_as_charging_every_failure():
     fail_generation(i, 1.0, failures=())
     old = {k: v for k, v in _as_version_3(i.to_dict()).items() if k not in ("uncharged", "waking")} | {"version": 1}
     restored = InstanceRetry.from_dict(old)
-    assert restored.snapshot() == i.snapshot() and restored.to_dict()["version"] == 4
+    assert restored.snapshot() == i.snapshot() and restored.to_dict()["version"] == 5
     with pytest.raises(fsm.SnapshotError, match="uncharged"):
         InstanceRetry.from_dict({**i.to_dict(), "version": 1})
 
@@ -1088,10 +1088,41 @@ def test_a_version_2_snapshot_is_read_as_never_parked():
         InstanceRetry.from_dict({**_as_version_3(i.to_dict()), "version": 2})
 
 
+def _as_version_4(body: dict) -> dict:
+    """What version 4 wrote: the policy's ``max_failures`` was called ``max_retries``."""
+    policy = {("max_retries" if k == "max_failures" else k): v for k, v in body["policy"].items()}
+    return body | {"version": 4, "policy": policy}
+
+
 def _as_version_3(body: dict) -> dict:
     """What version 3 wrote: no per-rank fields, a policy with no strategy."""
-    old = {k: v for k, v in body.items() if k not in ("rank_generations", "failed_ranks", "rank_deadlines")}
-    return old | {"version": 3, "policy": {k: v for k, v in body["policy"].items() if k != "strategy"}}
+    old = {
+        k: v for k, v in _as_version_4(body).items() if k not in ("rank_generations", "failed_ranks", "rank_deadlines")
+    }
+    return old | {"version": 3, "policy": {k: v for k, v in old["policy"].items() if k != "strategy"}}
+
+
+def test_a_version_4_snapshot_reads_max_retries_as_max_failures_the_same_count():
+    i = started(world_size=1, policy=RetryPolicy(max_failures=3))
+    old = _as_version_4(i.to_dict())
+    assert old["policy"]["max_retries"] == 3 and "max_failures" not in old["policy"]
+    restored = InstanceRetry.from_dict(old)
+    assert restored.snapshot() == i.snapshot() and restored.policy.max_failures == 3
+    with pytest.raises(fsm.SnapshotError, match="one field"):
+        InstanceRetry.from_dict(old | {"policy": old["policy"] | {"max_failures": 3}})
+
+
+def test_max_retries_is_the_deprecated_name_of_max_failures_with_the_same_meaning():
+    with pytest.warns(DeprecationWarning, match="max_failures"):
+        policy = RetryPolicy(max_retries=2)
+    assert policy == RetryPolicy(max_failures=2)
+    with pytest.warns(DeprecationWarning, match="max_failures"):
+        assert policy.max_retries == 2
+    with pytest.warns(DeprecationWarning):  # old code's attrs.evolve(policy, max_retries=N) passes both
+        assert attrs.evolve(RetryPolicy(max_failures=5), max_retries=2) == policy
+    i = started(world_size=1, policy=policy)  # 2 failed generations: one retry, then it gives up
+    i.apply(RankFailed("inst", 1.0, 1, 0, failure=CRASH))
+    assert i.instance_state is fsm.InstanceState.RECOVERING
 
 
 def test_a_version_3_snapshot_is_read_as_one_for_all_with_every_rank_of_its_generation():
@@ -1157,7 +1188,7 @@ def test_a_consequence_whose_cause_is_the_hosts_gives_its_retry_back(stopping):
 
 
 def test_a_consequence_never_gives_up_by_itself_its_spent_budget_is_given_up_on_once_reaped():
-    policy = RetryPolicy(max_retries=1)
+    policy = RetryPolicy(max_failures=1)
     given_back = started(world_size=2, policy=policy)
     given_back.apply(RankFailed("inst", 1.0, 1, 0, failure=PEER_LOST))  # the last allowed failure, if charged
     assert given_back.leaf == "recovering"

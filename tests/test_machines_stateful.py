@@ -133,7 +133,7 @@ class InstanceMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.policy = it.RetryPolicy(backoff=fsm.Backoff(1.0, 2.0, 8.0), max_retries=4, reset_after=50.0)
+        self.policy = it.RetryPolicy(backoff=fsm.Backoff(1.0, 2.0, 8.0), max_failures=4, reset_after=50.0)
         self.m = it.InstanceRetry("i", world_size=2, policy=self.policy)
         self.now = 0.0
         self.streak_delays: list[float] = []
@@ -166,7 +166,7 @@ class InstanceMachine(RuleBasedStateMachine):
             if step.target == "starting":
                 assert before["deadline"] is None or self.m.clock >= before["deadline"], "started before deadline"
                 self.starts_in_streak += 1
-                assert self.starts_in_streak <= self.policy.max_retries + 1
+                assert self.starts_in_streak <= self.policy.max_failures + 1
         self.deleted = self.m.is_deleted
 
     @rule(dt=st.sampled_from([0.0, 0.5, 1.0, 3.0, 10.0, 60.0]))
@@ -224,12 +224,12 @@ class InstanceMachine(RuleBasedStateMachine):
 
     @invariant()
     def bounded(self):
-        assert 0 <= self.m.attempts <= self.policy.max_retries
+        assert 0 <= self.m.attempts <= self.policy.max_failures
         if self.m.leaf == "backing_off":
             assert self.m.deadline is not None and not self.m.live_ranks
         if self.m.is_deleted:
             assert self.m.deadline is None and self.m.delete_reason is not None
-        if self.m.attempts == self.policy.max_retries:
+        if self.m.attempts == self.policy.max_failures:
             assert self.m.delete_reason is fsm.DeleteReason.RETRIES_EXHAUSTED
 
     @invariant()
@@ -280,6 +280,20 @@ class OneForOneMachine(InstanceMachine):
             assert deadline is not None and self.now >= deadline and not alive, "restarted before its backoff"
             others[rank] = generation + 1
             assert self.m.rank_generations == others, "a restart touched another rank"
+
+    @rule(rank=st.integers(0, 1), gen_delta=st.sampled_from([-1, 0, 0]))
+    def rank_lost(self, rank, gen_delta):
+        """A supervisor restart lost this rank's process (`Cluster.recover`): charged nothing, due at once, and a
+        late report of its exit re-arms no backoff."""
+        before = (self.m.attempts, self.m.uncharged, dict(self.m.rank_deadlines))
+        taken = self.m.generation
+        self._send(it.RankLost("i", self.now, self._generation(rank, gen_delta), rank))
+        if self.m.rank_deadlines != before[2] and rank in self.m.rank_deadlines:
+            assert (self.m.attempts, self.m.uncharged) == before[:2], "a lost rank was charged"
+            assert self.m.rank_deadlines[rank] == self.m.clock and rank not in self.m.live_ranks
+            self._send(it.RankStopped("i", self.now + 1, self.m.rank_generations[rank], rank))
+            assert self.m.rank_deadlines.get(rank) == self.m.clock - 1 or self.m.leaf == "deleted"
+        assert self.m.generation == taken
 
     @invariant()
     def replicas_apart(self):

@@ -359,7 +359,7 @@ def test_backing_off_instance_started_once_deadline_passed(now, expected):
 
 def test_fresh_placement_after_deletion_starts_without_backoff():
     """Seed 003: the retry count resets when the instance is deleted; a fresh placement starts clean."""
-    policy = fsm.RetryPolicy(max_retries=3)
+    policy = fsm.RetryPolicy(max_failures=3)
     old = fsm.InstanceRetry("i", world_size=2, policy=policy)
     t = 0.0
     for gen in (1, 2, 3):
@@ -799,7 +799,7 @@ def test_the_daemon_and_the_checker_wake_for_the_reset_from_next_deadline_alone(
     from fsm.cluster import Cluster
 
     cluster = Cluster()
-    policy = fsm.RetryPolicy(backoff=fsm.Backoff(1.0, 2.0, 4.0), max_retries=3, reset_after=50.0)
+    policy = fsm.RetryPolicy(backoff=fsm.Backoff(1.0, 2.0, 4.0), max_failures=3, reset_after=50.0)
     cluster.place("i", MODEL, [Slot(0, "a", "i/0")], policy=policy)
     from fsm.world import World
 

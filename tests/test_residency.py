@@ -219,7 +219,7 @@ def test_delete_from_parking_or_parked(leaf):
 
 def spent(leaf: str, max_retries: int) -> InstanceRetry:
     """An instance in ``leaf`` whose policy was lowered since to ``max_retries`` (its budget spent)."""
-    i = InstanceRetry("inst", world_size=1, policy=RetryPolicy(max_retries=5))
+    i = InstanceRetry("inst", world_size=1, policy=RetryPolicy(max_failures=5))
     for _ in range(max_retries):
         generation(i, i.deadline or 0.0)
         i.apply(RankFailed("inst", i.clock, i.generation, 0, failure=CRASH))
@@ -233,7 +233,7 @@ def spent(leaf: str, max_retries: int) -> InstanceRetry:
         if leaf == "pending":
             i.apply(Unpark("inst", i.clock))
     assert i.leaf == leaf and i.attempts == max_retries
-    return InstanceRetry.from_snapshot(i.snapshot(), policy=RetryPolicy(max_retries=max_retries))
+    return InstanceRetry.from_snapshot(i.snapshot(), policy=RetryPolicy(max_failures=max_retries))
 
 
 @pytest.mark.parametrize("leaf", ["ready", "parked"])

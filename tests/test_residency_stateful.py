@@ -18,7 +18,7 @@ from fsm import runner as rn
 from fsm.cluster import Cluster
 from fsm.world import World, check_runners
 
-POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(1.0, 2.0, 8.0), max_retries=3, reset_after=40.0)
+POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(1.0, 2.0, 8.0), max_failures=3, reset_after=40.0)
 IDS = ("a", "b")
 RESTING = (fsm.InstanceState.READY, fsm.InstanceState.PARKED, fsm.InstanceState.DELETED)
 

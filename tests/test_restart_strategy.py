@@ -81,7 +81,7 @@ def test_an_unannounced_exit_of_a_replica_is_its_failure_and_arms_its_backoff_at
 
 
 def test_every_failed_replica_costs_a_retry_and_the_last_deletes_the_instance():
-    i = ready(policy=attrs.evolve(ALONE, max_retries=2))
+    i = ready(policy=attrs.evolve(ALONE, max_failures=2))
     i.apply(RankFailed("inst", 1.0, 1, 0, failure=CRASH))
     assert (i.instance_state, i.attempts) == (fsm.InstanceState.DEGRADED, 1)
     i.apply(RankFailed("inst", 1.0, 1, 2, failure=PEER))  # replicas have no peers: a cause of its own
@@ -212,7 +212,7 @@ def test_a_cluster_with_a_degraded_instance_round_trips_through_its_dict():
 
 # -- the model checker ----------------------------------------------------------------------------------------
 
-CHECKED = RetryPolicy(backoff=fsm.Backoff(1.0, 2.0, 4.0), max_retries=2, reset_after=10.0, strategy=ALONE.strategy)
+CHECKED = RetryPolicy(backoff=fsm.Backoff(1.0, 2.0, 4.0), max_failures=2, reset_after=10.0, strategy=ALONE.strategy)
 
 
 def test_the_checker_explores_one_for_one_replicas_exhaustively_and_finds_them_safe():
@@ -270,7 +270,7 @@ REPLICAS_ON_HOSTS = CheckConfig(
     node_failures=1,
     faults=(),
     deletes=False,
-    policy=RetryPolicy(max_retries=1, strategy=RestartStrategy.ONE_FOR_ONE),
+    policy=RetryPolicy(max_failures=1, strategy=RestartStrategy.ONE_FOR_ONE),
     horizon=30.0,
 )
 

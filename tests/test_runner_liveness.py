@@ -50,7 +50,7 @@ offline = true
 [retry]
 initial = 0.2
 cap = 1.0
-max_retries = 3
+max_failures = 3
 
 [timeouts]
 heartbeat = {HEARTBEAT}

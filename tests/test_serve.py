@@ -20,7 +20,7 @@ offline = true
 [retry]
 initial = 0.2
 cap = 1.0
-max_retries = 5
+max_failures = 5
 
 [[place]]
 model = "exod/tiny-qwen2"

@@ -27,7 +27,7 @@ from fsm.cluster import Cluster
 from fsm.world import World
 
 NAN, INF = math.nan, math.inf
-POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(1.0, 2.0, 8.0), max_retries=3, reset_after=40.0)
+POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(1.0, 2.0, 8.0), max_failures=3, reset_after=40.0)
 MODEL = "org/model"
 
 
@@ -132,7 +132,7 @@ BAD = [
     ("instance", "ready", {"instance_id": ""}, "instance_id"),
     ("instance", "ready", {"deadline": "5"}, "deadline"),
     ("instance", "ready", {"attempts": 1.0}, "attempts"),
-    ("instance", "ready", {"policy": {**converter.unstructure(POLICY), "max_retries": "3"}}, "max_retries"),
+    ("instance", "ready", {"policy": {**converter.unstructure(POLICY), "max_failures": "3"}}, "max_failures"),
     ("instance", "ready", {"in_flight": 0}, "in_flight"),
     ("instance", "ready", {"last_failure": DROP}, "last_failure"),
     # from_snapshot would run what a real machine does on the way in; reload would not: such states never rest
@@ -708,7 +708,7 @@ def test_mutated_runner_snapshots_restore_exactly_or_are_refused(world_size, spe
     data=st.data(),
 )
 def test_mutated_instance_snapshots_restore_exactly_or_are_refused(world_size, seed, specs, after, data):
-    policy = fsm.RetryPolicy(backoff=fsm.Backoff(1.0, 2.0, 8.0, jitter=bool(seed % 2)), max_retries=3, reset_after=5)
+    policy = fsm.RetryPolicy(backoff=fsm.Backoff(1.0, 2.0, 8.0, jitter=bool(seed % 2)), max_failures=3, reset_after=5)
     machine = it.InstanceRetry("i", world_size=world_size, policy=policy, seed=seed)
     seen = drive(machine, instance_event, specs)
     mutant = data.draw(mutated(data.draw(st.sampled_from(seen))))

@@ -40,7 +40,7 @@ def test_spec_has_every_part(name):
 def test_spec_defaults_come_from_the_code():
     instance = render_spec("instance")
     policy = fsm.RetryPolicy()
-    assert f"| `max_retries` | {policy.max_retries} |" in instance
+    assert f"| `max_failures` | {policy.max_failures} |" in instance
     assert f"| `backoff.cap` | {policy.backoff.cap:g} s |" in instance
     assert f"| `reset_after` | {policy.reset_after:g} s |" in instance
     download = render_spec("download")
@@ -53,7 +53,7 @@ def test_write_then_drift_detects_an_edit(tmp_path):
     written = write_specs(tmp_path)
     assert sorted(p.name for p in written) == sorted(f"{n}.md" for n in MACHINES)
     assert drifted(tmp_path) == []
-    (tmp_path / "instance.md").write_text(render_spec("instance").replace("| `max_retries` | 5 |", "| x |"))
+    (tmp_path / "instance.md").write_text(render_spec("instance").replace("| `max_failures` | 5 |", "| x |"))
     (tmp_path / "download.md").unlink()
     assert drifted(tmp_path) == ["instance", "download"]
 

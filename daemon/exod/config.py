@@ -7,6 +7,7 @@ import ipaddress
 import re
 import socket
 import tomllib
+import warnings
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any
@@ -249,8 +250,23 @@ class _Retry(BaseModel):
     initial: Wait = fsm.RetryPolicy().backoff.initial
     factor: float = Field(fsm.RetryPolicy().backoff.factor, ge=1, le=100)
     cap: Wait = fsm.RetryPolicy().backoff.cap
-    max_retries: Whole = fsm.RetryPolicy().max_retries
+    max_failures: Whole | None = None  # charged failed generations before giving up (default 5)
+    max_retries: Whole | None = None  # its old name, same meaning: accepted with a DeprecationWarning
     reset_after: Window = fsm.RetryPolicy().reset_after
+
+    def failures(self, where: str) -> int | None:
+        """``max_failures``, or the deprecated ``max_retries`` (warned); both at once is an error."""
+        if self.max_retries is None:
+            return fsm.RetryPolicy().max_failures if self.max_failures is None else self.max_failures
+        if self.max_failures is not None:
+            raise ConfigError(f"{where}: [retry] max_retries is the old name of max_failures: give only max_failures")
+        warnings.warn(
+            f"{where}: [retry] max_retries is deprecated: call it max_failures (same meaning: the failed "
+            "generations after which an instance is deleted)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.max_retries
 
 
 _Timeouts = create_model(  # one number of seconds per phase of `exod.host.supervisor.Timeouts`, at most a day
@@ -409,7 +425,7 @@ def load(path: Path | None = None, **overrides: Any) -> ServeConfig:
     try:
         policy = fsm.RetryPolicy(
             backoff=fsm.Backoff(initial=retry.initial, factor=retry.factor, cap=retry.cap),
-            max_retries=retry.max_retries,
+            max_failures=retry.failures(where),
             reset_after=retry.reset_after,
         )
         placements = tuple(_placement(p) for p in file.place)

@@ -74,7 +74,7 @@ INVARIANTS: dict[str, tuple[tuple[int, str], ...]] = {
             "Every backoff delay lies in `[min(initial, cap), cap]` (in `[0, cap]` with full jitter); within "
             "one failure streak the delays never decrease.",
         ),
-        (4, "Runner creations per failure streak ≤ `max_retries + 1` generations."),
+        (4, "Runner creations per failure streak ≤ `max_failures + 1` generations."),
         (5, "No start before its deadline: `start` from Backing off is refused until `now ≥ deadline`."),
         (
             6,
@@ -197,6 +197,13 @@ def _schedule(backoff: fsm.Backoff, attempts: int) -> str:
     return f"Delays before retries 1–{attempts} (`min(cap, initial · factor^(n−1))`, un-jittered): {delays}."
 
 
+def _retry_schedule(backoff: fsm.Backoff, max_failures: int | None) -> str:
+    """An instance's: failure n (n < max_failures) is retried after delay n; failure max_failures gives up."""
+    retries = 5 if max_failures is None else max_failures - 1
+    gives_up = "" if max_failures is None else f"; failure {max_failures} gives up (Deleted, `retries_exhausted`)"
+    return _schedule(backoff, retries).rstrip(".") + gives_up + "."
+
+
 def _defaults(name: str) -> str:
     if name == "instance":
         policy = fsm.RetryPolicy()
@@ -205,12 +212,12 @@ def _defaults(name: str) -> str:
             "| setting | default | meaning | from |",
             "| --- | --- | --- | --- |",
             *_backoff_rows(policy.backoff, "backoff.", where),
-            f"| `max_retries` | {policy.max_retries} | failed generations before Deleted(`retries_exhausted`) "
-            f"| {where} |",
+            f"| `max_failures` | {policy.max_failures} | charged failed generations (one_for_one: failed "
+            f"replicas) before Deleted(`retries_exhausted`): N allows N−1 retries; formerly `max_retries` | {where} |",
             f"| `reset_after` | {_num(policy.reset_after)} s | Ready this long continuously → the retry count "
             f"returns to 0 | {where} |",
         ]
-        return "\n".join(rows) + "\n\n" + _schedule(policy.backoff, policy.max_retries) + "\n"
+        return "\n".join(rows) + "\n\n" + _retry_schedule(policy.backoff, policy.max_failures) + "\n"
     if name == "download":
         backoff = fsm.DEFAULT_DOWNLOAD_BACKOFF
         where = "`fsm.DEFAULT_DOWNLOAD_BACKOFF`"

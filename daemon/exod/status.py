@@ -53,7 +53,8 @@ def status_of(cluster: Cluster, batching: Mapping[str, tuple[int, str]] | None =
                 "generation": m.generation,
                 "attempts": m.attempts,
                 "uncharged": m.uncharged,  # failures of the host (no fds, a port taken): they spend no retry
-                "max_retries": m.policy.max_retries,
+                "max_failures": m.policy.max_failures,
+                "max_retries": m.policy.max_failures,  # its old name, kept for clients that read it
                 "next_retry_at": m.deadline,
                 "delete_reason": None if m.delete_reason is None else m.delete_reason.value,
                 "last_failure": None if m.last_failure is None else m.last_failure.message,

@@ -30,7 +30,8 @@ class RetryOverrides(BaseModel):
     initial: float | None = Field(None, gt=0, le=3600)
     factor: float | None = Field(None, ge=1, le=100)
     cap: float | None = Field(None, gt=0, le=86400)
-    max_retries: int | None = Field(None, ge=1, le=1000)
+    max_failures: int | None = Field(None, ge=1, le=1000, description="charged failures before it gives up")
+    max_retries: int | None = Field(None, ge=1, le=1000, description="max_failures' old name, same meaning")
     reset_after: float | None = Field(None, gt=0, le=7 * 86400)
 
 
@@ -51,6 +52,8 @@ class PlaceRequest(BaseModel):
 def _policy(base: fsm.RetryPolicy, overrides: RetryOverrides | None) -> fsm.RetryPolicy | None:
     if overrides is None:
         return None
+    if overrides.max_failures is not None and overrides.max_retries is not None:
+        raise ApiError(400, "retry: max_retries is the old name of max_failures: give only max_failures", param="retry")
     b = base.backoff
     o = overrides
     return fsm.RetryPolicy(
@@ -60,7 +63,7 @@ def _policy(base: fsm.RetryPolicy, overrides: RetryOverrides | None) -> fsm.Retr
             cap=b.cap if o.cap is None else o.cap,
             jitter=b.jitter,
         ),
-        max_retries=base.max_retries if o.max_retries is None else o.max_retries,
+        max_failures=next((n for n in (o.max_failures, o.max_retries) if n is not None), base.max_failures),
         reset_after=base.reset_after if o.reset_after is None else o.reset_after,
     )
 

@@ -118,7 +118,7 @@ class Watcher:
                             p.machine.attempts,
                             p.machine.uncharged,
                             p.machine.is_deleted,
-                            fsm.budget_exhausted(p.machine.attempts, p.machine.policy.max_retries),
+                            fsm.budget_exhausted(p.machine.attempts, p.machine.policy.max_failures),
                         )
                         for iid, p in cluster.instances.items()
                     )

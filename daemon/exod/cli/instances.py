@@ -116,7 +116,7 @@ def status(url, state_dir, as_json: bool) -> None:
         state = inst["state"] + (f" ({inst['delete_reason']})" if inst["delete_reason"] else "")
         click.echo(
             f"{inst['instance_id']}  {inst['model_id']}  ranks={inst['ranks']}  {state}  gen={inst['generation']}"
-            f"  attempts={inst['attempts']}/{inst['max_retries']}"
+            f"  attempts={inst['attempts']}/{inst['max_failures']}"
             + (f" (+{inst['uncharged']} the host's, uncharged)" if inst.get("uncharged") else "")
             + f"  next retry: {retry}"
         )
@@ -182,7 +182,8 @@ def _offline_status(state_dir: Path) -> dict:
         snapshot = store.load()
         if not snapshot:
             return {"instances": []}
-        cluster = Cluster.from_dict(snapshot)
+        unwatched = fsm.PhaseLimits() if "limits" not in snapshot else None  # an old snapshot, only shown here
+        cluster = Cluster.from_dict(snapshot, limits=unwatched)
         cluster.recover(time.time())  # no daemon, no runner: what was Ready is not, and resumes at the next start
         return status_of(cluster)
     except StoreError as exc:

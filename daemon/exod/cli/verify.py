@@ -146,7 +146,7 @@ def check(
             faults=chosen,
             horizon=horizon,
             ranks=ranks,
-            policy=fsm.RetryPolicy(max_retries=max_retries, strategy=fsm.RestartStrategy(strategy)),
+            policy=fsm.RetryPolicy(max_failures=max_retries, strategy=fsm.RestartStrategy(strategy)),
             depth=depth,
             max_states=max_states,
             deletes=not no_deletes,

@@ -50,7 +50,7 @@ from exod.cluster.etcd import Compare, Delete, Etcd, EtcdError, EtcdUnavailable,
 from exod.state.retention import Retention
 from exod.state.sqlite import PRUNE_TO, StoreError
 from exod.state.store import StateUnavailable
-from fsm import SnapshotError
+from fsm import PhaseLimits, SnapshotError
 from fsm.cluster import Cluster, LogEntry
 
 log = logging.getLogger("exod.etcd_state")
@@ -64,6 +64,9 @@ COMPACT_EVERY = 10_000  # revisions of history etcd keeps before we compact it
 _SEQ_DIGITS = 20  # log keys sort by key as by sequence number
 SNAPSHOT, META, LOG = b"state/snapshot", b"state/meta", b"log/"  # under the cluster's prefix
 LOG_END = b"log0"  # b"/" + 1: the first key after every log key
+# A snapshot written before the watchdogs were saved, read only to be checked or shown: the controller
+# restores it with its configured limits (`fsm.Cluster.from_dict` refuses it without).
+_UNWATCHED = PhaseLimits()
 
 
 @attrs.frozen
@@ -90,7 +93,8 @@ def parse_snapshot(value: bytes) -> dict[str, Any]:
 def restorable(value: bytes) -> str | None:
     """Why no controller can restore the snapshot ``value`` (the machines refuse it too), or None if one can."""
     try:
-        Cluster.from_dict(parse_snapshot(value))
+        snapshot = parse_snapshot(value)
+        Cluster.from_dict(snapshot, limits=_UNWATCHED if "limits" not in snapshot else None)  # the controller's own
     except (ValueError, RecursionError) as exc:  # SnapshotError is a ValueError
         return str(exc)
     return None
@@ -521,7 +525,9 @@ async def stored_cluster(etcd: Etcd, prefix: bytes) -> Cluster:
     state = EtcdState(etcd, prefix, None)
     try:
         snapshot = await state.load()
-        return Cluster() if snapshot is None else Cluster.from_dict(snapshot)
+        if snapshot is None:
+            return Cluster()
+        return Cluster.from_dict(snapshot, limits=_UNWATCHED if "limits" not in snapshot else None)  # to show
     except StateUnavailable as exc:
         raise EtcdUnavailable(str(exc)) from exc
     except StoreError as exc:  # not JSON, not an object

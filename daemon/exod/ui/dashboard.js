@@ -241,7 +241,7 @@ function instanceCard(inst) {
   }
   const facts = el("dl", { class: "facts" },
     ...fact("generation", String(inst.generation), "generation"),
-    ...fact("failed generations", `${inst.attempts} of ${inst.max_retries}${inst.uncharged ? ` (+${inst.uncharged} not charged)` : ""}`, "attempts"),
+    ...fact("failed generations", `${inst.attempts} of ${inst.max_failures}${inst.uncharged ? ` (+${inst.uncharged} not charged)` : ""}`, "attempts"),
   );
   if (inst.state !== "deleted" && inst.residency) facts.append(...fact("in memory", residency(inst), "residency"));
   if (inst.next_retry_at !== null) facts.append(...fact("next retry", countdown(inst.next_retry_at), "countdown"));
@@ -281,7 +281,7 @@ function whyDeleted(inst) {
     case "requested":
       return "Deleted: a user asked for it.";
     case "retries_exhausted":
-      return `Deleted: it gave up after ${inst.attempts} failed generations (the budget is ${inst.max_retries}). Last cause: ${inst.last_failure ?? "unknown"}.`;
+      return `Deleted: it gave up after ${inst.attempts} failed generations (the budget is ${inst.max_failures}). Last cause: ${inst.last_failure ?? "unknown"}.`;
     case "non_retryable":
       return `Deleted: a failure that no retry can fix: ${inst.last_failure ?? "unknown"}.`;
     default:
