@@ -35,13 +35,23 @@ lint: $(STAMP)
 specs: $(STAMP)
 	$(BIN)/exod specs --dir specs
 
-## docs: fsm's documentation site (tutorial, rules, the machines drawn from the code, the API reference) in build/docs
-docs: $(STAMP)
-	$(BIN)/python -m sphinx -W --keep-going -q -b html docs build/docs
+## docs: fsm's documentation site (tutorial, rules, the machines drawn from the code, the API reference) in build/docs,
+##       its snippets run; built in a venv of its own with only the `docs` extra (Sphinx and fsm's three, no MLX)
+DOCS_VENV  := build/venv-docs
+DOCS_STAMP := $(DOCS_VENV)/.installed
+$(DOCS_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/pip install --quiet --upgrade pip
+	$(DOCS_VENV)/bin/pip install --quiet -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(DOCS_VENV)/bin/python -m sphinx -W --keep-going -q -b html docs build/docs
+	$(DOCS_VENV)/bin/python -m sphinx -W --keep-going -q -b doctest -d build/docs/.doctrees docs build/docs-doctest
 	@echo "open build/docs/index.html"
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build/docs docs/_generated
+	rm -rf $(VENV) $(DOCS_VENV) .pytest_cache .ruff_cache .hypothesis build/docs build/docs-doctest docs/_generated
 
 ## chaos: a seeded fault campaign against a real cluster on this machine (exod chaos): a fresh seed, or SEED=N to
 ##        reproduce one; CHAOS_S seconds of workload. Network and disk faults need root (CI has it); exits 1 on a violation

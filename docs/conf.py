@@ -2,7 +2,8 @@
 prevents, the machines drawn from the code, and the API reference from the docstrings.
 
 Sphinx, as python-statemachine and attrs use: autodoc reads the docstrings the library ships, so the reference
-cannot drift from the code, and the graphviz extension draws `fsm.diagram.dot` at build time.
+cannot drift from the code, and the graphviz extension draws `fsm.diagram.dot` at build time. Its doctest
+extension runs the site's snippets.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from fsm import diagram  # noqa: E402
 
 project = "fsm"
 release = fsm.__version__
-extensions = ["sphinx.ext.autodoc", "sphinx.ext.graphviz"]
+extensions = ["sphinx.ext.autodoc", "sphinx.ext.graphviz", "sphinx.ext.doctest"]
+# `sphinx -b doctest` runs every snippet on the site: the pages' ``.. doctest::`` blocks and any ``>>>`` example
+# in a docstring autodoc shows (tests/test_docs_site.py); longer programs are included from tested examples/.
+doctest_test_doctest_blocks = "default"
 exclude_patterns = ["_build", "*.png"]
 autodoc_member_order = "bysource"
 autodoc_typehints = "none"  # attrs' generated signatures say the types already

@@ -20,7 +20,7 @@ import fsm
 from fsm import instance
 from fsm.diagram import mermaid
 
-POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(initial=0.5, factor=3.0, cap=10.0, jitter=True), max_retries=3)
+POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(initial=0.5, factor=3.0, cap=10.0, jitter=True), max_failures=3)
 SEED = 42
 ID = "custom"
 
@@ -29,11 +29,11 @@ def main(argv: list[str]) -> None:
     machine = fsm.InstanceRetry(ID, world_size=1, policy=POLICY, seed=SEED)
     b = POLICY.backoff
     print(f"policy: initial {b.initial} s, factor {b.factor}, cap {b.cap} s, jitter {b.jitter}, ", end="")
-    print(f"max_retries {POLICY.max_retries}, seed {SEED}")
+    print(f"max_failures {POLICY.max_failures}, seed {SEED}")
     print("schedule of the policy (retry n: ceiling min(cap, initial·factor^(n−1)) → jittered delay):")
     for n in range(1, 6):
         print(f"  retry {n}: {b.ceiling(n):6.3f} s → {machine.retry_delay(n):6.3f} s")
-    print(f"\ndriven through crashes (budget {POLICY.max_retries} failed generations):")
+    print(f"\ndriven through crashes (budget {POLICY.max_failures} failed generations):")
     print(f"{'gen':>3}  {'started':>8}  {'failed':>7}  {'ceiling':>8}  {'delay':>7}  next")
     now = 0.0
     while not machine.is_deleted:

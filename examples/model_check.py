@@ -18,7 +18,7 @@ def forgetful_plan(view: fsm.ClusterView, node_id: str, now: float) -> list[fsm.
 
 
 def main() -> None:
-    policy = fsm.RetryPolicy(max_retries=3)
+    policy = fsm.RetryPolicy(max_failures=3)
     print("== fsm.plan ==")
     print(check(CheckConfig(policy=policy)).report())
     print("\n== a planner without one_for_all ==")

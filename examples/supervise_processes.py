@@ -5,7 +5,8 @@ Two ranks of ``python -m http.server`` make one instance. The supervisor is an
 `Driver.reconcile` after every report and at `Driver.next_wakeup`. It brings
 generation 1 up, SIGKILLs rank 1 — the driver stops rank 0 (one_for_all), backs
 off and starts generation 2, charging one retry — then deletes the instance and
-checks that the transition log replays through the machines.
+checks that the transition log replays through the machines. Times are
+``time.monotonic()``: a step of the wall clock moves no deadline.
 
 With ``--one-for-one`` the two servers are independent replicas
 (``RestartStrategy.ONE_FOR_ONE``): the killed one alone is restarted after its
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 import time
@@ -27,10 +29,14 @@ import fsm
 from fsm import runner as rn
 from fsm.conformance import replay
 
-POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(initial=0.2, factor=2.0, cap=2.0), max_retries=3)
+POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(initial=0.2, factor=2.0, cap=2.0), max_failures=3)
 STOP_GRACE_S = 2.0
+# Deadlines on time.monotonic(), which no wall clock step moves; nothing outlives this process (no snapshot), so
+# its own run is the clock's epoch (a supervisor that keeps snapshots names the boot: examples/supervise_workers.py).
+CLOCK = fsm.Clock.monotonic(epoch=f"supervise_processes pid {os.getpid()}")
 
 
+# tutorial: adapter
 class Processes:
     """The world: one ``http.server`` per rank. Reports go to the driver, and wake the loop."""
 
@@ -112,6 +118,7 @@ def action_key(action) -> tuple[str, int]:
     return action.runner_id, action.incarnation
 
 
+# tutorial: loop
 async def supervise(driver: fsm.Driver, world: Processes, until) -> None:
     """The loop: reconcile, schedule the handlers' work, wait for a report or the next wake-up."""
     tasks: set[asyncio.Task] = set()
@@ -122,11 +129,12 @@ async def supervise(driver: fsm.Driver, world: Processes, until) -> None:
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         wake = driver.next_wakeup()
-        timeout = None if wake is None else max(0.0, wake - time.time())
+        timeout = None if wake is None else max(0.0, wake - time.monotonic())
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(world.changed.wait(), timeout)
 
 
+# tutorial: main
 def generation(cluster: fsm.Cluster, world: Processes) -> str:
     machine = cluster.instance("web")
     pids = [world.procs[(f"web/{r}", machine.rank_generations[r])].pid for r in range(2)]
@@ -136,11 +144,11 @@ def generation(cluster: fsm.Cluster, world: Processes) -> str:
 
 
 async def main(strategy: fsm.RestartStrategy) -> None:
-    cluster = fsm.Cluster()
+    cluster = fsm.Cluster(clock=CLOCK)
     world = Processes()
-    driver = world.driver = fsm.Driver(cluster, world, time.time)
+    driver = world.driver = fsm.Driver(cluster, world, time.monotonic)
     slots = [fsm.Slot(rank, "local", f"web/{rank}") for rank in range(2)]
-    policy = fsm.RetryPolicy(backoff=POLICY.backoff, max_retries=POLICY.max_retries, strategy=strategy)
+    policy = fsm.RetryPolicy(backoff=POLICY.backoff, max_failures=POLICY.max_failures, strategy=strategy)
     cluster.place("web", "local/http.server", slots, policy=policy, local=True)  # nothing to download
     machine = cluster.instance("web")
 
@@ -154,7 +162,7 @@ async def main(strategy: fsm.RestartStrategy) -> None:
     print(f"killed rank 1 (pid {victim.pid})")
     await supervise(driver, world, ready(2))
     print(generation(cluster, world))
-    cluster.delete("web", time.time())
+    cluster.delete("web", time.monotonic())
     await supervise(driver, world, lambda: not cluster.has_live_runners("web"))
     print(f"deleted; every process reaped: {all(p.returncode is not None for p in world.procs.values())}")
     for entry in cluster.log:
