@@ -165,7 +165,7 @@ def _snapshot(state: Path) -> fsm.Cluster:
 def test_supervise_workers_reattaches_the_live_worker_and_restarts_the_missing_one_after_its_backoff(tmp_path):
     """Kill a worker, kill the supervisor while that replica backs off, restart it: the healthy worker keeps its
     pid (adopted, not restarted), the missing one is restarted only once its backoff is over, then a clean stop."""
-    state, backoff = tmp_path / "state", 3.0  # long enough to kill and restart a supervisor inside it
+    state, backoff = tmp_path / "state", 6.0  # long enough to kill and restart a supervisor inside it, under load too
     argv = [sys.executable, str(WORKERS), str(state), "--backoff", str(backoff)]
     supervisors: list[subprocess.Popen] = []
 
