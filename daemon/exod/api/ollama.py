@@ -286,7 +286,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
             if inst["residency"] not in _IN_MEMORY or inst["model_id"] in running:
                 continue
             card = controller.model_card(inst["model_id"])
-            expires = _forever() if inst["park_at"] is None else _at(inst["park_at"])
+            expires = _expires(inst["keep_alive"], inst["park_at"])
             running[inst["model_id"]] = _listed(inst["model_id"], card) | {
                 "expires_at": expires,
                 "size_vram": 0,
@@ -426,6 +426,16 @@ def _at(when: float) -> str:
     if not math.isfinite(when):
         return _forever()
     return datetime.fromtimestamp(min(max(when, 0.0), _LAST), UTC).isoformat().replace("+00:00", "Z")
+
+
+def _expires(keep_alive: float | None, park_at: float | None) -> str:
+    """``ps``'s ``expires_at`` as Ollama writes it: kept forever, `_forever`; not counting yet (on its way into
+    memory, or busy), now plus its keep-alive, as Ollama's ``ps`` says of a model still loading; else when."""
+    if keep_alive is None:
+        return _forever()
+    if park_at is None:
+        return _at(time.time() + keep_alive)
+    return _at(park_at)
 
 
 def _forever() -> str:
