@@ -1286,12 +1286,16 @@ def test_a_controller_paused_two_leases_has_its_runners_end_by_their_deadline_an
             paused_at, expired_after, elected, held_before = time.monotonic(), None, None, set()
             try:
                 while (now := time.monotonic() - paused_at) < 2 * TTL:
-                    if expired_after is None and holder(node_1_key) is None:
+                    # the controller key first, node-1's key after: a key that has expired never comes back (its
+                    # daemon is stopped), so node-1's key still there means it was there at the first read too
+                    # (read the other way round, an election between the two reads looked like an overlap)
+                    held, alive = holder(controller_key), holder(node_1_key) is not None
+                    if expired_after is None and not alive:
                         expired_after = now
-                    if expired_after is None:  # its lease alive: no one else may be the controller
-                        held_before.add(holder(controller_key))
-                    elif elected is None and (elected := holder(controller_key)) in (None, "node-1"):
-                        elected = None
+                    if alive:  # its lease alive at the controller key's read: no one else may be the controller
+                        held_before.add(held)
+                    elif elected is None and held not in (None, "node-1"):
+                        elected = held
                     time.sleep(0.1)
             finally:
                 paused.send_signal(signal.SIGCONT)

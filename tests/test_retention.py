@@ -252,7 +252,7 @@ RETENTION = Retention(max_log_rows=60, keep_runner_logs=2)
 # rank 1 of every generation (no `generation`) dies as it joins the ring that rank 0 joins with the hostfile:
 # the shortest real crash with a ring, about a second a generation (later phases wait for mlx_lm's import)
 CRASH = FaultSpec(Fault(FaultPhase.CONNECTING, FaultKind.SIGKILL), rank=1)
-POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(initial=0.01, factor=2.0, cap=0.05), max_retries=1000)
+POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(initial=0.01, factor=2.0, cap=0.05), max_failures=1000)
 TIMEOUTS = attrs.evolve(FAST_TIMEOUTS, connect=10.0, load_progress=10.0, warm_up=10.0, stop_grace=0.5, term_grace=0.5)
 GENERATIONS = 20
 RANKS = 2

@@ -17,7 +17,7 @@ from fsm.cluster import Cluster
 from fsm.owed import Owed, Report
 from fsm.world import World, applies, check_runners
 
-POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(1.0, 2.0, 8.0), max_retries=4, reset_after=40.0)
+POLICY = fsm.RetryPolicy(backoff=fsm.Backoff(1.0, 2.0, 8.0), max_failures=4, reset_after=40.0)
 MODEL = "org/model"
 
 
@@ -148,7 +148,7 @@ class System(RuleBasedStateMachine):
         elif machine.generation != self.generation_seen:
             self.creations_in_streak += machine.generation - self.generation_seen
         self.generation_seen = machine.generation
-        assert self.creations_in_streak <= POLICY.max_retries + 1
+        assert self.creations_in_streak <= POLICY.max_failures + 1
 
     @invariant()
     def owed_is_read_from_the_state(self):
@@ -172,7 +172,7 @@ class System(RuleBasedStateMachine):
     @invariant()
     def budget_bounded(self):
         machine = self.world.cluster.instance("i")
-        assert machine.attempts <= POLICY.max_retries
+        assert machine.attempts <= POLICY.max_failures
 
     def teardown(self) -> None:
         """9: replaying the same inputs gives the same states."""
