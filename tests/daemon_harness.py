@@ -146,6 +146,11 @@ def start_daemon(
     raise AssertionError("daemon did not start: " + (tmp_path / "serve.log").read_text())
 
 
+def placing(model: str, ranks: int = 1) -> str:
+    """The configuration of a daemon on a free port, offline, that places ``model`` on ``ranks``."""
+    return f'[daemon]\nport = 0\noffline = true\n\n[[place]]\nmodel = "{model}"\nranks = {ranks}\n'
+
+
 @contextlib.contextmanager
 def ready_daemon(tmp: Path, config: str, models: dict[str, int]) -> Iterator[tuple[str, Path]]:
     """`exod serve` with ``config`` and the tiny ``models`` (repo id → seed) in its own HF cache, once an

@@ -15,18 +15,10 @@ import subprocess
 import httpx
 import pytest
 
-from daemon_harness import ready_daemon, runner_pids, wait_instance
+from daemon_harness import placing, ready_daemon, runner_pids, wait_instance
 
 MODEL = "exod/tiny-qwen2"
-CONFIG = f"""
-[daemon]
-port = 0
-offline = true
-
-[[place]]
-model = "{MODEL}"
-ranks = 1
-"""
+CONFIG = placing(MODEL)
 ASK = [{"role": "user", "content": "Tell me about state machines."}]
 # Each dialect's request, and what its answer always holds; every one asks for a couple of tokens only.
 DIALECTS = {

@@ -19,19 +19,11 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 from test_batching_api import loopback_only
 
-from daemon_harness import ready_daemon, runner_pids
+from daemon_harness import placing, ready_daemon, runner_pids
 from exod.runner.tool_prompt import call_head
 
 MODEL = "exod/tiny-qwen2"
-CONFIG = f"""
-[daemon]
-port = 0
-offline = true
-
-[[place]]
-model = "{MODEL}"
-ranks = 1
-"""
+CONFIG = placing(MODEL)
 
 
 class Weather(BaseModel):

@@ -21,20 +21,12 @@ import openai
 import pytest
 import requests
 
-from daemon_harness import ready_daemon, runner_pids
+from daemon_harness import placing, ready_daemon, runner_pids
 from exod.host.models import resolve_model
 
 MODEL = "exod/tiny-qwen2"
 OTHER = "exod/tiny-slow"  # in the same cache, placed by the one test that needs two models served
-CONFIG = f"""
-[daemon]
-port = 0
-offline = true
-
-[[place]]
-model = "{MODEL}"
-ranks = 1
-"""
+CONFIG = placing(MODEL)
 
 
 @pytest.fixture(scope="module")
