@@ -184,6 +184,13 @@ def test_the_legacy_embeddings_give_the_embedding_of_one_prompt(llama):
     assert llama.embeddings(model=MODEL, prompt="").embedding == []  # Ollama's way to load the model
 
 
+def test_embed_dimensions_it_cannot_honour_are_refused_naming_the_one_it_can(llama):
+    with pytest.raises(ollama.ResponseError) as refused:
+        llama.embed(model=MODEL, input="Why is the sky blue?", dimensions=32)
+    assert refused.value.status_code == 400 and "the only value dimensions can take is 64" in refused.value.error
+    assert len(llama.embed(model=MODEL, input="Why is the sky blue?", dimensions=64).embeddings[0]) == 64
+
+
 def test_ps_says_a_model_kept_forever_expires_as_ollama_writes_it(llama):
     [kept] = [m for m in llama.ps().models if m.model == MODEL]  # placed by the configuration: kept forever
     assert kept.expires_at.year - datetime.now(UTC).year in (292, 293)  # now + Go's longest duration

@@ -27,7 +27,7 @@ from pydantic import BaseModel, Field, field_validator
 import fsm
 from exod import generated as g
 from exod.api.chat import LENIENT, MAX_MESSAGE_CHARS, MAX_MESSAGES, Text, stop_list
-from exod.api.embeddings import embed
+from exod.api.embeddings import embed, not_honoured
 from exod.api.errors import ApiError, responses
 from exod.api.generation import Generation, Held, Output, ToolCall
 from exod.api.instances import refused, unstored
@@ -326,7 +326,7 @@ def router(controller: Controller, metrics: Any, max_tokens_ceiling: int) -> API
         started = time.monotonic()
         vectors, tokens = await embed(controller, metrics, model_id, [{"prompt_text": t} for t in texts])
         if body.dimensions is not None and body.dimensions != len(vectors[0]):
-            raise ApiError(400, f"dimensions: this model's embeddings have {len(vectors[0])}", param="dimensions")
+            raise ApiError(400, not_honoured(body.dimensions, len(vectors[0])), param="dimensions")
         took = int((time.monotonic() - started) * 1e9)
         return {
             "model": body.model,
